@@ -1,0 +1,174 @@
+"""A Llama-style GQA transformer in Flax Linen, written to be read.
+
+Shape letters used in names (x_BLD is a [batch, length, d_model] array):
+  B batch   L length   D d_model   H query heads   G kv heads   K head dim
+  F mlp hidden   V vocab   A microbatches (train.py)
+
+Parameters carry *logical* axis names only ('embed', 'heads', 'mlp', ...). train.py maps them to mesh
+axes with the one table `logical_axis_rules` in base.yml; nothing here knows the mesh.
+
+The computation is exactly Llama's (rotate-half RoPE, RMSNorm with eps inside the rsqrt, SwiGLU, no
+biases) so the weights export to Hugging Face's LlamaForCausalLM and give the same logits.
+"""
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+REMAT_POLICIES = {
+    'full': None,  # recompute everything in the backward pass: least memory
+    'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projection outputs
+}
+
+
+def dims(cfg):
+    """Head width, derived once: explicit head_dim or d_model / num_heads."""
+    return cfg.head_dim or cfg.d_model // cfg.num_heads
+
+
+def param(module, name, shape, axes, std, dtype):
+    """A parameter initialised N(0, std) in `dtype`, annotated with its logical axes."""
+    init = nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+    return module.param(name, init, shape, dtype)
+
+
+def dot(eq, x, w, dtype):
+    """einsum in the compute dtype with float32 accumulation, result back in the compute dtype.
+
+    preferred_element_type=float32 matters beyond precision: on CPU a bf16 x bf16 -> bf16 dot is no
+    faster than float32, while bf16 inputs accumulating in float32 run ~1.8x faster (DESIGN.md).
+    """
+    return jnp.einsum(eq, x.astype(dtype), w.astype(dtype),
+                      preferred_element_type=jnp.float32).astype(dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any
+    weight_dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        scale_D = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+                             (x_BLD.shape[-1],), self.weight_dtype)
+        x = x_BLD.astype(jnp.float32)  # statistics in float32 whatever the compute dtype
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x.astype(self.dtype) * scale_D.astype(self.dtype))
+
+
+def rope(x_BLHK, positions_BL, theta):
+    """Rotary embedding in the rotate-half convention (Hugging Face Llama), computed in float32."""
+    K = x_BLHK.shape[-1]
+    inv_freq_k = 1.0 / theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K)
+    angles_BLk = positions_BL[..., None].astype(jnp.float32) * inv_freq_k
+    angles_BL1K = jnp.concatenate([angles_BLk, angles_BLk], axis=-1)[:, :, None, :]
+    x = x_BLHK.astype(jnp.float32)
+    rotated = jnp.concatenate([-x[..., K // 2:], x[..., :K // 2]], axis=-1)
+    return (x * jnp.cos(angles_BL1K) + rotated * jnp.sin(angles_BL1K)).astype(x_BLHK.dtype)
+
+
+class Attention(nn.Module):
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, causal):
+        cfg, dt, wdt = self.cfg, jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.weight_dtype)
+        D, H, G, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, dims(cfg)
+        std = D ** -0.5
+        w_DHK = param(self, 'wq', (D, H, K), ('embed', 'heads', 'head_dim'), std, wdt)
+        w_DGK_k = param(self, 'wk', (D, G, K), ('embed', 'kv_heads', 'head_dim'), std, wdt)
+        w_DGK_v = param(self, 'wv', (D, G, K), ('embed', 'kv_heads', 'head_dim'), std, wdt)
+        w_HKD = param(self, 'wo', (H, K, D), ('heads', 'head_dim', 'embed'), (H * K) ** -0.5, wdt)
+        q_BLHK = rope(dot('bld,dhk->blhk', x_BLD, w_DHK, dt), positions_BL, cfg.rope_theta)
+        k_BLGK = rope(dot('bld,dgk->blgk', x_BLD, w_DGK_k, dt), positions_BL, cfg.rope_theta)
+        v_BLGK = dot('bld,dgk->blgk', x_BLD, w_DGK_v, dt)
+        # Tokens attend only within their own packed document (segment); padding is segment 0.
+        mask_B1LL = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
+        # GQA: dot_product_attention shares each kv head across H/G query heads itself.
+        out_BLHK = jax.nn.dot_product_attention(
+            q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=causal, implementation=cfg.attention)
+        return dot('blhk,hkd->bld', out_BLHK, w_HKD, dt)
+
+
+class MLP(nn.Module):
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        cfg, dt, wdt = self.cfg, jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.weight_dtype)
+        D, F = cfg.d_model, cfg.mlp_dim
+        gate_DF = param(self, 'w_gate', (D, F), ('embed', 'mlp'), D ** -0.5, wdt)
+        up_DF = param(self, 'w_up', (D, F), ('embed', 'mlp'), D ** -0.5, wdt)
+        down_FD = param(self, 'w_down', (F, D), ('mlp', 'embed'), F ** -0.5, wdt)
+        h_BLF = nn.silu(dot('bld,df->blf', x_BLD, gate_DF, dt)) * dot('bld,df->blf', x_BLD, up_DF, dt)
+        return dot('blf,fd->bld', h_BLF, down_FD, dt)
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). Signature fits nn.scan (carry, _)."""
+    cfg: Any
+    causal: bool = True
+
+    @nn.compact
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+        cfg = self.cfg
+        norm = lambda name: RMSNorm(cfg.norm_eps, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype), name=name)
+        x_BLD = nn.with_logical_constraint(x_BLD, ('batch', 'length', None))
+        x_BLD = x_BLD + Attention(cfg, name='attn')(norm('attn_norm')(x_BLD), positions_BL, segment_ids_BL,
+                                                    self.causal)
+        x_BLD = x_BLD + MLP(cfg, name='mlp')(norm('mlp_norm')(x_BLD))
+        return nn.with_logical_constraint(x_BLD, ('batch', 'length', None)), None
+
+
+class Trunk(nn.Module):
+    """The stack of blocks, scanned (one compiled layer, stacked params) or unrolled."""
+    cfg: Any
+    causal: bool = True
+
+    @nn.compact
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+        cfg = self.cfg
+        block = Block
+        if cfg.remat != 'none':
+            block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
+                            in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
+                            metadata_params={nn.PARTITION_NAME: 'layers'})
+            x_BLD, _ = stack(cfg, self.causal, name='layers')(x_BLD, positions_BL, segment_ids_BL)
+        else:
+            for i in range(cfg.num_layers):
+                x_BLD, _ = block(cfg, self.causal, name=f'layers_{i}')(x_BLD, positions_BL, segment_ids_BL)
+        return x_BLD
+
+
+class Transformer(nn.Module):
+    """Token ids -> float32 logits over the vocabulary."""
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, tokens_BL, positions_BL, segment_ids_BL):
+        cfg, dt, wdt = self.cfg, jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.weight_dtype)
+        embed_VD = param(self, 'embed', (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), 1.0, wdt)
+        # Gather from a whole (all-gathered) table: a gather whose table is sharded over vocab and embed
+        # while its indices are sharded over batch makes XLA replicate everything anyway, less cleanly.
+        x_BLD = jnp.take(nn.with_logical_constraint(embed_VD, (None, None)), tokens_BL, axis=0).astype(dt)
+        x_BLD = nn.with_logical_constraint(x_BLD, ('batch', 'length', None))
+        x_BLD = Trunk(cfg, name='trunk')(x_BLD, positions_BL, segment_ids_BL)
+        x_BLD = RMSNorm(cfg.norm_eps, dt, wdt, name='final_norm')(x_BLD)
+        if cfg.tie_embeddings:
+            head_DV = embed_VD.T
+        else:
+            head_DV = param(self, 'lm_head', (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'),
+                            cfg.d_model ** -0.5, wdt)
+        # Logits in float32: the softmax over a large vocabulary is where bf16 loses most.
+        return jnp.einsum('bld,dv->blv', x_BLD, head_DV.astype(dt), preferred_element_type=jnp.float32)
+
+
+def flops_per_token(cfg):
+    """Training FLOPs per token (forward + backward = 3x forward), counted as MaxText does: every matmul
+    including the LM head, plus attention scores and values (halved: causal masks half the square)."""
+    D, F, H, G, K, L = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, dims(cfg), cfg.max_target_length
+    per_layer = 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K / 2
+    return 3 * (cfg.num_layers * per_layer + 2 * D * cfg.vocab_size)

@@ -1,0 +1,270 @@
+"""Core trainer: config strictness, mesh/sharding, the accumulate/clip/update step, the model's math."""
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import model as model_lib
+import train
+from conftest import ROOT
+
+BASE = os.path.join(ROOT, 'base.yml')
+TINY = ['d_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2', 'mlp_dim=128', 'max_target_length=32',
+        'vocab_size=128', 'dataset=synthetic', 'dtype=float32', 'log_every=1', 'eval_every=0', 'eval_batches=1',
+        'prefetch=0']
+
+
+def tiny(tmp_path, *overrides):
+    merged = dict(o.split('=', 1) for o in TINY + [f'output_dir={tmp_path}'] + list(overrides))  # later wins
+    return train.load_config(BASE, [f'{k}={v}' for k, v in merged.items()])
+
+
+def logged_losses(summary):
+    with open(os.path.join(summary['run_dir'], 'metrics.jsonl')) as f:
+        return [json.loads(line)['loss'] for line in f]
+
+
+# ---- the step's math ------------------------------------------------------------------------------
+@pytest.mark.parametrize('scan', ['true', 'false'])
+def test_mesh_invariance(tmp_path, scan):
+    """The same global batch on 1, 8 and 32 devices gives the same losses (float32, 1e-5 relative)."""
+    runs = {}
+    for mesh, pdb, n in [('1,1,1', 32, 1), ('2,2,2', 4, 8), ('4,4,2', 1, 32)]:
+        cfg = tiny(tmp_path, f'mesh={mesh}', f'per_device_batch={pdb}', 'steps=5', f'scan_layers={scan}',
+                   f'run_name=mesh{n}')
+        runs[mesh] = logged_losses(train.run(cfg, jax.devices()[:n]))
+    ref = np.array(runs['1,1,1'])
+    assert len(ref) == 5 and len(set(ref)) == 5  # five distinct steps, not one repeated
+    for mesh, losses in runs.items():
+        np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=mesh)
+
+
+def _state_and_step(cfg, n_devices=1):
+    mesh = train.make_mesh(cfg, jax.devices()[:n_devices])
+    model = model_lib.Transformer(cfg)
+    tx, schedule = train.make_optimizer(cfg)
+    state, _ = train.init_state(cfg, mesh, model, tx)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(train.axis_rules(cfg)):
+        step = jax.jit(train.make_train_step(cfg, model, tx))
+    return mesh, state, step
+
+
+def _batch(cfg, rows, seed=0):
+    """Random tokens with ragged loss masks, so token weighting matters."""
+    rng = np.random.default_rng(seed)
+    L = cfg.max_target_length
+    mask = (np.arange(L)[None] < rng.integers(1, L + 1, (rows, 1))).astype(np.float32)
+    return {'inputs': rng.integers(0, cfg.vocab_size, (rows, L)).astype(np.int32),
+            'targets': rng.integers(0, cfg.vocab_size, (rows, L)).astype(np.int32),
+            'segment_ids': np.ones((rows, L), np.int32), 'positions': np.tile(np.arange(L, dtype=np.int32), (rows, 1)),
+            'loss_mask': mask}
+
+
+def test_grad_accumulation_is_exact(tmp_path):
+    """grad_accum=4 x 2 rows == grad_accum=1 x 8 rows, with ragged masks (token-weighted, not mean of means)."""
+    b = _batch(tiny(tmp_path), 8)
+    results = []
+    for accum in (1, 4):
+        cfg = tiny(tmp_path, f'grad_accum={accum}')
+        mesh, state, step = _state_and_step(cfg)
+        with jax.set_mesh(mesh):
+            for _ in range(3):
+                state, out = step(state, {k: v.reshape(accum, -1, *v.shape[1:]) for k, v in b.items()})
+        results.append((state['params'], out))
+    (p1, o1), (p4, o4) = results
+    np.testing.assert_allclose(o1['loss'], o4['loss'], rtol=1e-5)
+    np.testing.assert_allclose(o1['grad_norm'], o4['grad_norm'], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p4)
+
+
+def test_clipping_clips(tmp_path):
+    """The gradient reaching AdamW has norm grad_clip; grad_norm reports the norm before clipping."""
+    for clip in (1e-3, 0.0):
+        cfg = tiny(tmp_path, f'grad_clip={clip}')
+        mesh, state, step = _state_and_step(cfg)
+        with jax.set_mesh(mesh):
+            state, out = step(state, {k: v[None] for k, v in _batch(cfg, 4).items()})
+        adam_state = state['opt_state'][1][0] if clip else state['opt_state'][0]
+        mu = adam_state.mu  # after one step mu = (1 - b1) * (gradient given to AdamW)
+        seen = float(train.optax.tree.norm(mu)) / (1 - cfg.adam_b1)
+        assert float(out['grad_norm']) > 0.1
+        if clip:
+            np.testing.assert_allclose(seen, clip, rtol=1e-4)
+        else:
+            np.testing.assert_allclose(seen, float(out['grad_norm']), rtol=1e-4)
+
+
+def test_learning_rate_schedule(tmp_path):
+    cfg = tiny(tmp_path, 'learning_rate=1e-3', 'warmup_steps=10', 'steps=110', 'min_lr_ratio=0.1')
+    _, schedule = train.make_optimizer(cfg)
+    assert float(schedule(0)) == 0.0
+    np.testing.assert_allclose(float(schedule(5)), 5e-4, rtol=1e-6)
+    np.testing.assert_allclose(float(schedule(10)), 1e-3, rtol=1e-6)
+    np.testing.assert_allclose(float(schedule(60)), 1e-4 + 0.5 * (1e-3 - 1e-4), rtol=1e-5)  # half-way down
+    np.testing.assert_allclose(float(schedule(110)), 1e-4, rtol=1e-5)
+
+
+# ---- the model ------------------------------------------------------------------------------------
+def _init(cfg, L=16, seed=0):
+    m = model_lib.Transformer(cfg)
+    m.apply = jax.jit(m.apply)  # eager op-by-op dispatch would dominate these tests' time
+    toks = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, L)), jnp.int32)
+    pos = jnp.tile(jnp.arange(L), (2, 1))
+    params = nn.unbox(m.init(jax.random.key(seed), toks, pos, jnp.ones_like(toks))['params'])
+    return m, params, toks, pos
+
+
+def test_causality(tmp_path):
+    cfg = tiny(tmp_path)
+    m, params, toks, pos = _init(cfg)
+    seg = jnp.ones_like(toks)
+    base = m.apply({'params': params}, toks, pos, seg)
+    for t in (0, 7, 15):
+        changed = m.apply({'params': params}, toks.at[:, t].set((toks[:, t] + 1) % cfg.vocab_size), pos, seg)
+        np.testing.assert_array_equal(changed[:, :t], base[:, :t])
+        assert not np.allclose(changed[:, t:], base[:, t:])
+
+
+def test_packed_segments_do_not_attend_across(tmp_path):
+    """Two documents packed in one row give the same logits as each alone (positions restart)."""
+    cfg = tiny(tmp_path)
+    m, params, toks, _ = _init(cfg)
+    seg = jnp.array([[1] * 10 + [2] * 6] * 2)
+    pos = jnp.array([list(range(10)) + list(range(6))] * 2)
+    packed = m.apply({'params': params}, toks, pos, seg)
+    alone = m.apply({'params': params}, toks[:, 10:], pos[:, 10:], seg[:, 10:])
+    np.testing.assert_allclose(packed[:, 10:], alone, rtol=1e-5, atol=1e-5)
+
+
+def _reference_mha(cfg, params, toks, pos):
+    """Plain multi-head attention Llama, written independently of model.py (numpy float64)."""
+    p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    toks, pos = np.asarray(toks), np.asarray(pos)
+    K = cfg.d_model // cfg.num_heads
+
+    def norm(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * w
+
+    def rot(x):
+        inv = 1.0 / cfg.rope_theta ** (np.arange(0, K, 2) / K)
+        ang = pos[..., None, None] * np.concatenate([inv, inv])
+        return x * np.cos(ang) + np.concatenate([-x[..., K // 2:], x[..., :K // 2]], -1) * np.sin(ang)
+
+    x = p['embed'][toks]
+    L = toks.shape[1]
+    for i in range(cfg.num_layers):
+        lp = p['trunk'][f'layers_{i}']
+        h = norm(x, lp['attn_norm']['scale'])
+        q, k, v = (np.einsum('bld,dhk->blhk', h, lp['attn'][w]) for w in ('wq', 'wk', 'wv'))
+        q, k = rot(q), rot(k)
+        s = np.einsum('bqhk,bshk->bhqs', q, k) / np.sqrt(K) + np.triu(np.full((L, L), -np.inf), 1)
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        x = x + np.einsum('bhqs,bshk,hkd->bqd', a, v, lp['attn']['wo'])
+        h = norm(x, lp['mlp_norm']['scale'])
+        g = h @ lp['mlp']['w_gate']
+        x = x + (g / (1 + np.exp(-g)) * (h @ lp['mlp']['w_up'])) @ lp['mlp']['w_down']
+    return norm(x, p['final_norm']['scale']) @ p['lm_head']
+
+
+def test_gqa_with_all_kv_heads_is_plain_mha(tmp_path):
+    cfg = tiny(tmp_path, 'num_kv_heads=4', 'scan_layers=false')
+    m, params, toks, pos = _init(cfg)
+    ours = m.apply({'params': params}, toks, pos, jnp.ones_like(toks))
+    np.testing.assert_allclose(ours, _reference_mha(cfg, params, toks, pos), rtol=2e-4, atol=2e-4)
+
+
+def test_gqa_shares_kv_heads(tmp_path):
+    """G=2 kv heads equals MHA whose 4 kv heads are the 2 repeated (head h uses kv head h // 2)."""
+    cfg = tiny(tmp_path, 'scan_layers=false')
+    m, params, toks, pos = _init(cfg)
+    ours = m.apply({'params': params}, toks, pos, jnp.ones_like(toks))
+    mha = jax.tree.map(lambda x: x, params)
+    for i in range(cfg.num_layers):
+        attn = mha['trunk'][f'layers_{i}']['attn']
+        for w in ('wk', 'wv'):
+            attn[w] = jnp.repeat(attn[w], 2, axis=1)
+    cfg4 = tiny(tmp_path, 'num_kv_heads=4', 'scan_layers=false')
+    np.testing.assert_allclose(ours, _reference_mha(cfg4, mha, toks, pos), rtol=2e-4, atol=2e-4)
+
+
+# ---- mesh and sharding ----------------------------------------------------------------------------
+def test_big_parameters_are_sharded_on_4_4_2(tmp_path):
+    cfg = tiny(tmp_path, 'mesh=4,4,2', 'd_model=128', 'mlp_dim=256', 'vocab_size=256')
+    mesh = train.make_mesh(cfg, jax.devices())
+    tx, _ = train.make_optimizer(cfg)
+    state, shardings = train.init_state(cfg, mesh, model_lib.Transformer(cfg), tx)
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        if x.size >= 4096:
+            assert not x.sharding.is_fully_replicated, jax.tree_util.keystr(path)
+            assert x.addressable_shards[0].data.size < x.size
+    table = train.sharding_table(state['params'], shardings['params'])
+    assert "['embed']" in table and 'fsdp' in table and 'tensor' in table
+
+
+def test_mesh_fill_and_mismatch(tmp_path):
+    cfg = tiny(tmp_path, 'mesh=2,-1,2')
+    assert dict(train.make_mesh(cfg, jax.devices()).shape) == {'data': 2, 'fsdp': 8, 'tensor': 2}
+    with pytest.raises(train.ConfigError, match='needs 32 devices but JAX sees 8'):
+        train.make_mesh(tiny(tmp_path, 'mesh=4,4,2'), jax.devices()[:8])
+
+
+# ---- the command line: user mistakes are one line, exit 2, no traceback ----------------------------
+@pytest.mark.parametrize('args,expect', [
+    (['stepz=5'], "unknown key 'stepz'; did you mean steps?"),
+    (['steps=many'], 'steps=many: expected an integer'),
+    (['steps=5', 'steps=6'], 'steps is given twice'),
+    (['mesh=3,1,1'], 'mesh=3,1,1 (data,fsdp,tensor) needs 3 devices but JAX sees 1'),
+    (['num_kv_heads=3'], 'num_heads=8 must be a multiple of num_kv_heads=3'),
+    (['remat=some'], "remat='some': choose one of"),
+    (['steps'], "argument 'steps' is not key=value"),
+])
+def test_cli_errors(args, expect):
+    r = subprocess.run([sys.executable, 'train.py', 'base.yml'] + args, cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, 'JAX_PLATFORMS': 'cpu'}, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert expect in r.stderr and 'Traceback' not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_duplicate_key_in_yaml(tmp_path):
+    path = tmp_path / 'dup.yml'
+    path.write_text(open(BASE).read() + '\nsteps: 7\n')
+    with pytest.raises(train.ConfigError, match="key 'steps' is set twice"):
+        train.load_config(str(path))
+
+
+def test_override_types(tmp_path):
+    cfg = tiny(tmp_path, 'mesh=4,4,2', 'learning_rate=1', 'scan_layers=false', 'logical_axis_rules=[[batch, data]]')
+    assert cfg.mesh == [4, 4, 2] and cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
+    assert cfg.scan_layers is False and cfg.logical_axis_rules == [['batch', 'data']]
+
+
+def test_run_writes_config_metrics_and_tensorboard(tmp_path):
+    s = train.run(tiny(tmp_path, 'steps=3', 'run_name=files'), jax.devices()[:1])
+    names = os.listdir(s['run_dir'])
+    assert 'config.yml' in names and any(n.startswith('events.out.tfevents') for n in names)
+    rows = [json.loads(line) for line in open(os.path.join(s['run_dir'], 'metrics.jsonl'))]
+    assert [r['step'] for r in rows] == [1, 2, 3]
+    for key in ('loss', 'learning_rate', 'grad_norm', 'tokens_per_sec', 'mfu'):
+        assert key in rows[-1]
+    assert train.load_config(os.path.join(s['run_dir'], 'config.yml')).steps == 3
+
+
+def test_nonfinite_loss_stops_naming_the_step(tmp_path):
+    with pytest.raises(FloatingPointError, match=r'at step \d+'):
+        train.run(tiny(tmp_path, 'steps=50', 'learning_rate=1e12', 'warmup_steps=0', 'grad_clip=0'),
+                  jax.devices()[:1])
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = open(os.path.join(ROOT, 'README.md')).read()
+    ci = open(os.path.join(ROOT, '.ci', 'run')).read()
+    test_cmd = [line.strip() for line in readme.splitlines() if 'pytest' in line][0]
+    assert test_cmd in ci

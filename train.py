@@ -1,0 +1,545 @@
+"""Train a GQA transformer with JAX: python train.py base.yml [key=value ...]
+
+Reads top to bottom in execution order: config, devices + mesh, sharding, model + optimizer, sharded
+init, the step, metrics, the loop. Every knob lives in base.yml; hardware variants are overrides.
+"""
+import difflib
+import json
+import math
+import os
+import resource
+import socket
+import struct
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import data
+import model as model_lib
+
+
+class ConfigError(Exception):
+    """A user mistake in the config or command line: printed as one line, no traceback."""
+
+
+# ==================================================================================================
+# Config: base.yml + key=value overrides, typed by the defaults, strict about names.
+# ==================================================================================================
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML silently keeps the last of two equal keys; a config that sets a key twice is a mistake."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f'{node.start_mark.name}: key {key!r} is set twice (line '
+                                  f'{key_node.start_mark.line + 1}); keep one')
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+class Config:
+    """The resolved keys as attributes (cfg.steps; nested sections: cfg.trm.T). Not a dict on purpose:
+    Flax freezes dict-valued module fields, and a plain object passes through untouched."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def __getitem__(self, key):
+        return self.__dict__[key]
+
+    def to_dict(self):
+        return {k: v.to_dict() if isinstance(v, Config) else v for k, v in self.__dict__.items()}
+
+
+def _flatten(d, prefix=''):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f'{prefix}{k}.'))
+        else:
+            out[f'{prefix}{k}'] = v
+    return out
+
+
+def _parse(key, text, default):
+    """Parse an override string into the type of the key's default."""
+    def fail(kind):
+        raise ConfigError(f'{key}={text}: expected {kind} (the default is {default!r})')
+    if isinstance(default, bool):
+        if text.lower() in ('true', '1', 'yes'):
+            return True
+        if text.lower() in ('false', '0', 'no'):
+            return False
+        fail('true or false')
+    if isinstance(default, int):
+        try:
+            return int(text)
+        except ValueError:
+            fail('an integer')
+    if isinstance(default, float):
+        try:
+            return float(text)
+        except ValueError:
+            fail('a number')
+    if isinstance(default, list):
+        if text.startswith('['):  # YAML for nested lists such as logical_axis_rules
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                fail('a YAML list')
+            return value if isinstance(value, list) else fail('a YAML list')
+        elem = type(default[0]) if default else str
+        return [_parse(key, t.strip(), elem(0) if elem in (int, float) else '') for t in text.split(',')]
+    return text
+
+
+def load_config(path, overrides=()):
+    """base.yml + ['key=value', ...] -> Config. Raises ConfigError naming the key on any mistake."""
+    try:
+        with open(path) as f:
+            raw = yaml.load(f, _UniqueKeyLoader)
+    except OSError as e:
+        raise ConfigError(f'cannot read config file {path}: {e.strerror}') from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f'{path} is not valid YAML: {str(e).splitlines()[0]}') from None
+    flat, given = _flatten(raw or {}), set()
+    for item in overrides:
+        key, eq, text = item.partition('=')
+        if not eq:
+            raise ConfigError(f'argument {item!r} is not key=value')
+        if key in given:
+            raise ConfigError(f'{key} is given twice on the command line; keep one')
+        if key not in flat:
+            close = difflib.get_close_matches(key, list(flat), n=1)
+            hint = f'; did you mean {close[0]}?' if close else f'; the keys are listed in {path}'
+            raise ConfigError(f'unknown key {key!r}{hint}')
+        given.add(key)
+        flat[key] = _parse(key, text, flat[key])
+    cfg = Config()
+    for key, value in flat.items():  # unflatten dotted keys into nested sections
+        node = cfg
+        *parents, leaf = key.split('.')
+        for p in parents:
+            node = node.__dict__.setdefault(p, Config())
+        setattr(node, leaf, value)
+    return cfg
+
+
+CHOICES = {'task': ('lm', 'sudoku'), 'mode': ('train', 'eval'), 'remat': ('none', 'full', 'save_dots'),
+           'dtype': ('float32', 'bfloat16', 'float16'), 'weight_dtype': ('float32', 'bfloat16'),
+           'attention': ('xla', 'cudnn'), 'dataset': ('stdlib', 'files', 'tfds', 'synthetic'),
+           'platform': ('', 'cpu', 'gpu', 'tpu')}
+
+
+def validate(cfg):
+    """Checks that need no devices; each message says what to change."""
+    for key, allowed in CHOICES.items():
+        if cfg[key] not in allowed:
+            raise ConfigError(f'{key}={cfg[key]!r}: choose one of {", ".join(repr(a) for a in allowed)}')
+    for key in ('steps', 'log_every', 'per_device_batch', 'grad_accum', 'num_layers', 'd_model',
+                'num_heads', 'num_kv_heads', 'mlp_dim', 'max_target_length', 'vocab_size'):
+        if cfg[key] <= 0:
+            raise ConfigError(f'{key}={cfg[key]}: must be positive')
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError(f'num_heads={cfg.num_heads} must be a multiple of num_kv_heads={cfg.num_kv_heads}')
+    if not cfg.head_dim and cfg.d_model % cfg.num_heads:
+        raise ConfigError(f'd_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}; '
+                          'change one, or set head_dim explicitly')
+    if model_lib.dims(cfg) % 2:
+        raise ConfigError(f'head dim {model_lib.dims(cfg)} must be even for RoPE; set head_dim')
+    if len(cfg.mesh) != len(cfg.mesh_axes):
+        raise ConfigError(f'mesh={cfg.mesh} has {len(cfg.mesh)} entries but mesh_axes={cfg.mesh_axes} '
+                          f'names {len(cfg.mesh_axes)}')
+    if cfg.mesh.count(-1) > 1 or any(m == 0 or m < -1 for m in cfg.mesh):
+        raise ConfigError(f'mesh={",".join(map(str, cfg.mesh))}: use positive sizes and at most one -1')
+
+
+# ==================================================================================================
+# Devices and mesh. Only this file builds the mesh.
+# ==================================================================================================
+def pick_devices(cfg):
+    """What JAX finds (TPU, then GPU, then CPU), or the platform asked for, with a loud fallback."""
+    if cfg.platform:
+        try:
+            return jax.devices(cfg.platform)
+        except RuntimeError:
+            found = jax.default_backend()
+            if cfg.platform_strict:
+                raise ConfigError(f'platform={cfg.platform}: no {cfg.platform} devices here (JAX found '
+                                  f'{found}); drop platform= or set platform_strict=false') from None
+            log(f'WARNING: platform={cfg.platform} asked for, but JAX sees no such device; '
+                f'falling back to {found}')
+    return jax.devices()
+
+
+def make_mesh(cfg, devices):
+    n, shape = len(devices), list(cfg.mesh)
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        shape[shape.index(-1)] = n // known if n % known == 0 else -1
+    if math.prod(shape) != n or -1 in shape:
+        axes = ','.join(cfg.mesh_axes)
+        raise ConfigError(f'mesh={",".join(map(str, cfg.mesh))} ({axes}) needs {abs(math.prod(shape))} devices '
+                          f'but JAX sees {n} {devices[0].platform} device(s); use e.g. mesh=1,{n},1 '
+                          f'or mesh=1,-1,1')
+    # Auto axes: the compiler propagates shardings from our annotations (Explicit is make_mesh's default now).
+    return jax.make_mesh(shape, cfg.mesh_axes, devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+# ==================================================================================================
+# Sharding: logical axis names -> mesh axes, through the one table in base.yml.
+# ==================================================================================================
+def axis_rules(cfg):
+    """logical_axis_rules as flax wants them: ((logical, mesh_axes_or_None), ...)."""
+    return tuple((name, tuple(ax) if isinstance(ax, list) else ax) for name, ax in cfg.logical_axis_rules)
+
+
+def mesh_spec(logical, shape, cfg, mesh):
+    """One array's PartitionSpec. A dimension keeps the longest prefix of its mesh axes that divides it
+    (and no mesh axis twice), so odd sizes stay replicated instead of failing."""
+    rules, used, out = dict(axis_rules(cfg)), set(), []
+    for name, size in zip(tuple(logical) + (None,) * (len(shape) - len(logical)), shape):
+        if name is not None and name not in rules:
+            raise ConfigError(f'logical axis {name!r} has no entry in logical_axis_rules; add [{name}, null]')
+        axes = rules.get(name) or ()
+        axes = (axes,) if isinstance(axes, str) else axes
+        axes = [a for a in axes if a not in used and mesh.shape[a] > 1]
+        while axes and size % math.prod(mesh.shape[a] for a in axes):
+            axes.pop()
+        used.update(axes)
+        out.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+    return P(*out)
+
+
+def shardings_for(abstract_boxed, cfg, mesh):
+    """NamedShardings for a tree whose parameters are flax LogicallyPartitioned boxes (others replicate)."""
+    logical = nn.get_partition_spec(abstract_boxed)
+    shapes = nn.unbox(abstract_boxed)
+    return jax.tree.map(lambda spec, x: NamedSharding(mesh, mesh_spec(spec, x.shape, cfg, mesh)),
+                        logical, shapes, is_leaf=lambda x: isinstance(x, P))
+
+
+def sharding_table(params, shardings):
+    rows = [f'{"parameter":52s} {"shape":>20s}  sharding']
+    for (path, x), (_, s) in zip(jax.tree_util.tree_leaves_with_path(params),
+                                 jax.tree_util.tree_leaves_with_path(shardings)):
+        rows.append(f'{jax.tree_util.keystr(path):52s} {str(x.shape):>20s}  {s.spec}')
+    return '\n'.join(rows)
+
+
+# ==================================================================================================
+# Model, optimizer, and the sharded initial state.
+# ==================================================================================================
+def make_optimizer(cfg):
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # no decay on norm scales
+    adamw = optax.adamw(schedule, cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, weight_decay=cfg.weight_decay,
+                        mask=decay_mask)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw
+    return tx, schedule
+
+
+def init_state(cfg, mesh, model, tx):
+    """Build the train state directly in its sharding: no full copy ever sits on one device."""
+    L = cfg.max_target_length
+
+    def init(rng):
+        tokens = jnp.zeros((1, L), jnp.int32)
+        params = model.init(rng, tokens, tokens, tokens + 1)['params']
+        return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params)}
+
+    rng = jax.random.key(cfg.seed)
+    shardings = shardings_for(jax.eval_shape(init, rng), cfg, mesh)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(cfg)):
+        state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(rng)
+    return state, shardings
+
+
+# ==================================================================================================
+# The step: scan over grad_accum microbatches, token-weighted, then clip + AdamW in one jit.
+# ==================================================================================================
+def loss_sums(model, params, mb):
+    """(summed cross-entropy over real target tokens, number of those tokens) for one microbatch."""
+    logits_BLV = model.apply({'params': params}, mb['inputs'], mb['positions'], mb['segment_ids'])
+    ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, mb['targets'])
+    return jnp.sum(ce_BL * mb['loss_mask']), jnp.sum(mb['loss_mask'])
+
+
+def make_train_step(cfg, model, tx):
+    def train_step(state, batch_ABL):
+        params = state['params']
+        grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(model, p, mb), has_aux=True)
+
+        def micro(carry, mb):
+            grads, loss, tokens = carry
+            (l, t), g = grad_fn(params, mb)
+            return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), loss + l, tokens + t), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (grads, loss, tokens), _ = jax.lax.scan(micro, (zeros, 0.0, 0.0), batch_ABL)
+        # Sum-then-divide by all real tokens of the step: grad_accum=4 x batch 2 == grad_accum=1 x batch 8.
+        denom = jnp.maximum(tokens, 1.0)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
+        updates, opt_state = tx.update(grads, state['opt_state'], params)
+        new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
+                     'opt_state': opt_state}
+        return new_state, {'loss': loss / denom, 'grad_norm': optax.tree.norm(grads), 'tokens': tokens}
+    return train_step
+
+
+def make_eval_step(model):
+    def eval_step(params, batch_BL):
+        return loss_sums(model, params, batch_BL)
+    return eval_step
+
+
+# ==================================================================================================
+# Metrics: FLOPs, the device peak, a JSONL file and TensorBoard events (no TensorFlow needed).
+# ==================================================================================================
+PEAK_BF16_FLOPS = {  # per JAX device (a v2/v3 device is one core = half a chip)
+    'TPU v2': 22.5e12, 'TPU v3': 61.5e12, 'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12,
+    'TPU v5p': 459e12, 'TPU v5': 459e12, 'TPU v6 lite': 918e12, 'TPU v6e': 918e12, 'TPU7x': 2307e12,
+    'A100': 312e12, 'H100': 989e12, 'H200': 989e12, 'H800': 989e12, 'B200': 2250e12,
+}
+
+
+def device_peak_flops(cfg, device):
+    """bf16 peak from the table; on CPU measured now with a matmul in the compute dtype (the machine is
+    shared and noisy, so MFU is only meaningful against a peak taken in the same process)."""
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if name in device.device_kind:
+            return flops, f'{device.device_kind} spec sheet'
+    n, dt = 2048, jnp.dtype(cfg.dtype)
+    a = jax.device_put(jnp.ones((n, n), dt), device)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    f(a, a).block_until_ready()
+    best = float('inf')
+    for _ in range(5):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best, f'measured {n}x{n} {dt.name} matmul on {device.device_kind}'
+
+
+def _crc32c(data_bytes, _table=[]):
+    if not _table:
+        for i in range(256):
+            c = i
+            for _ in range(8):
+                c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+            _table.append(c)
+    crc = 0xFFFFFFFF
+    for b in data_bytes:
+        crc = _table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+class TensorBoard:
+    """Writes scalar summaries in TensorBoard's event-file format by hand: a few protobuf fields inside
+    length + masked-CRC32C records. Saves a TensorFlow install for one feature."""
+
+    def __init__(self, logdir):
+        name = f'events.out.tfevents.{int(time.time())}.{socket.gethostname()}'
+        self.file = open(os.path.join(logdir, name), 'ab')
+        self._write(self._event(0, b'\x1a' + self._bytes(b'brain.Event:2')))
+
+    @staticmethod
+    def _varint(n):
+        out = b''
+        while True:
+            out += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+            n >>= 7
+            if not n:
+                return out
+
+    def _bytes(self, b):
+        return self._varint(len(b)) + b
+
+    def _event(self, step, body):  # Event{1: wall_time double, 2: step int64, ...body}
+        return b'\x09' + struct.pack('<d', time.time()) + b'\x10' + self._varint(step) + body
+
+    def _write(self, rec):
+        mask = lambda c: (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+        head = struct.pack('<Q', len(rec))
+        self.file.write(head + struct.pack('<I', mask(_crc32c(head))) + rec + struct.pack('<I', mask(_crc32c(rec))))
+        self.file.flush()
+
+    def scalars(self, step, values):
+        # Summary{1: Value{1: tag, 2: simple_value float}} inside Event field 5.
+        summary = b''.join(b'\x0a' + self._bytes(b'\x0a' + self._bytes(k.encode()) + b'\x15' +
+                                                 struct.pack('<f', v)) for k, v in values.items())
+        self._write(self._event(step, b'\x2a' + self._bytes(summary)))
+
+
+def log(msg):
+    if jax.process_index() == 0:
+        print(msg, flush=True)
+
+
+def host_rss_gb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # Linux reports KiB
+
+
+def device_peak_memory_gb(device):
+    stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+    return stats.get('peak_bytes_in_use', 0) / 2 ** 30 if stats else None
+
+
+# ==================================================================================================
+# The run: everything above, in order.
+# ==================================================================================================
+def global_batch(local, sharding, rows):
+    """Host-local numpy [..., rows_here, L] -> global jax arrays [..., rows, L]: each process passes only
+    its own share, so this is correct on multi-host pods."""
+    return {k: jax.make_array_from_process_local_data(sharding, v, v.shape[:-2] + (rows, v.shape[-1]))
+            for k, v in local.items()}
+
+
+def run(cfg, devices=None):
+    """Train (or evaluate) per cfg; returns the summary dict. `devices` lets tests use a subset."""
+    validate(cfg)
+    devices = devices or pick_devices(cfg)
+    mesh = make_mesh(cfg, devices)
+    n_dev, n_proc, proc = len(devices), jax.process_count(), jax.process_index()
+    run_dir = os.path.join(cfg.output_dir, cfg.run_name)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, 'config.yml'), 'w') as f:
+            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    except OSError as e:
+        raise ConfigError(f'output_dir={cfg.output_dir}: cannot write {run_dir} ({e.strerror}); '
+                          'choose a writable output_dir') from None
+
+    # ---- derived sizes, computed once and printed ----
+    micro_rows = cfg.per_device_batch * n_dev            # examples per microbatch, whole system
+    step_rows = micro_rows * cfg.grad_accum              # examples per optimizer update
+    local_rows = step_rows // n_proc                     # this process's share
+    L = cfg.max_target_length if cfg.task == 'lm' else 81
+    log(f'devices: {n_dev} x {devices[0].device_kind} ({devices[0].platform}), {n_proc} process(es); '
+        f'mesh {dict(mesh.shape)}')
+    log(f'batch: {cfg.per_device_batch}/device x {n_dev} devices x {cfg.grad_accum} accum = {step_rows} '
+        f'examples = {step_rows * L} tokens per step')
+
+    # ---- data ----
+    ds = data.make_dataset(cfg, proc, n_proc)
+    if ds.vocab_size != cfg.vocab_size and cfg.task == 'lm':
+        raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
+                          f'set vocab_size={ds.vocab_size}')
+
+    # ---- model, optimizer, sharded state ----
+    model = model_lib.Transformer(cfg)
+    tx, schedule = make_optimizer(cfg)
+    state, state_sh = init_state(cfg, mesh, model, tx)
+    n_params = sum(x.size for x in jax.tree.leaves(state['params']))
+    flops_tok = model_lib.flops_per_token(cfg)
+    log(f'model: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOPs per token (train)')
+    if cfg.print_sharding:
+        log(sharding_table(state['params'], state_sh['params']))
+
+    rules = axis_rules(cfg)
+    batch_spec = mesh_spec(('batch', 'length'), (micro_rows, L), cfg, mesh)
+    step_sh = NamedSharding(mesh, P(None, *batch_spec))   # [A, B, L]: microbatch axis unsharded
+    eval_sh = NamedSharding(mesh, batch_spec)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        train_step = jax.jit(make_train_step(cfg, model, tx), in_shardings=(state_sh, step_sh),
+                             out_shardings=(state_sh, None), donate_argnums=0)
+        eval_step = jax.jit(make_eval_step(model), in_shardings=(state_sh['params'], eval_sh))
+
+    peak, peak_src = device_peak_flops(cfg, devices[0])
+    # On CPU the simulated devices share one processor: the measured peak is for the whole machine.
+    peak_total = peak if devices[0].platform == 'cpu' else peak * n_dev
+    log(f'peak: {peak / 1e12:.3f} TFLOP/s per device ({peak_src})')
+    metrics_file = open(os.path.join(run_dir, 'metrics.jsonl'), 'a') if proc == 0 else None
+    tb = TensorBoard(run_dir) if proc == 0 else None
+
+    def evaluate(params):
+        batches = ds.eval_batches(micro_rows // n_proc, cfg.eval_batches)
+        sums = [eval_step(params, global_batch(b, eval_sh, micro_rows)) for b in batches]
+        loss = float(sum(s[0] for s in sums)) / max(float(sum(s[1] for s in sums)), 1.0)
+        return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
+
+    # ---- the loop ----
+    it = ds.train_iter(local_rows)
+    A = cfg.grad_accum
+    to_device = lambda b: global_batch({k: v.reshape(A, -1, *v.shape[1:]) for k, v in b.items()},
+                                       step_sh, micro_rows)
+    summary, window, t_compile = {}, [], None
+    t_last, tokens_since, wait_last = time.perf_counter(), 0.0, 0.0
+    step = int(state['step'])
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            state, out = train_step(state, to_device(next(it)))
+            step += 1
+            out = jax.device_get(out)  # waits for this step: losses are checked every step
+            if t_compile is None:
+                t_compile = time.perf_counter() - t0
+                log(f'first step (compile + run): {t_compile:.1f}s')
+                t_last, wait_last = time.perf_counter(), it.wait_seconds
+            else:
+                tokens_since += float(out['tokens'])
+            if not np.isfinite(out['loss']):
+                raise FloatingPointError(f'loss is {out["loss"]} at step {step}; stopping (lower '
+                                         'learning_rate, raise warmup_steps, or set grad_clip)')
+            window.append(float(out['loss']))
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                now = time.perf_counter()
+                dt = max(now - t_last, 1e-9)
+                tps = tokens_since / dt
+                m = {'step': step, 'loss': float(np.mean(window)), 'learning_rate': float(schedule(step - 1)),
+                     'grad_norm': float(out['grad_norm']), 'tokens_per_sec': tps,
+                     'tokens_per_sec_per_device': tps / n_dev,
+                     'tflops_per_device': tps * flops_tok / n_dev / 1e12, 'mfu': tps * flops_tok / peak_total,
+                     'data_wait_fraction': (it.wait_seconds - wait_last) / dt, 'host_rss_gb': host_rss_gb()}
+                mem = device_peak_memory_gb(devices[0])
+                if mem is not None:
+                    m['device_peak_memory_gb'] = mem
+                if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+                    m.update(evaluate(state['params']))
+                if tokens_since == 0:  # only the compile step was in this window: no rate to report
+                    for k in ('tokens_per_sec', 'tokens_per_sec_per_device', 'tflops_per_device', 'mfu'):
+                        m.pop(k)
+                log(' '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in m.items()))
+                if metrics_file:
+                    metrics_file.write(json.dumps(m) + '\n')
+                    metrics_file.flush()
+                    tb.scalars(step, {k: v for k, v in m.items() if k != 'step'})
+                summary.update(m)
+                window, t_last, tokens_since, wait_last = [], time.perf_counter(), 0.0, it.wait_seconds
+    it.close()
+    summary.update({'run_dir': run_dir, 'compile_seconds': t_compile})
+    log('done: ' + json.dumps({k: summary.get(k) for k in ('step', 'loss', 'eval_loss', 'tokens_per_sec',
+                                                           'mfu', 'compile_seconds', 'run_dir')}))
+    log(f'metrics: {run_dir}/metrics.jsonl (TensorBoard: tensorboard --logdir {run_dir})')
+    return summary
+
+
+def main(argv):
+    if len(argv) < 2 or argv[1] in ('-h', '--help'):
+        print(__doc__.strip().splitlines()[0])
+        return 0 if len(argv) >= 2 else 2
+    try:
+        run(load_config(argv[1], argv[2:]))
+    except (ConfigError, data.DataError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    except FloatingPointError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv))
