@@ -8,9 +8,11 @@ import json
 import math
 import os
 import resource
+import signal
 import socket
 import struct
 import sys
+import threading
 import time
 
 import flax.linen as nn
@@ -18,7 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import yaml
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import data
@@ -251,19 +255,25 @@ def make_optimizer(cfg):
     return tx, schedule
 
 
-def init_state(cfg, mesh, model, tx):
-    """Build the train state directly in its sharding: no full copy ever sits on one device."""
-    L = cfg.max_target_length
-
+def state_layout(cfg, mesh, model, tx):
+    """(init function, shardings, abstract state): the state's shapes and placement, nothing allocated."""
     def init(rng):
-        tokens = jnp.zeros((1, L), jnp.int32)
+        tokens = jnp.zeros((1, cfg.max_target_length), jnp.int32)
         params = model.init(rng, tokens, tokens, tokens + 1)['params']
         return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params)}
 
-    rng = jax.random.key(cfg.seed)
-    shardings = shardings_for(jax.eval_shape(init, rng), cfg, mesh)
+    boxed = jax.eval_shape(init, jax.random.key(cfg.seed))
+    shardings = shardings_for(boxed, cfg, mesh)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            nn.unbox(boxed), shardings)
+    return init, shardings, abstract
+
+
+def init_state(cfg, mesh, model, tx):
+    """Build the train state directly in its sharding: no full copy ever sits on one device."""
+    init, shardings, _ = state_layout(cfg, mesh, model, tx)
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(cfg)):
-        state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(rng)
+        state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(jax.random.key(cfg.seed))
     return state, shardings
 
 
@@ -295,6 +305,10 @@ def make_train_step(cfg, model, tx):
         updates, opt_state = tx.update(grads, state['opt_state'], params)
         new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
                      'opt_state': opt_state}
+        if cfg.skip_nonfinite_steps:  # a NaN/inf step leaves params and optimizer untouched
+            ok = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+            new_state.update(params=keep(new_state['params'], params), opt_state=keep(opt_state, state['opt_state']))
         return new_state, {'loss': loss / denom, 'grad_norm': optax.tree.norm(grads), 'tokens': tokens}
     return train_step
 
@@ -398,6 +412,87 @@ def device_peak_memory_gb(device):
 
 
 # ==================================================================================================
+# Checkpoints (orbax): async, sharded, atomic. A step directory appears only once complete, so a crash
+# or kill -9 mid-write leaves nothing that resume would pick up.
+# ==================================================================================================
+class Preempted(Exception):
+    """SIGTERM/SIGINT: the current step finished and a checkpoint was written."""
+
+
+DATA_STATE_BYTES = 1024  # room for one process's data-iterator state as JSON
+
+
+def checkpoint_manager(directory, cfg, read_only=False):
+    opts = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints or None, create=not read_only,
+                                        cleanup_tmp_directories=not read_only, read_only=read_only,
+                                        enable_async_checkpointing=True)
+    return ocp.CheckpointManager(os.path.abspath(directory), options=opts,
+                                 item_handlers={'train_state': ocp.PyTreeCheckpointHandler(),
+                                                'data_state': ocp.StandardCheckpointHandler()})
+
+
+def data_state_array(it_state, mesh):
+    """Every process's iterator state, as one global uint8 array with a row per device: each process
+    fills the rows of its own devices, so orbax saves all hosts' positions (JSON items are written by
+    process 0 only, which would lose the other hosts' places on a pod)."""
+    raw = json.dumps(it_state).encode()
+    assert len(raw) <= DATA_STATE_BYTES, 'data iterator state too large to checkpoint'
+    row = np.frombuffer(raw.ljust(DATA_STATE_BYTES), np.uint8)
+    sharding = NamedSharding(mesh, P(mesh.axis_names))
+    local = np.tile(row, (len(mesh.local_devices), 1))
+    return jax.make_array_from_process_local_data(sharding, local, (mesh.size, DATA_STATE_BYTES))
+
+
+def save_checkpoint(mngr, step, state, it, mesh):
+    mngr.save(step, args=ocp.args.Composite(
+        train_state=ocp.args.PyTreeSave(state),
+        data_state=ocp.args.StandardSave({'rows': data_state_array(it.state(), mesh)})))
+
+
+def _flat_shapes(tree):
+    """{('params', 'embed'): shape}: paths as plain strings, since orbax's metadata tree turns optax's
+    named tuples into dicts and lists."""
+    name = lambda k: str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))
+    return {tuple(map(name, path)): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _check_shapes(mngr, step, abstract, params_only):
+    """A checkpoint written by a different model config fails here with a message, not deep in orbax."""
+    saved = mngr.item_metadata(step)['train_state']
+    saved = _flat_shapes(saved['params'] if params_only else saved)
+    for path, want in sorted(_flat_shapes(abstract).items(), key=lambda kv: kv[0][0] != 'params'):
+        if saved.get(path) != want:
+            raise ConfigError(f'checkpoint {mngr.directory}/{step} has {"/".join(path)} of shape {saved.get(path)}, '
+                              f'but this config makes {want}: use the model keys of the run that wrote it, '
+                              'or a new run_name / resume=false')
+
+
+def restore_checkpoint(mngr, abstract, mesh, steps=None, params_only=False):
+    """Newest readable checkpoint -> (step, state or params, this process's data state). An unreadable
+    (truncated, corrupted) checkpoint is reported and skipped for the one before it."""
+    for step in sorted(steps or mngr.all_steps(), reverse=True):
+        target = abstract['params'] if params_only else abstract
+        _check_shapes(mngr, step, target, params_only)
+        restore = lambda item, **kw: ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), **kw)
+        try:
+            if params_only:  # another run's optimizer may differ: read the params subtree alone
+                got = mngr.restore(step, args=ocp.args.Composite(
+                    train_state=restore({'params': target}, partial_restore=True)))
+                return step, got['train_state']['params'], None
+            rows = jax.ShapeDtypeStruct((mesh.size, DATA_STATE_BYTES), np.uint8,
+                                        sharding=NamedSharding(mesh, P(mesh.axis_names)))
+            got = mngr.restore(step, args=ocp.args.Composite(
+                train_state=restore(abstract), data_state=ocp.args.StandardRestore({'rows': rows})))
+            mine = np.asarray(got['data_state']['rows'].addressable_shards[0].data)[0]
+            return step, got['train_state'], json.loads(mine.tobytes().decode().strip())
+        except Exception as e:  # orbax/tensorstore raise bare Exception for unreadable data
+            log(f'WARNING: checkpoint {mngr.directory}/{step} is unreadable ({str(e).splitlines()[0][:200]}); '
+                'trying the one before it')
+    return None
+
+
+# ==================================================================================================
 # The run: everything above, in order.
 # ==================================================================================================
 def global_batch(local, sharding, rows):
@@ -407,20 +502,50 @@ def global_batch(local, sharding, rows):
             for k, v in local.items()}
 
 
+def prepare_run_dir(cfg):
+    """output_dir/run_name with the resolved config in it. resume=false moves an earlier run's
+    checkpoints and metrics aside (renamed, never deleted) so the new run starts clean."""
+    run_dir = os.path.join(cfg.output_dir, cfg.run_name)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        if not cfg.resume and cfg.mode == 'train' and jax.process_index() == 0:
+            stamp = time.strftime('%Y%m%d-%H%M%S')
+            for name in ('checkpoints', 'metrics.jsonl'):
+                if os.path.exists(os.path.join(run_dir, name)):
+                    os.rename(os.path.join(run_dir, name), os.path.join(run_dir, f'{name}.replaced-{stamp}'))
+                    log(f'resume=false: moved the earlier {name} aside to {name}.replaced-{stamp}')
+        with open(os.path.join(run_dir, 'config.yml'), 'w') as f:
+            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    except OSError as e:
+        raise ConfigError(f'output_dir={cfg.output_dir}: cannot write {run_dir} ({e.strerror}); '
+                          'choose a writable output_dir') from None
+    return run_dir
+
+
+def load_params(path, abstract, mesh, cfg):
+    """load_params=PATH: a run directory, its checkpoints/ directory, or one step directory in it."""
+    path = path.rstrip('/')
+    if os.path.isdir(os.path.join(path, 'checkpoints')):
+        path = os.path.join(path, 'checkpoints')
+    steps = None
+    if os.path.basename(path).isdigit() and os.path.isdir(path):
+        path, steps = os.path.dirname(path), [int(os.path.basename(path))]
+    mngr = checkpoint_manager(path, cfg, read_only=True) if os.path.isdir(path) else None
+    found = mngr and restore_checkpoint(mngr, abstract, mesh, steps or mngr.all_steps(), params_only=True)
+    if not found:
+        raise ConfigError(f'load_params={path}: no readable checkpoint there; give a run directory or '
+                          'its checkpoints/STEP directory')
+    log(f'loaded parameters from {path}/{found[0]}')
+    return found[1]
+
+
 def run(cfg, devices=None):
     """Train (or evaluate) per cfg; returns the summary dict. `devices` lets tests use a subset."""
     validate(cfg)
     devices = devices or pick_devices(cfg)
     mesh = make_mesh(cfg, devices)
     n_dev, n_proc, proc = len(devices), jax.process_count(), jax.process_index()
-    run_dir = os.path.join(cfg.output_dir, cfg.run_name)
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, 'config.yml'), 'w') as f:
-            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-    except OSError as e:
-        raise ConfigError(f'output_dir={cfg.output_dir}: cannot write {run_dir} ({e.strerror}); '
-                          'choose a writable output_dir') from None
+    run_dir = prepare_run_dir(cfg)
 
     # ---- derived sizes, computed once and printed ----
     micro_rows = cfg.per_device_batch * n_dev            # examples per microbatch, whole system
@@ -438,17 +563,33 @@ def run(cfg, devices=None):
         raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
                           f'set vocab_size={ds.vocab_size}')
 
-    # ---- model, optimizer, sharded state ----
+    # ---- model, optimizer, and the state: restored, or initialised in place ----
     model = model_lib.Transformer(cfg)
     tx, schedule = make_optimizer(cfg)
-    state, state_sh = init_state(cfg, mesh, model, tx)
+    init, state_sh, abstract = state_layout(cfg, mesh, model, tx)
+    rules = axis_rules(cfg)
+    mngr = checkpoint_manager(os.path.join(run_dir, 'checkpoints'), cfg)
+    restored = restore_checkpoint(mngr, abstract, mesh) if cfg.resume and mngr.all_steps() else None
+    data_state = None
+    if restored:
+        start, state, data_state = restored
+        log(f'resuming from checkpoint {mngr.directory}/{start}')
+        if proc == 0 and os.path.exists(os.path.join(run_dir, 'metrics.jsonl')):  # drop rows past the resume point
+            with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+                rows = [r for r in f if json.loads(r)['step'] <= start]
+            with open(os.path.join(run_dir, 'metrics.jsonl'), 'w') as f:
+                f.writelines(rows)
+    else:
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=state_sh)(jax.random.key(cfg.seed))
+        if cfg.load_params:
+            state['params'] = load_params(cfg.load_params, abstract, mesh, cfg)
     n_params = sum(x.size for x in jax.tree.leaves(state['params']))
     flops_tok = model_lib.flops_per_token(cfg)
     log(f'model: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOPs per token (train)')
     if cfg.print_sharding:
         log(sharding_table(state['params'], state_sh['params']))
 
-    rules = axis_rules(cfg)
     batch_spec = mesh_spec(('batch', 'length'), (micro_rows, L), cfg, mesh)
     step_sh = NamedSharding(mesh, P(None, *batch_spec))   # [A, B, L]: microbatch axis unsharded
     eval_sh = NamedSharding(mesh, batch_spec)
@@ -457,6 +598,24 @@ def run(cfg, devices=None):
                              out_shardings=(state_sh, None), donate_argnums=0)
         eval_step = jax.jit(make_eval_step(model), in_shardings=(state_sh['params'], eval_sh))
 
+    def evaluate(params):
+        batches = ds.eval_batches(micro_rows // n_proc, cfg.eval_batches)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            sums = [eval_step(params, global_batch(b, eval_sh, micro_rows)) for b in batches]
+        loss = float(sum(s[0] for s in sums)) / max(float(sum(s[1] for s in sums)), 1.0)
+        return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
+
+    if cfg.mode == 'eval':
+        if not (restored or cfg.load_params):
+            raise ConfigError(f'mode=eval needs trained parameters: set load_params=RUN_DIR, or run_name= a run '
+                              f'with checkpoints (none in {run_dir}/checkpoints)')
+        result = {'step': int(state['step']), **evaluate(state['params'])}
+        if proc == 0:
+            with open(os.path.join(run_dir, 'eval.json'), 'w') as f:
+                json.dump(result, f)
+        log(json.dumps(result))
+        return result
+
     peak, peak_src = device_peak_flops(cfg, devices[0])
     # On CPU the simulated devices share one processor: the measured peak is for the whole machine.
     peak_total = peak if devices[0].platform == 'cpu' else peak * n_dev
@@ -464,65 +623,88 @@ def run(cfg, devices=None):
     metrics_file = open(os.path.join(run_dir, 'metrics.jsonl'), 'a') if proc == 0 else None
     tb = TensorBoard(run_dir) if proc == 0 else None
 
-    def evaluate(params):
-        batches = ds.eval_batches(micro_rows // n_proc, cfg.eval_batches)
-        sums = [eval_step(params, global_batch(b, eval_sh, micro_rows)) for b in batches]
-        loss = float(sum(s[0] for s in sums)) / max(float(sum(s[1] for s in sums)), 1.0)
-        return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
+    # ---- signals: SIGTERM (preemption, schedulers) and SIGINT finish the step, checkpoint, exit ----
+    caught = []
+    handlers = {sig: signal.signal(sig, lambda signum, _: caught.append(signal.Signals(signum).name))
+                for sig in (signal.SIGTERM, signal.SIGINT)
+                if threading.current_thread() is threading.main_thread() and not (n_proc > 1 and sig == signal.SIGTERM)}
 
     # ---- the loop ----
-    it = ds.train_iter(local_rows)
+    it = ds.train_iter(local_rows, state=data_state)
     A = cfg.grad_accum
     to_device = lambda b: global_batch({k: v.reshape(A, -1, *v.shape[1:]) for k, v in b.items()},
                                        step_sh, micro_rows)
-    summary, window, t_compile = {}, [], None
-    t_last, tokens_since, wait_last = time.perf_counter(), 0.0, 0.0
-    step = int(state['step'])
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        while step < cfg.steps:
-            t0 = time.perf_counter()
-            state, out = train_step(state, to_device(next(it)))
-            step += 1
-            out = jax.device_get(out)  # waits for this step: losses are checked every step
-            if t_compile is None:
-                t_compile = time.perf_counter() - t0
-                log(f'first step (compile + run): {t_compile:.1f}s')
-                t_last, wait_last = time.perf_counter(), it.wait_seconds
-            else:
-                tokens_since += float(out['tokens'])
-            if not np.isfinite(out['loss']):
-                raise FloatingPointError(f'loss is {out["loss"]} at step {step}; stopping (lower '
-                                         'learning_rate, raise warmup_steps, or set grad_clip)')
-            window.append(float(out['loss']))
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                now = time.perf_counter()
-                dt = max(now - t_last, 1e-9)
-                tps = tokens_since / dt
-                m = {'step': step, 'loss': float(np.mean(window)), 'learning_rate': float(schedule(step - 1)),
-                     'grad_norm': float(out['grad_norm']), 'tokens_per_sec': tps,
-                     'tokens_per_sec_per_device': tps / n_dev,
-                     'tflops_per_device': tps * flops_tok / n_dev / 1e12, 'mfu': tps * flops_tok / peak_total,
-                     'data_wait_fraction': (it.wait_seconds - wait_last) / dt, 'host_rss_gb': host_rss_gb()}
-                mem = device_peak_memory_gb(devices[0])
-                if mem is not None:
-                    m['device_peak_memory_gb'] = mem
-                if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                    m.update(evaluate(state['params']))
-                if tokens_since == 0:  # only the compile step was in this window: no rate to report
-                    for k in ('tokens_per_sec', 'tokens_per_sec_per_device', 'tflops_per_device', 'mfu'):
-                        m.pop(k)
-                log(' '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in m.items()))
-                if metrics_file:
-                    metrics_file.write(json.dumps(m) + '\n')
-                    metrics_file.flush()
-                    tb.scalars(step, {k: v for k, v in m.items() if k != 'step'})
-                summary.update(m)
-                window, t_last, tokens_since, wait_last = [], time.perf_counter(), 0.0, it.wait_seconds
-    it.close()
+    summary, window, t_compile, skipped = {}, [], None, 0
+    t_last, tokens_since, wait_last, timed_steps = time.perf_counter(), 0.0, 0.0, 0
+    step = saved = int(state['step'])
+    try:
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            while step < cfg.steps:
+                t0 = time.perf_counter()
+                state, out = train_step(state, to_device(next(it)))
+                step += 1
+                out = jax.device_get(out)  # waits for this step: losses are checked every step
+                if t_compile is None:
+                    t_compile = time.perf_counter() - t0
+                    log(f'first step (compile + run): {t_compile:.1f}s')
+                    t_last, wait_last = time.perf_counter(), it.wait_seconds
+                else:
+                    tokens_since += float(out['tokens'])
+                    timed_steps += 1
+                if not np.isfinite(out['loss']) or not np.isfinite(out['grad_norm']):
+                    skipped += 1
+                    if skipped > cfg.skip_nonfinite_steps:
+                        raise FloatingPointError(
+                            f'loss is {out["loss"]} at step {step}; stopping (checkpoints up to step {saved} are '
+                            'intact; lower learning_rate, raise warmup_steps, or set skip_nonfinite_steps)')
+                    log(f'WARNING: non-finite loss at step {step}: update skipped ({skipped} of '
+                        f'skip_nonfinite_steps={cfg.skip_nonfinite_steps})')
+                else:
+                    window.append(float(out['loss']))
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    now = time.perf_counter()
+                    dt = max(now - t_last, 1e-9)
+                    tps = tokens_since / dt
+                    m = {'step': step, 'loss': float(np.mean(window)) if window else float('nan'),
+                         'learning_rate': float(schedule(step - 1)), 'grad_norm': float(out['grad_norm']),
+                         'tokens_per_sec': tps, 'tokens_per_sec_per_device': tps / n_dev,
+                         'tflops_per_device': tps * flops_tok / n_dev / 1e12, 'mfu': tps * flops_tok / peak_total,
+                         'step_seconds': dt / max(timed_steps, 1),
+                         'data_wait_fraction': (it.wait_seconds - wait_last) / dt, 'host_rss_gb': host_rss_gb()}
+                    mem = device_peak_memory_gb(devices[0])
+                    if mem is not None:
+                        m['device_peak_memory_gb'] = mem
+                    if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+                        m.update(evaluate(state['params']))
+                    if tokens_since == 0:  # only the compile step was in this window: no rate to report
+                        for k in ('tokens_per_sec', 'tokens_per_sec_per_device', 'tflops_per_device', 'mfu',
+                                  'step_seconds'):
+                            m.pop(k)
+                    log(' '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in m.items()))
+                    if metrics_file:
+                        metrics_file.write(json.dumps(m) + '\n')
+                        metrics_file.flush()
+                        tb.scalars(step, {k: v for k, v in m.items() if k != 'step'})
+                    summary.update(m)
+                    window, t_last, tokens_since, wait_last, timed_steps = [], time.perf_counter(), 0.0, it.wait_seconds, 0
+                preempted = caught or (n_proc > 1 and multihost_utils.reached_preemption_sync_point(step))
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
+                    save_checkpoint(mngr, step, state, it, mesh)  # async: training goes on while it writes
+                    saved = step
+                if preempted:
+                    raise Preempted(f'{caught[0] if caught else "preemption notice"}: saved checkpoint at step '
+                                    f'{step} in {mngr.directory}; rerun the same command to resume')
+    finally:
+        mngr.wait_until_finished()  # a checkpoint in flight always lands, whatever stopped the loop
+        mngr.close()
+        it.close()
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
     summary.update({'run_dir': run_dir, 'compile_seconds': t_compile})
     log('done: ' + json.dumps({k: summary.get(k) for k in ('step', 'loss', 'eval_loss', 'tokens_per_sec',
                                                            'mfu', 'compile_seconds', 'run_dir')}))
-    log(f'metrics: {run_dir}/metrics.jsonl (TensorBoard: tensorboard --logdir {run_dir})')
+    log(f'checkpoints: {mngr.directory}; metrics: {run_dir}/metrics.jsonl '
+        f'(TensorBoard: tensorboard --logdir {run_dir})')
     return summary
 
 
@@ -538,6 +720,9 @@ def main(argv):
     except FloatingPointError as e:
         print(f'error: {e}', file=sys.stderr)
         return 3
+    except Preempted as e:
+        print(f'stopped: {e}', file=sys.stderr)
+        return 75  # EX_TEMPFAIL: schedulers can requeue on it
     return 0
 
 

@@ -1,0 +1,768 @@
+"""Data for the trainer: text (tfds + sentencepiece) and Sudoku puzzles, as resumable per-host iterators.
+
+    ds = make_dataset(cfg, process_index, process_count)
+    it = ds.train_iter(local_rows, state=None)   # next(it) -> batch dict; it.state() -> tiny JSON dict
+    ds.eval_batches(local_rows, n)               # the same n batches on every call
+
+Every batch is a dict of numpy arrays shaped [rows, L]:
+    inputs, targets  int32    targets[r, t] is what the model should predict after inputs[r, :t+1]
+    segment_ids      int32    0 = padding, 1, 2, ... = document number within the row
+    positions        int32    position inside the document piece, restarting at 0 for every segment
+    loss_mask        float32  1 where the target counts
+This module is numpy-only on purpose: train.py owns devices and turns these into global jax arrays.
+TensorFlow is optional: tfds builds and reads array_record files without it.
+"""
+
+import contextlib
+import csv
+import fcntl
+import hashlib
+import io
+import itertools
+import os
+import queue
+import random
+import sys
+import sysconfig
+import threading
+import time
+
+import numpy as np
+
+# Special ids of the tokenizers trained here. A tokenizer given by tokenizer_path keeps its own ids
+# (its eos is required; without a bos, eos also starts documents).
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+SUDOKU_LEN = 81
+SUDOKU_VOCAB = 11          # TRM tokens: pad 0, blank 1, digits 1..9 -> 2..10 (token = digit + 1)
+_TOKENIZER_SAMPLE_CHARS = 5_000_000   # BPE training on 5 MB takes ~1 s; more text barely changes merges
+_SENTENCE_CHARS = 4000     # sentencepiece caps sentence length, so long files are cut at line ends
+_SUDOKU_GEN_VERSION = 1    # bump when the generator changes, so cached puzzle sets are regenerated
+_STDLIB_SKIP = {'site-packages', 'dist-packages', 'test', 'tests', 'idle_test', '__pycache__'}
+
+
+class DataError(Exception):
+    """A mistake in the data settings; the message names the key or file and the fix."""
+
+
+# ---- shared plumbing: host shares, epoch order, prefetching iterator ---------------------------
+
+def _host_records(num_records, process_index, process_count, what):
+    """Record ids this host reads: i % process_count == process_index (disjoint, covers all)."""
+    ids = np.arange(process_index, num_records, process_count)
+    if len(ids) == 0:
+        raise DataError(f'{what} has {num_records} records, fewer than the {process_count} processes '
+                        'reading it: give it more data or run on fewer hosts')
+    return ids
+
+
+def _records(host_ids, seed, process_index, epoch=0, index=0, shuffle=True, loop=True):
+    """Yields (epoch, index, record_id) from position (epoch, index) on.
+
+    Each epoch is a fresh permutation seeded by (seed, epoch, process), so a position alone is
+    enough to resume exactly: no rng state needs saving.
+    """
+    while True:
+        order = host_ids
+        if shuffle:
+            order = np.random.default_rng([seed, epoch, process_index]).permutation(host_ids)
+        for i in range(index, len(order)):
+            yield epoch, i, int(order[i])
+        if not loop:
+            return
+        epoch, index = epoch + 1, 0
+
+
+def _zeros_batch(rows, length):
+    """An all-padding batch: unfilled slots stay segment 0 with loss_mask 0."""
+    batch = {k: np.zeros((rows, length), np.int32)
+             for k in ('inputs', 'targets', 'segment_ids', 'positions')}
+    batch['loss_mask'] = np.zeros((rows, length), np.float32)
+    return batch
+
+
+class BatchIterator:
+    """Iterates (batch, state_after_batch) pairs from `batches`, optionally on a background thread.
+
+    The thread runs up to `prefetch` batches ahead, so each queued batch carries the state *after*
+    it; state() reports the state of the last batch handed out, not the last one produced.
+    """
+
+    def __init__(self, batches, state, prefetch):
+        self._batches = batches
+        self._state = dict(state)
+        self._error = None
+        self.wait_seconds = 0.0
+        self._queue = queue.Queue(prefetch) if prefetch > 0 else None
+        self._stop = threading.Event()
+        if self._queue is not None:
+            self._thread = threading.Thread(target=self._fill, daemon=True, name='data-prefetch')
+            self._thread.start()
+
+    def _put(self, item):
+        while not self._stop.is_set():   # a timed put, so close() is noticed even when the queue is full
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _fill(self):
+        try:
+            for item in self._batches:
+                if not self._put(item):
+                    return
+            self._put((None, StopIteration()))
+        except BaseException as e:  # handed to the consumer, which re-raises it in next()
+            self._put((None, e))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._error is not None:
+            raise self._error
+        start = time.perf_counter()
+        if self._queue is None:
+            batch, state = next(self._batches)
+        else:
+            batch, state = self._queue.get()
+        self.wait_seconds += time.perf_counter() - start
+        if batch is None:
+            self._error = state
+            raise state
+        self._state = state
+        return batch
+
+    def state(self):
+        return dict(self._state)
+
+    def close(self):
+        self._stop.set()
+        if self._queue is not None:
+            self._thread.join(timeout=10)
+
+
+class _Data:
+    """What make_dataset returns. Subclasses define _start, _train_batches and eval_batches."""
+    vocab_size = None
+    tokenizer = None
+    length = None
+    _start = {}
+
+    def __init__(self, cfg, process_index, process_count):
+        self.cfg = cfg
+        self.process_index, self.process_count = process_index, process_count
+
+    def train_iter(self, local_rows, state=None):
+        state = {**self._start, **(state or {})}
+        return BatchIterator(self._train_batches(local_rows, dict(state)), state, self.cfg.prefetch)
+
+
+@contextlib.contextmanager
+def _locked(cache_dir):
+    """Serialises preparation between processes sharing cache_dir (e.g. two hosts on one machine)."""
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(os.path.join(cache_dir, '.lock'), 'w') as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ---- synthetic tokens --------------------------------------------------------------------------
+
+class SyntheticData(_Data):
+    """Uniform random tokens, a pure function of (seed, step): no files, no tokenizer."""
+    _start = {'step': 0}
+
+    def __init__(self, cfg, process_index, process_count):
+        super().__init__(cfg, process_index, process_count)
+        self.vocab_size, self.length = cfg.vocab_size, cfg.max_target_length
+
+    def _batch(self, local_rows, stream, step):
+        # Every host draws the whole global batch and keeps its slice, so the global batch does
+        # not depend on how many processes share it.
+        global_rows = local_rows * self.process_count
+        rng = np.random.default_rng([self.cfg.seed, stream, step])
+        tokens_GL = rng.integers(0, self.vocab_size, (global_rows, self.length + 1), dtype=np.int32)
+        rows = tokens_GL[self.process_index * local_rows:(self.process_index + 1) * local_rows]
+        batch = _zeros_batch(local_rows, self.length)
+        batch['inputs'][:], batch['targets'][:] = rows[:, :-1], rows[:, 1:]
+        batch['segment_ids'][:] = 1
+        batch['positions'][:] = np.arange(self.length)
+        batch['loss_mask'][:] = 1
+        return batch
+
+    def _train_batches(self, local_rows, state):
+        for step in itertools.count(state['step']):
+            yield self._batch(local_rows, 0, step), {'step': step + 1}
+
+    def eval_batches(self, local_rows, n):
+        return [self._batch(local_rows, 1, i) for i in range(n)]
+
+
+# ---- text: sources ----------------------------------------------------------------------------
+
+class _Texts:
+    """Random access to the text of each record of a tfds data source (or a list of examples)."""
+
+    def __init__(self, source, key):
+        self.source, self.key = source, key
+
+    def __len__(self):
+        return len(self.source)
+
+    def __getitem__(self, i):
+        record = self.source[i]
+        if self.key not in record:
+            raise DataError(f'text_key={self.key!r} is not a feature of the records '
+                            f'(they have {sorted(record)}): set text_key to the text feature')
+        text = record[self.key]
+        return text.decode('utf-8', 'replace') if isinstance(text, bytes) else str(text)
+
+
+def _glob(pattern, key):
+    import glob
+    files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+    if not files:
+        raise DataError(f'{key}={pattern!r} matches no files: set it to a glob of text files, '
+                        "e.g. 'corpus/**/*.txt' (quote it on the command line)")
+    return files
+
+
+def _stdlib_files():
+    """Python's own library source: ships with every Python, so the default run needs no network."""
+    root = sysconfig.get_paths()['stdlib']
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP)
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith('.py')]
+    if not files:
+        raise DataError(f'dataset=stdlib found no .py files under {root}: use dataset=files or synthetic')
+    return files
+
+
+def _split_files(cfg):
+    """(train_files, eval_files): eval_path if set, else ~3% of files picked by a hash of their path."""
+    key = 'dataset=stdlib' if cfg.dataset == 'stdlib' else f'dataset_path={cfg.dataset_path!r}'
+    files = _stdlib_files() if cfg.dataset == 'stdlib' else _glob(cfg.dataset_path, 'dataset_path')
+    if cfg.eval_path:
+        eval_files = _glob(cfg.eval_path, 'eval_path')
+        held_out = set(eval_files)
+        train_files = [f for f in files if f not in held_out]
+        if not train_files:
+            raise DataError(f'{key}: every file is also in eval_path={cfg.eval_path!r}; nothing left to train on')
+        return train_files, eval_files
+    if len(files) < 2:
+        raise DataError(f'{key} matches one file; need two or more (some are held out for eval) or set eval_path')
+    # Hash the path relative to the files' common root, so the split is the same on every machine.
+    root = os.path.commonpath(files)
+    digest = {f: hashlib.sha1(os.path.relpath(f, root).encode()).digest() for f in files}
+    eval_files = [f for f in files if digest[f][0] < 8] or [min(files, key=digest.get)]  # 8/256 ~ 3%
+    held_out = set(eval_files)
+    return [f for f in files if f not in held_out], eval_files
+
+
+def _fingerprint(train_files, eval_files):
+    """Names a prepared dataset by its file lists (and sizes, mtimes): another glob is another dataset."""
+    h = hashlib.sha1()
+    for split, files in (('train', train_files), ('eval', eval_files)):
+        for f in files:
+            st = os.stat(f)
+            h.update(f'{split}\t{os.path.abspath(f)}\t{st.st_size}\t{st.st_mtime_ns}\n'.encode())
+    return h.hexdigest()[:16]
+
+
+def _text_files_builder(name, train_files, eval_files, data_dir):
+    """A tfds GeneratorBasedBuilder over text files, one record (document) per file."""
+    import tensorflow_datasets as tfds
+
+    class FilesConfig(tfds.core.BuilderConfig):
+        def __init__(self, *, train_files, eval_files, **kwargs):
+            super().__init__(**kwargs)
+            self.train_files, self.eval_files = train_files, eval_files
+
+    # skip_registration: the class is made per call and must not clash in tfds' global registry.
+    class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+        VERSION = tfds.core.Version('1.0.0')
+
+        def _info(self):
+            return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+                {'text': tfds.features.Text()}))
+
+        def _split_generators(self, dl_manager):
+            return {'train': self._generate_examples(self.builder_config.train_files),
+                    'eval': self._generate_examples(self.builder_config.eval_files)}
+
+        def _generate_examples(self, files):
+            for path in files:
+                with open(path, encoding='utf-8', errors='replace') as f:
+                    yield path, {'text': f.read()}
+
+    config = FilesConfig(name=name, train_files=train_files, eval_files=eval_files)
+    return TextFiles(config=config, data_dir=data_dir, file_format='array_record')
+
+
+def _file_sources(cfg):
+    """(train texts, eval texts, identity) for dataset=files|stdlib, prepared once into cache_dir."""
+    import tensorflow_datasets as tfds
+    train_files, eval_files = _split_files(cfg)
+    name = 'files_' + _fingerprint(train_files, eval_files)
+    builder = _text_files_builder(name, train_files, eval_files, cfg.cache_dir)
+    with _locked(cfg.cache_dir):
+        if not builder.is_prepared():
+            tfds.disable_progress_bar()
+            builder.download_and_prepare(file_format='array_record', download_config=tfds.download.DownloadConfig(
+                compute_stats=tfds.download.ComputeStatsMode.SKIP))
+    source = builder.as_data_source()
+    return _Texts(source['train'], 'text'), _Texts(source['eval'], 'text'), name
+
+
+def _tfds_sources(cfg):
+    """(train texts, eval texts, identity) for a prepared tfds dataset, read by random access."""
+    import tensorflow_datasets as tfds
+    if not cfg.tfds_name:
+        raise DataError("dataset=tfds needs tfds_name=NAME (a dataset prepared with file_format='array_record')")
+    try:
+        builder = tfds.builder(cfg.tfds_name, data_dir=cfg.data_dir or None)
+    except tfds.core.registered.DatasetNotFoundError:
+        raise DataError(f'tfds_name={cfg.tfds_name!r}: no such tfds dataset (see `tfds.list_builders()`)') from None
+    splits = [cfg.train_split, cfg.eval_split]
+    try:
+        sources = [builder.as_data_source(split=s) for s in splits]
+    except NotImplementedError:  # stored as tfrecord only, or not prepared at all
+        if not builder.is_prepared():
+            raise DataError(f'tfds_name={cfg.tfds_name!r} is not prepared in {builder.data_dir} (there is no '
+                            f'network here): prepare it with `tfds build {cfg.tfds_name} --file_format=array_record '
+                            '--data_dir=DIR` and set data_dir=DIR') from None
+        try:
+            import tensorflow  # noqa: F401  (tfrecord files can only be read through tf.data)
+        except ImportError:
+            raise DataError(f'tfds_name={cfg.tfds_name!r} is stored as tfrecord, which needs TensorFlow: rebuild '
+                            "it with file_format='array_record' (`tfds build --file_format=array_record`) "
+                            'or pip install tensorflow') from None
+        # tf.data has no random access, so the splits are read once into memory.
+        sources = [list(tfds.as_numpy(builder.as_dataset(split=s))) for s in splits]
+    except (KeyError, ValueError) as e:
+        raise DataError(f'train_split={cfg.train_split!r} / eval_split={cfg.eval_split!r}: {e}') from None
+    identity = 'tfds_' + builder.info.full_name.replace('/', '_') + f'_{cfg.train_split}'
+    return _Texts(sources[0], cfg.text_key), _Texts(sources[1], cfg.text_key), identity
+
+
+# ---- text: tokenizer --------------------------------------------------------------------------
+
+def _train_tokenizer(texts, vocab_size, path):
+    """Byte-fallback BPE that keeps code layout: no whitespace normalisation, newlines inside pieces."""
+    import sentencepiece as spm
+
+    def sentences():  # up to ~5 MB of the training split in record order, cut at line ends
+        budget = _TOKENIZER_SAMPLE_CHARS
+        for i in range(len(texts)):
+            text = texts[i]
+            chunk = ''
+            for line in text.splitlines(keepends=True):
+                if chunk and len(chunk) + len(line) > _SENTENCE_CHARS:
+                    yield chunk
+                    chunk = ''
+                chunk += line
+            if chunk:
+                yield chunk
+            budget -= len(text)
+            if budget <= 0:
+                return
+
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences(), model_writer=model, vocab_size=vocab_size, model_type='bpe',
+            byte_fallback=True, character_coverage=0.9995,   # rare characters go to byte pieces
+            normalization_rule_name='identity', remove_extra_whitespaces=False, add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True, split_digits=False, max_sentence_length=4 * _SENTENCE_CHARS,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            num_threads=os.cpu_count() or 1, minloglevel=2)
+    except RuntimeError as e:  # e.g. too little text for this many pieces; spm says which size would fit
+        reason = str(e).split('] ')[-1]
+        raise DataError(f'vocab_size={vocab_size}: cannot train a tokenizer of that size on this text '
+                        f'({reason})') from None
+    tmp = f'{path}.tmp{os.getpid()}'
+    with open(tmp, 'wb') as f:
+        f.write(model.getvalue())
+    os.replace(tmp, path)  # atomic, so a crash never leaves half a model behind
+
+
+def _tokenizer(cfg, train_texts, identity):
+    import sentencepiece as spm
+    path = cfg.tokenizer_path
+    if path and not os.path.isfile(path):
+        raise DataError(f'tokenizer_path={path!r}: file not found (set it to a sentencepiece .model, '
+                        "or '' to train one)")
+    if not path:
+        path = os.path.join(cfg.cache_dir, f'tokenizer_{identity}_bpe{cfg.vocab_size}.model')
+        with _locked(cfg.cache_dir):
+            if not os.path.exists(path):
+                _train_tokenizer(train_texts, cfg.vocab_size, path)
+    sp = spm.SentencePieceProcessor(model_file=path)
+    size = sp.get_piece_size()
+    if size != cfg.vocab_size:
+        raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: '
+                        f'set vocab_size={size}')
+    if sp.eos_id() < 0:
+        raise DataError(f'tokenizer {path} has no eos piece, which ends every document: retrain it with eos_id set')
+    return sp
+
+
+# ---- text: packing ----------------------------------------------------------------------------
+
+def _pack(docs, rows, length, offset=0):
+    """Greedy concatenate-and-chunk of token documents into rows of `length` (input, target) pairs.
+
+    A document of m tokens holds m-1 pairs (tok[t], tok[t+1]); packing pairs rather than tokens
+    means no target ever crosses a document boundary and no slot is spent on one. A document that
+    does not fit continues in the next row as a new segment, so rows are full until `docs` runs
+    out (eval); then the rest is padding. `docs` yields (where, tokens) with where = {epoch, index};
+    the first document starts at pair `offset`. Yields (batch, state of the next unread pair).
+    """
+    where, doc = next(docs, (None, None))
+    while True:
+        batch = _zeros_batch(rows, length)
+        for r in range(rows):
+            col, segment = 0, 0
+            while col < length and doc is not None:
+                n = min(length - col, len(doc) - 1 - offset)
+                piece = slice(col, col + n)
+                segment += 1
+                batch['inputs'][r, piece] = doc[offset:offset + n]
+                batch['targets'][r, piece] = doc[offset + 1:offset + n + 1]
+                batch['segment_ids'][r, piece] = segment
+                batch['positions'][r, piece] = np.arange(n)
+                batch['loss_mask'][r, piece] = 1
+                col, offset = col + n, offset + n
+                if offset == len(doc) - 1:
+                    (where, doc), offset = next(docs, (None, None)), 0
+        yield batch, (None if doc is None else {**where, 'offset': offset})
+
+
+class TextData(_Data):
+    """Documents from a random-access text source, tokenized on the fly and packed into rows."""
+    _start = {'epoch': 0, 'index': 0, 'offset': 0}
+
+    def __init__(self, cfg, train_texts, eval_texts, identity, process_index, process_count):
+        super().__init__(cfg, process_index, process_count)
+        self.train_texts, self.eval_texts = train_texts, eval_texts
+        self.train_records = _host_records(len(train_texts), process_index, process_count, 'the train split')
+        self.eval_records = _host_records(len(eval_texts), process_index, process_count, 'the eval split')
+        self.tokenizer = _tokenizer(cfg, train_texts, identity)
+        self.vocab_size, self.length = self.tokenizer.get_piece_size(), cfg.max_target_length
+        self.eos_id = self.tokenizer.eos_id()
+        self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
+
+    def encode(self, text):
+        """A document's tokens: bos, text, eos (so every token, the first included, is a target)."""
+        return np.asarray([self.bos_id] + self.tokenizer.encode(text) + [self.eos_id], np.int32)
+
+    def _docs(self, texts, records):
+        for epoch, index, rid in records:
+            yield {'epoch': epoch, 'index': index}, self.encode(texts[rid])
+
+    def _train_batches(self, local_rows, state):
+        records = _records(self.train_records, self.cfg.seed, self.process_index, state['epoch'], state['index'])
+        return _pack(self._docs(self.train_texts, records), local_rows, self.length, state['offset'])
+
+    def eval_batches(self, local_rows, n):
+        # Fixed order and a single pass: batches past the end of the split are padding (loss_mask 0).
+        records = _records(self.eval_records, 0, self.process_index, shuffle=False, loop=False)
+        batches = _pack(self._docs(self.eval_texts, records), local_rows, self.length)
+        return [next(batches)[0] for _ in range(n)]
+
+
+# ---- Sudoku: solver and generator --------------------------------------------------------------
+# Grids are 81 digits in row-major order, 0 = blank.
+
+_ROW = [i // 9 for i in range(81)]
+_COL = [i % 9 for i in range(81)]
+_BOX = [(i // 27) * 3 + (i % 9) // 3 for i in range(81)]
+_ALL_DIGITS = 0b1111111110  # bit d set = digit d allowed
+
+
+def _search(grid, limit):
+    """Backtracking over bitmasks, most-constrained cell first. Returns (first solution, count <= limit)."""
+    g = list(grid)
+    rows, cols, boxes = [0] * 9, [0] * 9, [0] * 9
+    for i, v in enumerate(g):
+        if v:
+            bit = 1 << v
+            if (rows[_ROW[i]] | cols[_COL[i]] | boxes[_BOX[i]]) & bit:
+                return None, 0  # the givens already clash
+            rows[_ROW[i]] |= bit
+            cols[_COL[i]] |= bit
+            boxes[_BOX[i]] |= bit
+    empty = [i for i in range(81) if not g[i]]
+    found = []
+
+    def recurse():  # True = stop, `limit` solutions found
+        best, best_count, best_mask = -1, 10, 0
+        for i in empty:
+            if not g[i]:
+                mask = _ALL_DIGITS & ~(rows[_ROW[i]] | cols[_COL[i]] | boxes[_BOX[i]])
+                count = mask.bit_count()
+                if count < best_count:
+                    best, best_count, best_mask = i, count, mask
+                    if count <= 1:
+                        break
+        if best < 0:
+            found.append(list(g))
+            return len(found) >= limit
+        r, c, b = _ROW[best], _COL[best], _BOX[best]
+        while best_mask:
+            bit = best_mask & -best_mask
+            best_mask ^= bit
+            g[best] = bit.bit_length() - 1
+            rows[r] |= bit
+            cols[c] |= bit
+            boxes[b] |= bit
+            stop = recurse()
+            rows[r] ^= bit
+            cols[c] ^= bit
+            boxes[b] ^= bit
+            g[best] = 0
+            if stop:
+                return True
+        return False
+
+    recurse()
+    return (found[0] if found else None), len(found)
+
+
+def solve(grid):
+    """(solution as uint8[81] or None, number of solutions counted up to 2) for an 81-digit grid."""
+    solution, count = _search([int(v) for v in np.asarray(grid).reshape(81)], limit=2)
+    return (None if solution is None else np.asarray(solution, np.uint8)), count
+
+
+def _valid_grids(grids_N81):
+    """bool[N]: each grid is a complete Sudoku (every row, column and box holds 1..9 once)."""
+    g = np.asarray(grids_N81).reshape(-1, 9, 9)
+    boxes = g.reshape(-1, 3, 3, 3, 3).transpose(0, 1, 3, 2, 4).reshape(-1, 9, 9)
+    units_NU9 = np.concatenate([g, g.transpose(0, 2, 1), boxes], axis=1)
+    return (np.sort(units_NU9, axis=-1) == np.arange(1, 10)).all(axis=(1, 2))
+
+
+def is_valid_solution(grid81):
+    return bool(_valid_grids(grid81)[0])
+
+
+def _make_puzzle(rng, blanks):
+    # The three diagonal boxes share no row or column, so any filling of them completes to a grid.
+    seed_grid = [0] * 81
+    for b in range(3):
+        for k, d in enumerate(rng.sample(range(1, 10), 9)):
+            seed_grid[(3 * b + k // 3) * 9 + 3 * b + k % 3] = d
+    solution = _search(seed_grid, limit=1)[0]
+    puzzle, removed = list(solution), 0
+    for i in rng.sample(range(81), 81):
+        if removed == blanks:
+            break
+        puzzle[i] = 0
+        if _search(puzzle, limit=2)[1] == 1:
+            removed += 1
+        else:
+            puzzle[i] = solution[i]  # that blank would allow a second solution
+    return puzzle, solution
+
+
+def generate_sudoku(n, blanks, seed, stream='train'):
+    """(puzzles uint8[n, 81], solutions uint8[n, 81]), each puzzle with exactly one solution.
+
+    Cells are blanked in random order while the solution stays unique, until `blanks` blanks or
+    no cell can go (blanks=81 gives minimal puzzles). Puzzle i depends only on (stream, seed, i).
+    """
+    q, a = np.zeros((n, 81), np.uint8), np.zeros((n, 81), np.uint8)
+    for i in range(n):
+        q[i], a[i] = _make_puzzle(random.Random(f'sudoku/{stream}/{seed}/{i}'), blanks)
+    return q, a
+
+
+def augment(q, a, rng):
+    """The same validity-preserving shuffle of puzzle q and solution a (digit grids, 0 = blank).
+
+    Relabels digits, permutes bands and the rows inside each band, stacks and the columns inside
+    each stack, and transposes half the time. rng is a numpy Generator.
+    """
+    digits = np.concatenate([[0], rng.permutation(9) + 1]).astype(np.uint8)  # blank stays blank
+    rows = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
+    cols = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
+    index_99 = rows[:, None] * 9 + cols[None, :]
+    if rng.random() < 0.5:
+        index_99 = index_99.T
+    index = index_99.reshape(81)
+    return digits[np.asarray(q)[index]], digits[np.asarray(a)[index]]
+
+
+# ---- Sudoku: CSV files (public sudoku-extreme layout: source,q,a,rating) -------------------------
+
+def _digit_rows(strings):
+    return (np.frombuffer(''.join(strings).encode('ascii'), np.uint8) - ord('0')).reshape(-1, 81)
+
+
+def read_sudoku_csv(path, key='dataset_path'):
+    """(puzzles uint8[N, 81], solutions uint8[N, 81]) from a CSV; any bad row is a DataError naming its line."""
+    if not os.path.isfile(path):
+        raise DataError(f'{key}={path!r}: file not found (a CSV with header source,q,a,rating; '
+                        'make one with `python data.py make-sudoku OUT.csv`)')
+    puzzles, solutions, lines = [], [], []
+    with open(path, newline='') as f:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        if 'q' not in header or 'a' not in header:
+            raise DataError(f'{path}:1: header must name columns q and a (public layout: source,q,a,rating)')
+        iq, ia = header.index('q'), header.index('a')
+        for row in reader:
+            if not row:
+                continue
+            where = f'{path}:{reader.line_num}'
+            if len(row) <= max(iq, ia):
+                raise DataError(f'{where}: {len(row)} columns, expected {len(header)} ({",".join(header)})')
+            q, a = row[iq].strip(), row[ia].strip()
+            for name, text, allowed in (('q', q, '.0123456789'), ('a', a, '123456789')):
+                if len(text) != 81:
+                    raise DataError(f'{where}: {name} has {len(text)} characters, expected 81')
+                illegal = set(text) - set(allowed)
+                if illegal:
+                    raise DataError(f'{where}: {name} has illegal character {min(illegal)!r} (allowed: {allowed})')
+            puzzles.append(q.replace('.', '0'))
+            solutions.append(a)
+            lines.append(reader.line_num)
+    if not puzzles:
+        raise DataError(f'{key}={path!r}: no puzzles in the file')
+    q, a = _digit_rows(puzzles), _digit_rows(solutions)
+    clash = ((q != 0) & (q != a)).any(axis=1)
+    bad = clash | ~_valid_grids(a)
+    if bad.any():
+        i = int(bad.argmax())
+        what = ('solution a disagrees with a given digit of q' if clash[i]
+                else 'solution a is not a valid Sudoku grid (a row, column or box repeats a digit)')
+        raise DataError(f'{path}:{lines[i]}: {what}')
+    return q, a
+
+
+def write_sudoku_csv(path, q, a):
+    """Writes puzzles and solutions (digit grids) in the public layout; blanks become '.'."""
+    with open(path, 'w', newline='') as f:
+        writer = csv.writer(f)
+        writer.writerow(['source', 'q', 'a', 'rating'])
+        for puzzle, solution in zip(np.asarray(q), np.asarray(a)):
+            writer.writerow(['generated', ''.join(str(d) for d in puzzle).replace('0', '.'),
+                             ''.join(str(d) for d in solution), 0])  # rating 0 = unrated
+
+
+def _cached_sudoku(cache_dir, n, blanks, seed, split):
+    path = os.path.join(cache_dir, 'sudoku', f'{split}_seed{seed}_blanks{blanks}_n{n}_v{_SUDOKU_GEN_VERSION}.npz')
+    with _locked(cache_dir):
+        if not os.path.exists(path):
+            q, a = generate_sudoku(n, blanks, seed, stream=split)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f'{path}.tmp{os.getpid()}'
+            with open(tmp, 'wb') as f:
+                np.savez(f, q=q, a=a)
+            os.replace(tmp, path)
+    with np.load(path) as f:
+        return f['q'], f['a']
+
+
+def _sudoku_batch(q, a, rows):
+    """Token batch from digit grids; rows past len(q) are padding (loss_mask 0)."""
+    n = len(q)
+    batch = _zeros_batch(rows, SUDOKU_LEN)
+    batch['inputs'][:n] = np.asarray(q, np.int32) + 1   # blank 0 -> 1, digit d -> d + 1
+    batch['targets'][:n] = np.asarray(a, np.int32) + 1
+    batch['segment_ids'][:n] = 1
+    batch['positions'][:n] = np.arange(SUDOKU_LEN)
+    batch['loss_mask'][:n] = 1
+    return batch
+
+
+class SudokuData(_Data):
+    """Puzzle -> solution pairs, from CSV files or the built-in generator."""
+    vocab_size, length = SUDOKU_VOCAB, SUDOKU_LEN
+    _start = {'epoch': 0, 'index': 0}
+
+    def __init__(self, cfg, process_index, process_count):
+        super().__init__(cfg, process_index, process_count)
+        if not 0 <= cfg.sudoku_blanks <= 81:
+            raise DataError(f'sudoku_blanks={cfg.sudoku_blanks}: must be 0..81 (81 = as many as uniqueness allows)')
+        if cfg.dataset_path:
+            self.train_q, self.train_a = read_sudoku_csv(cfg.dataset_path, 'dataset_path')
+        else:
+            self.train_q, self.train_a = _cached_sudoku(
+                cfg.cache_dir, cfg.sudoku_train_puzzles, cfg.sudoku_blanks, cfg.seed, 'train')
+        if cfg.eval_path:
+            self.eval_q, self.eval_a = read_sudoku_csv(cfg.eval_path, 'eval_path')
+        else:
+            q, a = _cached_sudoku(cfg.cache_dir, cfg.sudoku_eval_puzzles, cfg.sudoku_blanks, cfg.seed, 'eval')
+            # A separate seed stream makes overlap unlikely; this makes it impossible.
+            seen = {s.tobytes() for s in self.train_a}
+            keep = np.array([s.tobytes() not in seen for s in a], bool)
+            self.eval_q, self.eval_a = q[keep], a[keep]
+        self.train_records = _host_records(len(self.train_q), process_index, process_count, 'the train puzzles')
+        self.eval_records = _host_records(len(self.eval_q), process_index, process_count, 'the eval puzzles')
+
+    def _train_batches(self, local_rows, state):
+        records = _records(self.train_records, self.cfg.seed, self.process_index, state['epoch'], state['index'])
+        while True:
+            q = np.empty((local_rows, SUDOKU_LEN), np.uint8)
+            a = np.empty_like(q)
+            for r in range(local_rows):
+                epoch, index, rid = next(records)
+                q[r], a[r] = self.train_q[rid], self.train_a[rid]
+                if self.cfg.augment:  # seeded by position, so a resumed run draws the same shuffles
+                    q[r], a[r] = augment(q[r], a[r], np.random.default_rng([self.cfg.seed, epoch, rid]))
+            yield _sudoku_batch(q, a, local_rows), {'epoch': epoch, 'index': index + 1}
+
+    def eval_batches(self, local_rows, n):
+        # Fixed order, unaugmented; batches past the end of the eval set are padding (loss_mask 0).
+        chunks = [self.eval_records[i * local_rows:(i + 1) * local_rows] for i in range(n)]
+        return [_sudoku_batch(self.eval_q[ids], self.eval_a[ids], local_rows) for ids in chunks]
+
+
+# ---- entry points -----------------------------------------------------------------------------
+
+def make_dataset(cfg, process_index=0, process_count=1):
+    """The dataset this process reads: its share of the records, in a seed-determined order."""
+    if cfg.task == 'sudoku':
+        return SudokuData(cfg, process_index, process_count)
+    if cfg.task != 'lm':
+        raise DataError(f'task={cfg.task!r}: expected lm or sudoku')
+    if cfg.dataset == 'synthetic':
+        return SyntheticData(cfg, process_index, process_count)
+    if cfg.dataset in ('files', 'stdlib'):
+        train_texts, eval_texts, identity = _file_sources(cfg)
+    elif cfg.dataset == 'tfds':
+        train_texts, eval_texts, identity = _tfds_sources(cfg)
+    else:
+        raise DataError(f'dataset={cfg.dataset!r}: expected stdlib, files, tfds or synthetic')
+    return TextData(cfg, train_texts, eval_texts, identity, process_index, process_count)
+
+
+def main(argv):
+    import argparse
+    parser = argparse.ArgumentParser(prog='data.py', description='Data utilities.')
+    commands = parser.add_subparsers(dest='command', required=True)
+    make = commands.add_parser('make-sudoku', help='write generated puzzles as a CSV in the public layout')
+    make.add_argument('out')
+    make.add_argument('--count', type=int, default=1000)
+    make.add_argument('--blanks', type=int, default=45, help='81 = minimal puzzles (hardest)')
+    make.add_argument('--seed', type=int, default=0)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    # Own stream: a file made with seed S never repeats the generated train set of a run with seed S.
+    q, a = generate_sudoku(args.count, args.blanks, args.seed, stream='file')
+    write_sudoku_csv(args.out, q, a)
+    print(f'wrote {args.count} puzzles ({(q == 0).sum(1).mean():.1f} blanks on average) to {args.out} '
+          f'in {time.perf_counter() - start:.1f}s')
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

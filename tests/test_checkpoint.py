@@ -1,0 +1,155 @@
+"""Checkpoints: exact resume after SIGKILL and SIGTERM, atomicity, corruption, resharding, bad input."""
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import train
+from conftest import ROOT
+from test_train import tiny
+
+# A small real-text run: local files through the tfds builder + a trained sentencepiece model.
+TEXT = ['dataset=files', 'vocab_size=512', 'd_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2',
+        'mlp_dim=128', 'max_target_length=64', 'per_device_batch=4', 'grad_accum=2', 'dtype=float32',
+        'log_every=1', 'eval_every=0', 'eval_batches=1', 'checkpoint_every=10', 'steps=60', 'prefetch=2']
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp('corpus')
+    for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()['stdlib'], '*.py')))[:40]:
+        shutil.copy(f, d)
+    return d
+
+
+def cli(corpus, out, *extra):
+    return [sys.executable, 'train.py', 'base.yml', *TEXT, f'dataset_path={corpus}/*.py', f'output_dir={out}',
+            f'cache_dir={out}/cache', *extra]
+
+
+def losses(out, run='default'):
+    rows = [json.loads(line) for line in open(os.path.join(out, run, 'metrics.jsonl'))]
+    assert [r['step'] for r in rows] == list(range(1, len(rows) + 1)), 'one row per step, no duplicates'
+    return [r['loss'] for r in rows]
+
+
+def run_until(cmd, out, step, sig):
+    """Start the trainer, wait until it has logged `step`, send `sig`; returns the process result."""
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+    metrics, deadline = os.path.join(out, 'default', 'metrics.jsonl'), time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= step:
+            p.send_signal(sig)
+            break
+        time.sleep(0.005)
+    stdout, stderr = p.communicate(timeout=240)
+    return p.returncode, stdout, stderr
+
+
+@pytest.fixture(scope='module')
+def reference(corpus, tmp_path_factory):
+    """The uninterrupted run every interrupted one must reproduce exactly."""
+    out = tmp_path_factory.mktemp('ref')
+    r = subprocess.run(cli(corpus, out), cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+    assert r.returncode == 0, r.stderr
+    return losses(out)
+
+
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM])
+def test_interrupted_run_resumes_exactly(corpus, reference, tmp_path, sig):
+    code, _, err = run_until(cli(corpus, tmp_path), tmp_path, 15, sig)
+    if sig == signal.SIGKILL:
+        assert code == -signal.SIGKILL
+    else:
+        assert code == 75 and 'saved checkpoint at step' in err, err
+        saved = int(err.split('saved checkpoint at step ')[1].split()[0])
+        assert saved in [int(s) for s in os.listdir(tmp_path / 'default' / 'checkpoints')]
+    r = subprocess.run(cli(corpus, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+    assert r.returncode == 0, r.stderr
+    start = int(r.stdout.split('resuming from checkpoint ')[1].split()[0].rsplit('/', 1)[1])
+    assert 10 <= start < 60
+    assert losses(tmp_path) == reference  # bit-for-bit, steps before and after the resume point
+
+
+def test_unfinished_and_corrupted_checkpoints_are_skipped(tmp_path):
+    cfg = tiny(tmp_path, 'steps=6', 'checkpoint_every=3', 'prefetch=2')
+    ref = train.run(tiny(tmp_path, 'steps=9', 'run_name=ref'), jax.devices()[:1])
+    train.run(cfg, jax.devices()[:1])
+    ckpts = tmp_path / 'default' / 'checkpoints'
+    # What a kill -9 in the middle of a write leaves behind: a temporary directory, never a step.
+    os.makedirs(ckpts / '9.orbax-checkpoint-tmp-1234' / 'train_state')
+    # And a finished checkpoint whose biggest file was later truncated (disk full, bad copy).
+    biggest = max((p for p in (ckpts / '6').rglob('*') if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(biggest, 'r+b') as f:
+        f.truncate(biggest.stat().st_size // 2)
+    s = train.run(tiny(tmp_path, 'steps=9', 'checkpoint_every=3', 'prefetch=2'), jax.devices()[:1])
+    assert s['step'] == 9
+    got = [json.loads(r)['loss'] for r in open(tmp_path / 'default' / 'metrics.jsonl')]
+    want = [json.loads(r)['loss'] for r in open(os.path.join(ref['run_dir'], 'metrics.jsonl'))]
+    assert got == want  # resumed from step 3, the last readable one, and continued exactly
+
+
+def test_restore_onto_a_different_mesh(tmp_path):
+    ref = train.run(tiny(tmp_path, 'mesh=8,1,1', 'per_device_batch=2', 'steps=6', 'run_name=ref'),
+                    jax.devices()[:8])
+    train.run(tiny(tmp_path, 'mesh=8,1,1', 'per_device_batch=2', 'steps=3'), jax.devices()[:8])
+    train.run(tiny(tmp_path, 'mesh=2,2,2', 'per_device_batch=2', 'steps=6'), jax.devices()[:8])
+    got = [json.loads(r)['loss'] for r in open(tmp_path / 'default' / 'metrics.jsonl')]
+    want = [json.loads(r)['loss'] for r in open(os.path.join(ref['run_dir'], 'metrics.jsonl'))]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_shape_mismatch_and_load_params(tmp_path):
+    train.run(tiny(tmp_path, 'steps=2'), jax.devices()[:1])
+    with pytest.raises(train.ConfigError, match=r'has params/.* of shape .* but this config makes'):
+        train.run(tiny(tmp_path, 'steps=4', 'd_model=32'), jax.devices()[:1])
+    # load_params starts a fresh run (step 0, new optimizer) from the other run's weights.
+    cfg = tiny(tmp_path, 'steps=1', 'run_name=finetune', f'load_params={tmp_path}/default', 'learning_rate=0',
+               'warmup_steps=0', 'checkpoint_every=0')
+    train.run(cfg, jax.devices()[:1])
+    mngr = train.checkpoint_manager(tmp_path / 'default' / 'checkpoints', cfg, read_only=True)
+    a = mngr.restore(2)['train_state']['params']
+    mngr = train.checkpoint_manager(tmp_path / 'finetune' / 'checkpoints', cfg, read_only=True)
+    b = mngr.restore(1)['train_state']
+    assert int(b['step']) == 1
+    jax.tree.map(np.testing.assert_array_equal, a, b['params'])  # lr 0: one step leaves them as loaded
+
+
+def test_resume_false_moves_old_run_aside(tmp_path):
+    train.run(tiny(tmp_path, 'steps=2'), jax.devices()[:1])
+    s = train.run(tiny(tmp_path, 'steps=2', 'resume=false'), jax.devices()[:1])
+    names = os.listdir(s['run_dir'])
+    assert any(n.startswith('checkpoints.replaced-') for n in names) and 'checkpoints' in names
+
+
+def test_eval_mode_reads_the_checkpoint(tmp_path):
+    s = train.run(tiny(tmp_path, 'steps=2'), jax.devices()[:1])
+    e = train.run(tiny(tmp_path, 'steps=2', 'mode=eval'), jax.devices()[:1])
+    assert e['step'] == 2 and abs(e['eval_loss'] - s['eval_loss']) < 1e-6
+    with pytest.raises(train.ConfigError, match='mode=eval needs trained parameters'):
+        train.run(tiny(tmp_path, 'mode=eval', 'run_name=empty'), jax.devices()[:1])
+
+
+def test_skip_nonfinite_steps(tmp_path, capsys):
+    with pytest.raises(FloatingPointError, match=r'at step \d+'):
+        train.run(tiny(tmp_path, 'steps=50', 'learning_rate=1e12', 'warmup_steps=0', 'grad_clip=0',
+                       'skip_nonfinite_steps=2', 'checkpoint_every=1'), jax.devices()[:1])
+    assert capsys.readouterr().out.count('update skipped') == 2
+
+
+def test_unwritable_output_dir(tmp_path):
+    (tmp_path / 'file').write_text('')
+    with pytest.raises(train.ConfigError, match='output_dir=.*choose a writable output_dir'):
+        train.run(tiny(tmp_path, f'output_dir={tmp_path}/file/sub'), jax.devices()[:1])

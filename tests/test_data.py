@@ -1,0 +1,392 @@
+"""data.py: text sources and packing, per-host shares, exact resume, Sudoku generation and CSV checks."""
+import json
+import os
+import random
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import yaml
+
+import data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 320  # smallest comfortable byte-fallback BPE for the tiny corpus (256 bytes + chars + merges)
+
+
+def make_cfg(tmp_path, **overrides):
+    with open(os.path.join(ROOT, 'base.yml')) as f:
+        cfg = types.SimpleNamespace(**yaml.safe_load(f))
+    cfg.cache_dir = str(tmp_path / 'cache')
+    for key, value in overrides.items():
+        assert hasattr(cfg, key), key
+        setattr(cfg, key, value)
+    return cfg
+
+
+def write_corpus(root, n, tag, seed):
+    """n documents of made-up words, first line names the document; lengths span a few rows."""
+    rng = random.Random(seed)
+    words = [''.join(rng.choice('abcdefghijklmnoprstuvw') for _ in range(rng.randint(2, 7))) for _ in range(60)]
+    os.makedirs(root, exist_ok=True)
+    for k in range(n):
+        lines = [f'{tag} {k}'] + [' '.join(rng.choice(words) for _ in range(rng.randint(1, 9)))
+                                  for _ in range(rng.randint(1, 12))]
+        with open(os.path.join(root, f'{tag}{k:02d}.txt'), 'w') as f:
+            f.write('\n'.join(lines) + '\n')
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp('corpus')
+    write_corpus(root / 'train', 12, 'train', 0)
+    write_corpus(root / 'eval', 4, 'eval', 1)
+    return root
+
+
+def files_cfg(tmp_path, corpus, **overrides):
+    base = dict(dataset='files', dataset_path=str(corpus / 'train' / '*.txt'), eval_path=str(corpus / 'eval' / '*.txt'),
+                vocab_size=VOCAB, max_target_length=32, prefetch=2)
+    return make_cfg(tmp_path, **{**base, **overrides})
+
+
+def documents(batches, eos):
+    """Rebuilds whole token documents from packed batches, checking the packing on the way."""
+    docs, current = [], []
+    for b in batches:
+        assert np.array_equal(b['loss_mask'] > 0, b['segment_ids'] > 0)  # padding never counts
+        for r in range(b['inputs'].shape[0]):
+            seg = b['segment_ids'][r]
+            used = seg[seg > 0]  # segments fill the row from the left, in order; padding only at the end
+            assert np.all(np.diff(used) >= 0) and not seg[len(used):].any()
+            for s in range(1, seg.max() + 1):
+                idx = np.flatnonzero(seg == s)
+                assert np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx)))  # contiguous
+                assert np.array_equal(b['positions'][r, idx], np.arange(len(idx)))  # restarts per segment
+                inputs, targets = b['inputs'][r, idx], b['targets'][r, idx]
+                assert np.array_equal(inputs[1:], targets[:-1])  # targets are the next tokens
+                if current:  # a continued document picks up at the previous piece's last target
+                    assert inputs[0] == current[-1]
+                else:
+                    current = [int(inputs[0])]
+                current += targets.tolist()
+                assert eos not in current[:-1]  # no piece runs past its document's end
+                if targets[-1] == eos:
+                    docs.append(current)
+                    current = []
+    return docs
+
+
+def rest_of_epoch(it, limit=500):
+    batches = []
+    while it.state()['epoch'] == 0:
+        assert len(batches) < limit, 'the iterator never reached epoch 1'
+        batches.append(next(it))
+    return batches
+
+
+# ---- text ---------------------------------------------------------------------------------------
+
+def test_files_build_tokenizer_and_cache_reuse(tmp_path, corpus, monkeypatch):
+    cfg = files_cfg(tmp_path, corpus)
+    ds = data.make_dataset(cfg)
+    assert ds.vocab_size == VOCAB and len(ds.train_texts) == 12 and len(ds.eval_texts) == 4
+    text = ds.train_texts[0]
+    assert ds.tokenizer.decode(ds.tokenizer.encode(text)) == text  # code layout survives
+    batch = next(iter(ds.eval_batches(2, 1)))
+    assert {k: (v.shape, v.dtype.name) for k, v in batch.items()} == {
+        'inputs': ((2, 32), 'int32'), 'targets': ((2, 32), 'int32'), 'segment_ids': ((2, 32), 'int32'),
+        'positions': ((2, 32), 'int32'), 'loss_mask': ((2, 32), 'float32')}
+    stamps = {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+              for d, _, fs in os.walk(cfg.cache_dir) for f in fs}
+    assert any(p.endswith('.model') for p in stamps) and any('array_record' in p for p in stamps)
+
+    def no_training(*args):
+        raise AssertionError('the cached tokenizer should have been reused')
+    monkeypatch.setattr(data, '_train_tokenizer', no_training)
+    again = data.make_dataset(cfg)
+    assert again.train_texts[0] == text
+    after = {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+             for d, _, fs in os.walk(cfg.cache_dir) for f in fs if f != '.lock'}
+    assert after == {p: t for p, t in stamps.items() if not p.endswith('.lock')}  # nothing rebuilt
+
+    # Another glob is another dataset: it gets its own prepared copy.
+    other = data.make_dataset(files_cfg(tmp_path, corpus, dataset_path=str(corpus / 'train' / 'train0*.txt'),
+                                        tokenizer_path=[p for p in stamps if p.endswith('.model')][0]))
+    assert len(other.train_texts) == 10
+
+
+def test_held_out_split_without_eval_path(tmp_path, corpus):
+    ds = data.make_dataset(files_cfg(tmp_path, corpus, eval_path=''))
+    train = {ds.train_texts[i] for i in range(len(ds.train_texts))}
+    held = {ds.eval_texts[i] for i in range(len(ds.eval_texts))}
+    assert held and not train & held and len(train) + len(held) == 12
+
+
+def test_packing_reproduces_documents_and_pads(tmp_path, corpus):
+    ds = data.make_dataset(files_cfg(tmp_path, corpus))
+    n = 40  # far more than the 4 eval documents fill: the tail is padding
+    batches = ds.eval_batches(3, n)
+    docs = documents(batches, ds.eos_id)
+    expected = [ds.encode(ds.eval_texts[i]).tolist() for i in ds.eval_records]
+    assert docs == expected
+    assert len(docs) == 4 and max(len(d) for d in docs) > 32  # some document spans rows
+    assert any(b['segment_ids'].max() > 1 for b in batches)  # some row holds several documents
+    last = batches[-1]
+    assert not last['loss_mask'].any() and not last['segment_ids'].any()
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(batches, ds.eval_batches(3, n)) for k in a)
+
+
+def test_pack_small_example():
+    docs = iter([({'epoch': 0, 'index': 0}, np.array([2, 10, 11, 3])), ({'epoch': 0, 'index': 1}, np.array([2, 20, 3]))])
+    batch, state = next(data._pack(docs, rows=2, length=4))
+    assert batch['inputs'].tolist() == [[2, 10, 11, 2], [20, 0, 0, 0]]
+    assert batch['targets'].tolist() == [[10, 11, 3, 20], [3, 0, 0, 0]]
+    assert batch['segment_ids'].tolist() == [[1, 1, 1, 2], [1, 0, 0, 0]]
+    assert batch['positions'].tolist() == [[0, 1, 2, 0], [0, 0, 0, 0]]
+    assert batch['loss_mask'].tolist() == [[1, 1, 1, 1], [1, 0, 0, 0]]
+    assert state is None  # the documents ran out
+
+
+def test_two_hosts_read_disjoint_records_covering_all(tmp_path, corpus):
+    cfg = files_cfg(tmp_path, corpus)
+    hosts = [data.make_dataset(cfg, p, 2) for p in range(2)]
+    ids = [set(h.train_records.tolist()) for h in hosts]
+    assert not ids[0] & ids[1] and ids[0] | ids[1] == set(range(12))
+    seen = []
+    for host in hosts:  # the first epoch of each host holds exactly its own documents
+        it = host.train_iter(2)
+        batches = rest_of_epoch(it)
+        it.close()
+        docs = documents(batches, host.eos_id)[:len(host.train_records)]
+        expected = [host.encode(host.train_texts[i]).tolist() for i in host.train_records]
+        assert sorted(docs) == sorted(expected)
+        seen += docs
+    everything = [hosts[0].encode(hosts[0].train_texts[i]).tolist() for i in range(12)]
+    assert sorted(seen) == sorted(everything)
+
+
+@pytest.mark.parametrize('prefetch', [0, 3])
+def test_text_resume_is_exact(tmp_path, corpus, prefetch):
+    ds = data.make_dataset(files_cfg(tmp_path, corpus, prefetch=prefetch))
+    it = ds.train_iter(3)
+    for _ in range(5):
+        next(it)
+    state = json.loads(json.dumps(it.state()))
+    reference = rest_of_epoch(it) + [next(it) for _ in range(3)]  # on into the next epoch
+    assert it.wait_seconds >= 0
+    it.close()
+    resumed = ds.train_iter(3, state=state)
+    for want in reference:
+        got = next(resumed)
+        assert all(np.array_equal(want[k], got[k]) for k in want)
+    resumed.close()
+
+
+def test_tfds_data_source_with_mock_data(tmp_path, corpus):
+    import tensorflow_datasets as tfds
+    tokenizer = data.make_dataset(files_cfg(tmp_path, corpus)).tokenizer.serialized_model_proto()
+    (tmp_path / 'tok.model').write_bytes(tokenizer)
+    cfg = make_cfg(tmp_path, dataset='tfds', tfds_name='imdb_reviews', eval_split='test', text_key='text',
+                   tokenizer_path=str(tmp_path / 'tok.model'), vocab_size=VOCAB, max_target_length=16, prefetch=1)
+    with tfds.testing.mock_data(num_examples=6):
+        ds = data.make_dataset(cfg)
+        it = ds.train_iter(2)
+        batches = [next(it) for _ in range(6)]
+        it.close()
+    assert len(ds.train_texts) == 6 and documents(batches, ds.eos_id)
+    with tfds.testing.mock_data(num_examples=6), pytest.raises(data.DataError, match='text_key'):
+        next(data.make_dataset(make_cfg(tmp_path, **{**vars(cfg), 'text_key': 'nope'})).train_iter(2))
+
+
+def test_default_stdlib_dataset(tmp_path):
+    ds = data.make_dataset(make_cfg(tmp_path))
+    assert ds.vocab_size == 1024 and len(ds.train_texts) > 100 and len(ds.eval_texts) > 5
+    it = ds.train_iter(2)
+    batch = next(it)
+    it.close()
+    assert batch['inputs'].shape == (2, 256) and batch['loss_mask'].all()
+
+
+def test_synthetic_global_batch_does_not_depend_on_process_count(tmp_path):
+    cfg = make_cfg(tmp_path, dataset='synthetic', vocab_size=50, max_target_length=16)
+    one = data.make_dataset(cfg).train_iter(8)
+    two = [data.make_dataset(cfg, p, 2).train_iter(4) for p in range(2)]
+    for _ in range(3):
+        whole, halves = next(one), [next(it) for it in two]
+        for k in whole:
+            assert np.array_equal(whole[k], np.concatenate([h[k] for h in halves]))
+    assert whole['inputs'].max() < 50 and np.array_equal(whole['inputs'][:, 1:], whole['targets'][:, :-1])
+    assert one.state() == {'step': 3}
+
+
+def test_user_errors_name_the_key(tmp_path, corpus):
+    cases = [(dict(dataset_path=str(tmp_path / 'nothing' / '*.txt')), 'dataset_path='),
+             (dict(eval_path=str(tmp_path / 'none*.txt')), 'eval_path='),
+             (dict(tokenizer_path=str(tmp_path / 'missing.model')), 'tokenizer_path='),
+             (dict(vocab_size=100000), 'vocab_size=100000'),
+             (dict(dataset='nope'), 'dataset=')]
+    for overrides, key in cases:
+        with pytest.raises(data.DataError, match=key):
+            data.make_dataset(files_cfg(tmp_path, corpus, **overrides))
+    with pytest.raises(data.DataError, match='tfds_name='):
+        data.make_dataset(make_cfg(tmp_path, dataset='tfds', tfds_name='no_such_dataset_xyz'))
+    with pytest.raises(data.DataError, match='dataset_path='):
+        data.make_dataset(make_cfg(tmp_path, task='sudoku', dataset_path=str(tmp_path / 'missing.csv')))
+
+
+def test_vocab_mismatch(tmp_path, corpus):
+    model = data.make_dataset(files_cfg(tmp_path, corpus)).tokenizer.serialized_model_proto()
+    (tmp_path / 'tok.model').write_bytes(model)
+    with pytest.raises(data.DataError, match=f'vocab_size=512 .*tok.model.* set vocab_size={VOCAB}'):
+        data.make_dataset(files_cfg(tmp_path, corpus, vocab_size=512, tokenizer_path=str(tmp_path / 'tok.model')))
+
+
+def test_prefetch_thread_errors_reraise_and_close_stops():
+    def batches():
+        yield {'x': 1}, {'i': 1}
+        raise ValueError('broken record')
+    it = data.BatchIterator(batches(), {'i': 0}, prefetch=2)
+    assert next(it) == {'x': 1} and it.state() == {'i': 1}
+    with pytest.raises(ValueError, match='broken record'):
+        next(it)
+    it.close()
+    forever = data.BatchIterator(iter(lambda: ({}, {}), None), {}, prefetch=2)
+    next(forever)
+    forever.close()
+    assert not forever._thread.is_alive()
+
+
+# ---- Sudoku -------------------------------------------------------------------------------------
+
+def brute_force_count(grid, limit=2):
+    """Independent of data.py: plain sets, first cell with fewest candidates, counts up to `limit`."""
+    g = list(grid)
+    empties = [i for i in range(81) if g[i] == 0]
+    if not empties:
+        return 1
+    def candidates(i):
+        r, c = divmod(i, 9)
+        b = (r // 3) * 27 + (c // 3) * 3
+        used = {g[r * 9 + k] for k in range(9)} | {g[k * 9 + c] for k in range(9)}
+        used |= {g[b + dr * 9 + dc] for dr in range(3) for dc in range(3)}
+        return [d for d in range(1, 10) if d not in used]
+    cell = min(empties, key=lambda i: len(candidates(i)))
+    count = 0
+    for d in candidates(cell):
+        g[cell] = d
+        count += brute_force_count(g, limit - count)
+        if count >= limit:
+            break
+    return count
+
+
+def grid_ok(a):
+    rows = [a[r * 9:(r + 1) * 9] for r in range(9)]
+    cols = [a[c::9] for c in range(9)]
+    boxes = [[a[(br * 3 + i) * 9 + bc * 3 + j] for i in range(3) for j in range(3)] for br in range(3) for bc in range(3)]
+    return all(sorted(u) == list(range(1, 10)) for u in rows + cols + boxes)
+
+
+def test_generated_puzzles_have_exactly_one_solution():
+    q, a = data.generate_sudoku(12, 45, seed=7)
+    assert np.array_equal(q, data.generate_sudoku(12, 45, seed=7)[0])  # reproducible
+    assert ((q == 0).sum(axis=1) == 45).all()
+    for puzzle, solution in zip(q.tolist(), a.tolist()):
+        assert grid_ok(solution) and all(p in (0, s) for p, s in zip(puzzle, solution))
+        assert brute_force_count(puzzle) == 1
+    minimal_q, minimal_a = data.generate_sudoku(2, 81, seed=7)
+    for puzzle in minimal_q.tolist():
+        assert brute_force_count(puzzle) == 1 and (np.array(puzzle) == 0).sum() > 45
+        for i in range(81):  # minimal: no given can go without a second solution appearing
+            if puzzle[i]:
+                assert brute_force_count(puzzle[:i] + [0] + puzzle[i + 1:]) == 2
+    assert data.solve(q[0])[1] == 1 and np.array_equal(data.solve(q[0])[0], a[0])
+    assert data.solve(np.zeros(81))[1] == 2 and data.solve([1, 1] + [0] * 79) == (None, 0)
+
+
+def test_sudoku_dataset_train_eval_disjoint(tmp_path, monkeypatch):
+    real = data.generate_sudoku
+
+    def overlapping(n, blanks, seed, stream='train'):  # eval stream repeats three train grids
+        q, a = real(n, blanks, seed, stream)
+        if stream == 'eval':
+            tq, ta = real(3, blanks, seed, 'train')
+            q, a = np.concatenate([tq, q]), np.concatenate([ta, a])
+        return q, a
+    monkeypatch.setattr(data, 'generate_sudoku', overlapping)
+    cfg = make_cfg(tmp_path, task='sudoku', sudoku_train_puzzles=20, sudoku_eval_puzzles=8, sudoku_blanks=40)
+    ds = data.make_dataset(cfg)
+    assert ds.vocab_size == 11 and len(ds.train_q) == 20 and len(ds.eval_q) == 8  # the 3 repeats dropped
+    train = {s.tobytes() for s in ds.train_a}
+    assert not any(s.tobytes() in train for s in ds.eval_a)
+    batch = ds.eval_batches(4, 3)[0]
+    assert batch['inputs'].shape == (4, 81) and batch['inputs'].min() >= 1 and batch['targets'].min() >= 2
+    assert np.array_equal(batch['inputs'][0], ds.eval_q[0] + 1) and batch['loss_mask'].all()
+    assert np.array_equal(batch['positions'][0], np.arange(81)) and (batch['segment_ids'] == 1).all()
+
+
+def test_augment_keeps_puzzles_valid():
+    q, a = data.generate_sudoku(2, 45, seed=1)
+    outputs = set()
+    for s in range(20):
+        q2, a2 = data.augment(q[0], a[0], np.random.default_rng(s))
+        assert grid_ok(a2.tolist()) and data.is_valid_solution(a2)
+        assert (q2 == 0).sum() == 45
+        assert ((q2 == 0) | (q2 == a2)).all()  # givens still agree with the solution
+        assert data.solve(q2)[1] == 1 and np.array_equal(data.solve(q2)[0], a2)
+        outputs.add(a2.tobytes())
+    assert len(outputs) == 20
+
+
+@pytest.mark.parametrize('prefetch', [0, 2])
+def test_sudoku_resume_is_exact(tmp_path, prefetch):
+    cfg = make_cfg(tmp_path, task='sudoku', sudoku_train_puzzles=10, sudoku_eval_puzzles=4, sudoku_blanks=30,
+                   prefetch=prefetch)
+    ds = data.make_dataset(cfg)
+    it = ds.train_iter(4)
+    for _ in range(3):
+        next(it)
+    state = it.state()
+    reference = [next(it) for _ in range(6)]  # crosses epochs (10 puzzles, 4 per batch)
+    it.close()
+    resumed = ds.train_iter(4, state=json.loads(json.dumps(state)))
+    assert all(np.array_equal(want[k], got[k]) for want in reference for got in [next(resumed)] for k in want)
+    resumed.close()
+    for b in reference:
+        for qi, ai in zip(b['inputs'] - 1, b['targets'] - 1):
+            assert data.is_valid_solution(ai) and ((qi == 0) | (qi == ai)).all()
+
+
+def test_sudoku_csv_roundtrip_and_cli(tmp_path):
+    out = tmp_path / 'made.csv'
+    subprocess.run([sys.executable, os.path.join(ROOT, 'data.py'), 'make-sudoku', str(out), '--count', '3',
+                    '--blanks', '40', '--seed', '2'], check=True, capture_output=True)
+    q, a = data.read_sudoku_csv(str(out))
+    assert out.read_text().startswith('source,q,a,rating\n') and q.shape == (3, 81) and ((q == 0).sum(1) == 40).all()
+    data.write_sudoku_csv(str(tmp_path / 'copy.csv'), q, a)
+    q2, a2 = data.read_sudoku_csv(str(tmp_path / 'copy.csv'))
+    assert np.array_equal(q, q2) and np.array_equal(a, a2)
+    cfg = make_cfg(tmp_path, task='sudoku', dataset_path=str(out), eval_path=str(tmp_path / 'copy.csv'))
+    assert len(data.make_dataset(cfg).eval_q) == 3
+
+
+GOOD_A = '534678912672195348198342567859761423426853791713924856961537284287419635345286179'
+GOOD_Q = GOOD_A[:40].replace('5', '.').replace('3', '0') + '.' * 41
+
+
+@pytest.mark.parametrize('q, a, problem', [
+    (GOOD_Q[:80], GOOD_A, 'q has 80 characters'),
+    (GOOD_Q, GOOD_A + '1', 'a has 82 characters'),
+    ('x' + GOOD_Q[1:], GOOD_A, "illegal character 'x'"),
+    (GOOD_Q, '0' + GOOD_A[1:], "illegal character '0'"),
+    ('9' + GOOD_Q[1:], GOOD_A, 'disagrees with a given'),
+    ('.' * 81, GOOD_A[1] + GOOD_A[0] + GOOD_A[2:], 'not a valid Sudoku grid'),
+])
+def test_malformed_csv_rows_name_the_line(tmp_path, q, a, problem):
+    path = tmp_path / 'bad.csv'
+    path.write_text(f'source,q,a,rating\nok,{GOOD_Q},{GOOD_A},3\nbad,{q},{a},1\nok,{GOOD_Q},{GOOD_A},0\n')
+    with pytest.raises(data.DataError, match=f'bad.csv:3: .*{problem}'):
+        data.read_sudoku_csv(str(path))
