@@ -514,7 +514,8 @@ def prepare_run_dir(cfg):
                 if os.path.exists(os.path.join(run_dir, name)):
                     os.rename(os.path.join(run_dir, name), os.path.join(run_dir, f'{name}.replaced-{stamp}'))
                     log(f'resume=false: moved the earlier {name} aside to {name}.replaced-{stamp}')
-        with open(os.path.join(run_dir, 'config.yml'), 'w') as f:
+        name = 'config.yml' if cfg.mode == 'train' else f'config.{cfg.mode}.yml'  # keep the training record
+        with open(os.path.join(run_dir, name), 'w') as f:
             yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
     except OSError as e:
         raise ConfigError(f'output_dir={cfg.output_dir}: cannot write {run_dir} ({e.strerror}); '
@@ -599,6 +600,8 @@ def run(cfg, devices=None):
         eval_step = jax.jit(make_eval_step(model), in_shardings=(state_sh['params'], eval_sh))
 
     def evaluate(params):
+        if not cfg.eval_batches:
+            return {}
         batches = ds.eval_batches(micro_rows // n_proc, cfg.eval_batches)
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             sums = [eval_step(params, global_batch(b, eval_sh, micro_rows)) for b in batches]

@@ -102,12 +102,14 @@ def test_unfinished_and_corrupted_checkpoints_are_skipped(tmp_path):
 
 
 def test_restore_onto_a_different_mesh(tmp_path):
-    ref = train.run(tiny(tmp_path, 'mesh=8,1,1', 'per_device_batch=2', 'steps=6', 'run_name=ref'),
-                    jax.devices()[:8])
-    train.run(tiny(tmp_path, 'mesh=8,1,1', 'per_device_batch=2', 'steps=3'), jax.devices()[:8])
-    train.run(tiny(tmp_path, 'mesh=2,2,2', 'per_device_batch=2', 'steps=6'), jax.devices()[:8])
-    got = [json.loads(r)['loss'] for r in open(tmp_path / 'default' / 'metrics.jsonl')]
-    want = [json.loads(r)['loss'] for r in open(os.path.join(ref['run_dir'], 'metrics.jsonl'))]
+    """Saved on mesh=8,1,1 at step 3, resumed on mesh=2,2,2: steps 4-6 match the run that never moved."""
+    ref = train.run(tiny(tmp_path, 'mesh=8,1,1', 'per_device_batch=2', 'steps=6', 'checkpoint_every=3',
+                         'run_name=ref'), jax.devices()[:8])
+    shutil.copytree(os.path.join(ref['run_dir'], 'checkpoints', '3'), tmp_path / 'moved' / 'checkpoints' / '3')
+    train.run(tiny(tmp_path, 'mesh=2,2,2', 'per_device_batch=2', 'steps=6', 'run_name=moved'), jax.devices()[:8])
+    got = [json.loads(r)['loss'] for r in open(tmp_path / 'moved' / 'metrics.jsonl')]
+    want = [json.loads(r)['loss'] for r in open(os.path.join(ref['run_dir'], 'metrics.jsonl'))][3:]
+    assert len(got) == 3
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
@@ -127,19 +129,17 @@ def test_shape_mismatch_and_load_params(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, a, b['params'])  # lr 0: one step leaves them as loaded
 
 
-def test_resume_false_moves_old_run_aside(tmp_path):
-    train.run(tiny(tmp_path, 'steps=2'), jax.devices()[:1])
-    s = train.run(tiny(tmp_path, 'steps=2', 'resume=false'), jax.devices()[:1])
+def test_eval_mode_and_resume_false(tmp_path):
+    with pytest.raises(train.ConfigError, match='mode=eval needs trained parameters'):
+        train.run(tiny(tmp_path, 'mode=eval', 'eval_batches=1'), jax.devices()[:1])
+    s = train.run(tiny(tmp_path, 'steps=2', 'eval_batches=1'), jax.devices()[:1])
+    e = train.run(tiny(tmp_path, 'steps=2', 'mode=eval', 'eval_batches=1'), jax.devices()[:1])
+    assert e['step'] == 2 and abs(e['eval_loss'] - s['eval_loss']) < 1e-6
+    # resume=false starts again from step 0 and keeps the earlier run, renamed.
+    s = train.run(tiny(tmp_path, 'steps=1', 'resume=false'), jax.devices()[:1])
     names = os.listdir(s['run_dir'])
     assert any(n.startswith('checkpoints.replaced-') for n in names) and 'checkpoints' in names
-
-
-def test_eval_mode_reads_the_checkpoint(tmp_path):
-    s = train.run(tiny(tmp_path, 'steps=2'), jax.devices()[:1])
-    e = train.run(tiny(tmp_path, 'steps=2', 'mode=eval'), jax.devices()[:1])
-    assert e['step'] == 2 and abs(e['eval_loss'] - s['eval_loss']) < 1e-6
-    with pytest.raises(train.ConfigError, match='mode=eval needs trained parameters'):
-        train.run(tiny(tmp_path, 'mode=eval', 'run_name=empty'), jax.devices()[:1])
+    assert [json.loads(r)['step'] for r in open(os.path.join(s['run_dir'], 'metrics.jsonl'))] == [1]
 
 
 def test_skip_nonfinite_steps(tmp_path, capsys):

@@ -16,7 +16,7 @@ from conftest import ROOT
 
 BASE = os.path.join(ROOT, 'base.yml')
 TINY = ['d_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2', 'mlp_dim=128', 'max_target_length=32',
-        'vocab_size=128', 'dataset=synthetic', 'dtype=float32', 'log_every=1', 'eval_every=0', 'eval_batches=1',
+        'vocab_size=128', 'dataset=synthetic', 'dtype=float32', 'log_every=1', 'eval_every=0', 'eval_batches=0',
         'prefetch=0']
 
 
@@ -35,7 +35,8 @@ def logged_losses(summary):
 def test_mesh_invariance(tmp_path, scan):
     """The same global batch on 1, 8 and 32 devices gives the same losses (float32, 1e-5 relative)."""
     runs = {}
-    for mesh, pdb, n in [('1,1,1', 32, 1), ('2,2,2', 4, 8), ('4,4,2', 1, 32)]:
+    meshes = [('1,1,1', 32, 1), ('2,2,2', 4, 8), ('4,4,2', 1, 32)]
+    for mesh, pdb, n in meshes if scan == 'true' else meshes[::2]:  # unrolled layers: the two ends suffice
         cfg = tiny(tmp_path, f'mesh={mesh}', f'per_device_batch={pdb}', 'steps=5', f'scan_layers={scan}',
                    f'run_name=mesh{n}')
         runs[mesh] = logged_losses(train.run(cfg, jax.devices()[:n]))
