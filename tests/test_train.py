@@ -101,6 +101,17 @@ def test_clipping_clips(tmp_path):
             np.testing.assert_allclose(seen, float(out['grad_norm']), rtol=1e-4)
 
 
+def test_remat_policies_do_not_change_the_math(tmp_path):
+    b = {k: v[None] for k, v in _batch(tiny(tmp_path), 4).items()}
+    outs = {}
+    for remat in ('none', 'full', 'save_dots'):
+        mesh, state, step = _state_and_step(tiny(tmp_path, f'remat={remat}'))
+        with jax.set_mesh(mesh):
+            outs[remat] = step(state, b)[1]
+    for remat in ('full', 'save_dots'):
+        np.testing.assert_allclose(outs[remat]['grad_norm'], outs['none']['grad_norm'], rtol=1e-5)
+
+
 def test_learning_rate_schedule(tmp_path):
     cfg = tiny(tmp_path, 'learning_rate=1e-3', 'warmup_steps=10', 'steps=110', 'min_lr_ratio=0.1')
     _, schedule = train.make_optimizer(cfg)
@@ -225,6 +236,7 @@ def test_mesh_fill_and_mismatch(tmp_path):
     (['num_kv_heads=3'], 'num_heads=8 must be a multiple of num_kv_heads=3'),
     (['remat=some'], "remat='some': choose one of"),
     (['steps'], "argument 'steps' is not key=value"),
+    (['dataset=files', 'dataset_path=/nonexistent/*.txt'], "dataset_path='/nonexistent/*.txt' matches no files"),
 ])
 def test_cli_errors(args, expect):
     r = subprocess.run([sys.executable, 'train.py', 'base.yml'] + args, cwd=ROOT, capture_output=True, text=True,
