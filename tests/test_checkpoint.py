@@ -46,13 +46,14 @@ def run_until(cmd, out, step, sig):
     """Start the trainer, wait until it has logged `step`, send `sig`; returns the process result."""
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
-    metrics, deadline = os.path.join(out, 'default', 'metrics.jsonl'), time.time() + 240
+    metrics, deadline = os.path.join(out, 'default', 'metrics.jsonl'), time.time() + 600
+    first_ckpt = os.path.join(out, 'default', 'checkpoints', '10')  # appears only once complete
     while time.time() < deadline and p.poll() is None:
-        if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= step:
+        if os.path.isdir(first_ckpt) and sum(1 for _ in open(metrics)) >= step:
             p.send_signal(sig)
             break
         time.sleep(0.005)
-    stdout, stderr = p.communicate(timeout=240)
+    stdout, stderr = p.communicate(timeout=600)
     return p.returncode, stdout, stderr
 
 
@@ -60,7 +61,7 @@ def run_until(cmd, out, step, sig):
 def reference(corpus, tmp_path_factory):
     """The uninterrupted run every interrupted one must reproduce exactly."""
     out = tmp_path_factory.mktemp('ref')
-    r = subprocess.run(cli(corpus, out), cwd=ROOT, capture_output=True, text=True, timeout=300,
+    r = subprocess.run(cli(corpus, out), cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
     assert r.returncode == 0, r.stderr
     return losses(out)
@@ -75,7 +76,7 @@ def test_interrupted_run_resumes_exactly(corpus, reference, tmp_path, sig):
         assert code == 75 and 'saved checkpoint at step' in err, err
         saved = int(err.split('saved checkpoint at step ')[1].split()[0])
         assert saved in [int(s) for s in os.listdir(tmp_path / 'default' / 'checkpoints')]
-    r = subprocess.run(cli(corpus, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=300,
+    r = subprocess.run(cli(corpus, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
     assert r.returncode == 0, r.stderr
     start = int(r.stdout.split('resuming from checkpoint ')[1].split()[0].rsplit('/', 1)[1])
