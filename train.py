@@ -407,6 +407,8 @@ def host_rss_gb():
 
 
 def device_peak_memory_gb(device):
+    if device.process_index != jax.process_index():  # on multi-host runs only local devices report memory
+        device = jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
     return stats.get('peak_bytes_in_use', 0) / 2 ** 30 if stats else None
 
