@@ -523,9 +523,12 @@ def init_distributed():
             raise ConfigError('JAX_PROCESS_COUNT and JAX_PROCESS_INDEX must be integers') from None
         jax.distributed.initialize(os.environ['JAX_COORDINATOR_ADDRESS'], count, index)
         return
-    from jax._src import cloud_tpu_init  # set at import when this host has TPU chips and libtpu
+    try:  # JAX sets this at import when the host has TPU chips and libtpu; the pod's hosts come from metadata
+        from jax._src.cloud_tpu_init import running_in_cloud_tpu_vm as tpu_vm
+    except ImportError:
+        tpu_vm = False
     slurm = 'SLURM_JOB_ID' in os.environ and int(os.environ.get('SLURM_NTASKS', '1')) > 1
-    if slurm or getattr(cloud_tpu_init, 'running_in_cloud_tpu_vm', False):
+    if slurm or tpu_vm:
         jax.distributed.initialize()
 
 
@@ -585,9 +588,10 @@ def compile_for_topology(cfg):
         from jax.experimental import topologies
         devices = topologies.get_topology_desc(topology_name=topology, platform='tpu',
                                                chip_config_name=chips).devices
-    except Exception as e:  # no libtpu: jax raises a plain RuntimeError/ValueError about the plugin
-        raise ConfigError(f'compile_topology={cfg.compile_topology} needs the libtpu wheel (pip install -r '
-                          f'tests/requirements.txt): {str(e).splitlines()[0][:200]}') from None
+    except Exception as e:  # no libtpu, or another process holding it: a plain RuntimeError/ValueError
+        raise ConfigError(f'compile_topology={cfg.compile_topology}: libtpu cannot describe the slice (is the '
+                          f'wheel installed? pip install -r tests/requirements.txt): {str(e).splitlines()[0][:200]}'
+                          ) from None
     GB = lambda b: f'{b / GiB:.2f} GiB'
     log(f'AOT compile for {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {GB(hbm)} HBM each')
     warn_tpu_dims(cfg)
