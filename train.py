@@ -407,6 +407,8 @@ def host_rss_gb():
 
 
 def device_peak_memory_gb(device):
+    if device.process_index != jax.process_index():  # on multi-host runs only local devices report memory
+        device = jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
     return stats.get('peak_bytes_in_use', 0) / 2 ** 30 if stats else None
 
@@ -493,6 +495,152 @@ def restore_checkpoint(mngr, abstract, mesh, steps=None, params_only=False):
 
 
 # ==================================================================================================
+# Hardware: multi-host start, TPU shape advice, the batch ramp, and the AOT fit check for TPU slices.
+# ==================================================================================================
+GiB = 2 ** 30
+TPU_SLICES = {  # slice name: (libtpu topology, chip config, HBM per JAX device). DESIGN.md section 3.
+    'v2-8': ('v2:2x2', 'default', 8 * GiB), 'v3-8': ('v3:2x2', 'default', 16 * GiB),
+    'v4-8': ('v4:2x2x1', 'megacore', 32 * GiB), 'v4-32': ('v4:2x2x4', 'megacore', 32 * GiB),
+    'v4-64': ('v4:2x4x4', 'megacore', 32 * GiB), 'v5e-8': ('v5e:2x4', 'default', 16 * GiB),
+    'v5p-8': ('v5p:2x2x1', 'megacore', 95 * GiB), 'v6e-8': ('v6e:2x4', 'default', 32 * GiB),
+}
+DOES_NOT_FIT = 4  # exit code of compile_topology when the step needs more HBM than the slice has
+
+
+def init_distributed():
+    """Join a multi-process JAX system before any device is touched. Explicit JAX_* variables win;
+    otherwise only where JAX can detect the cluster itself (SLURM with several tasks, a Cloud TPU VM),
+    since initialize() with no arguments on a plain machine has nothing to find."""
+    names = ('JAX_COORDINATOR_ADDRESS', 'JAX_PROCESS_COUNT', 'JAX_PROCESS_INDEX')
+    given = [n for n in names if os.environ.get(n)]
+    if given and len(given) < len(names):
+        missing = ', '.join(n for n in names if n not in given)
+        raise ConfigError(f'{", ".join(given)} set but {missing} not: set all three for a multi-process run, or none')
+    if given:
+        try:
+            count, index = int(os.environ['JAX_PROCESS_COUNT']), int(os.environ['JAX_PROCESS_INDEX'])
+        except ValueError:
+            raise ConfigError('JAX_PROCESS_COUNT and JAX_PROCESS_INDEX must be integers') from None
+        jax.distributed.initialize(os.environ['JAX_COORDINATOR_ADDRESS'], count, index)
+        return
+    try:  # JAX sets this at import when the host has TPU chips and libtpu; the pod's hosts come from metadata
+        from jax._src.cloud_tpu_init import running_in_cloud_tpu_vm as tpu_vm
+    except ImportError:
+        tpu_vm = False
+    slurm = 'SLURM_JOB_ID' in os.environ and int(os.environ.get('SLURM_NTASKS', '1')) > 1
+    if slurm or tpu_vm:
+        jax.distributed.initialize()
+
+
+def validate_hardware(cfg):
+    if cfg.compile_topology and cfg.compile_topology not in TPU_SLICES:
+        raise ConfigError(f'compile_topology={cfg.compile_topology}: choose one of {", ".join(TPU_SLICES)}')
+    if not 0 <= cfg.batch_ramp_start <= cfg.grad_accum or (cfg.batch_ramp_start and cfg.batch_ramp_every <= 0):
+        raise ConfigError(f'batch_ramp_start={cfg.batch_ramp_start} batch_ramp_every={cfg.batch_ramp_every}: the '
+                          f'ramp starts at 1..grad_accum={cfg.grad_accum} microbatches and doubles every >0 steps')
+
+
+def warn_tpu_dims(cfg):
+    """The TPU MXU works on 128 x 128 tiles: other sizes pad and waste compute, silently."""
+    sizes = {'d_model': cfg.d_model, 'mlp_dim': cfg.mlp_dim, 'vocab_size': cfg.vocab_size,
+             'num_heads x head dim': cfg.num_heads * model_lib.dims(cfg)}
+    odd = [f'{k}={v}' for k, v in sizes.items() if v % 128]
+    if odd:
+        log(f'WARNING: on TPU, {", ".join(odd)} not a multiple of 128 (the MXU tile): pad them up to one '
+            '(change d_model / mlp_dim / vocab_size / num_heads or head_dim)')
+
+
+def accum_at(cfg, step):
+    """Microbatches in update `step` (0-based). The ramp grows the batch through accumulation, so the
+    microbatch shape never changes and each distinct count compiles once."""
+    if not cfg.batch_ramp_start:
+        return cfg.grad_accum
+    return min(cfg.grad_accum, cfg.batch_ramp_start * 2 ** (step // cfg.batch_ramp_every))
+
+
+def memory_estimate(cfg, abstract, mesh):
+    """Per-device bytes predicted from the config, to set beside the compiler's figures: the state as
+    sharded, float32 gradients, and the activations one microbatch keeps for the backward pass."""
+    shard = lambda x, size=None: math.prod(x.sharding.shard_shape(x.shape)) * (size or x.dtype.itemsize)
+    params = sum(shard(x) for x in jax.tree.leaves(abstract['params']))
+    splits = lambda logical, shape: math.prod(mesh.shape[a] for s in mesh_spec(logical, shape, cfg, mesh)
+                                             for a in ((s,) if isinstance(s, str) else s or ()))
+    L, D, F, H, G, K = (cfg.max_target_length, cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads,
+                        model_lib.dims(cfg))
+    rows = cfg.per_device_batch * mesh.size
+    tokens = rows * L / splits(('batch', 'length'), (rows, L))
+    t = splits(('heads',), (H,))
+    per_layer = {  # values kept per token per layer, in the compute dtype
+        'full': D,  # only the layer input; everything else is recomputed
+        'save_dots': 3 * D + ((H + 2 * G) * K + H * K + 2 * F) / t,
+        'none': 6 * D + (2 * (H + 2 * G) * K + H * K + 4 * F + 2 * H * L) / t}[cfg.remat]
+    acts = tokens * (cfg.num_layers * per_layer * jnp.dtype(cfg.dtype).itemsize
+                     + 3 * 4 * cfg.vocab_size / splits(('vocab',), (cfg.vocab_size,)))  # f32 logits, softmax, grad
+    return {'params': params, 'optimizer': sum(shard(x) for x in jax.tree.leaves(abstract['opt_state'])),
+            'gradients': sum(shard(x, 4) for x in jax.tree.leaves(abstract['params'])), 'activations': int(acts)}
+
+
+def compile_for_topology(cfg):
+    """compile_topology=v4-64: lower and compile the real train step for that TPU slice on this machine
+    (libtpu describes the chips; no TPU needed), and say whether it fits the slice's HBM. Nothing runs."""
+    topology, chips, hbm = TPU_SLICES[cfg.compile_topology]
+    try:
+        from jax.experimental import topologies
+        devices = topologies.get_topology_desc(topology_name=topology, platform='tpu',
+                                               chip_config_name=chips).devices
+    except Exception as e:  # no libtpu, or another process holding it: a plain RuntimeError/ValueError
+        raise ConfigError(f'compile_topology={cfg.compile_topology}: libtpu cannot describe the slice (is the '
+                          f'wheel installed? pip install -r tests/requirements.txt): {str(e).splitlines()[0][:200]}'
+                          ) from None
+    GB = lambda b: f'{b / GiB:.2f} GiB'
+    log(f'AOT compile for {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {GB(hbm)} HBM each')
+    warn_tpu_dims(cfg)
+    mesh = make_mesh(cfg, devices)
+    model, (tx, _) = model_lib.Transformer(cfg), make_optimizer(cfg)
+    _, state_sh, abstract = state_layout(cfg, mesh, model, tx)
+    est = memory_estimate(cfg, abstract, mesh)
+    n_params = sum(x.size for x in jax.tree.leaves(abstract['params']))
+    log(f'model: {n_params / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}; estimate per device: '
+        + ', '.join(f'{k} {GB(v)}' for k, v in est.items()) + f' (remat={cfg.remat}) = {GB(sum(est.values()))}')
+    rows, L = cfg.per_device_batch * len(devices), cfg.max_target_length
+    step_sh = NamedSharding(mesh, P(None, *mesh_spec(('batch', 'length'), (rows, L), cfg, mesh)))
+    batch = {k: jax.ShapeDtypeStruct((cfg.grad_accum, rows, L), jnp.float32 if k == 'loss_mask' else jnp.int32,
+                                     sharding=step_sh)
+             for k in ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')}
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(cfg)):
+        lowered = jax.jit(make_train_step(cfg, model, tx), in_shardings=(state_sh, step_sh),
+                          out_shardings=(state_sh, None), donate_argnums=0).lower(abstract, batch)
+    try:
+        m = lowered.compile().memory_analysis()
+        # Donated state buffers are reused for the new state (alias), so they count once.
+        need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+        memory = {k: getattr(m, f'{k}_size_in_bytes') for k in ('argument', 'temp', 'output', 'alias')}
+        fits = need <= hbm
+        log(f'compiled in {time.perf_counter() - t0:.1f}s; per device: arguments (params + optimizer state + '
+            f'batch) {GB(m.argument_size_in_bytes)}, temporaries {GB(m.temp_size_in_bytes)}, outputs '
+            f'{GB(m.output_size_in_bytes)} ({GB(m.alias_size_in_bytes)} reusing donated arguments) = {GB(need)} '
+            f'of {GB(hbm)} HBM: {"fits" if fits else "does not fit"}')
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program over its HBM
+        if 'RESOURCE_EXHAUSTED' not in str(e):
+            raise
+        need, memory, fits = None, None, False
+        log(f'compiler: {str(e).splitlines()[0]}\nper device: more than the {GB(hbm)} HBM: does not fit')
+    if not fits:
+        tips = [f'remat=full (now {cfg.remat}): keep only each layer input, recompute the rest'] \
+            if cfg.remat != 'full' else []
+        if cfg.per_device_batch > 1:
+            tips.append(f'per_device_batch={cfg.per_device_batch // 2} grad_accum={cfg.grad_accum * 2}: the same '
+                        'batch per update in half-size microbatches')
+        if 'fsdp' in mesh.shape and mesh.shape['fsdp'] < len(devices):
+            tips.append(f'more fsdp (now {mesh.shape["fsdp"]} of {len(devices)} devices), e.g. mesh=1,-1,1: '
+                        'parameters and optimizer state sharded over every device')
+        tips.append('or a smaller model (d_model, num_layers, mlp_dim) / a larger slice')
+        log('to fit, try: ' + '; '.join(tips))
+    return {'fits': fits, 'bytes_per_device': need, 'hbm_bytes': hbm, 'estimate': est, 'memory': memory}
+
+
+# ==================================================================================================
 # The run: everything above, in order.
 # ==================================================================================================
 def global_batch(local, sharding, rows):
@@ -543,7 +691,12 @@ def load_params(path, abstract, mesh, cfg):
 def run(cfg, devices=None):
     """Train (or evaluate) per cfg; returns the summary dict. `devices` lets tests use a subset."""
     validate(cfg)
+    validate_hardware(cfg)
+    if cfg.compile_topology:
+        return compile_for_topology(cfg)
     devices = devices or pick_devices(cfg)
+    if devices[0].platform == 'tpu':
+        warn_tpu_dims(cfg)
     mesh = make_mesh(cfg, devices)
     n_dev, n_proc, proc = len(devices), jax.process_count(), jax.process_index()
     run_dir = prepare_run_dir(cfg)
@@ -551,12 +704,15 @@ def run(cfg, devices=None):
     # ---- derived sizes, computed once and printed ----
     micro_rows = cfg.per_device_batch * n_dev            # examples per microbatch, whole system
     step_rows = micro_rows * cfg.grad_accum              # examples per optimizer update
-    local_rows = step_rows // n_proc                     # this process's share
+    local_micro = micro_rows // n_proc                   # this process's share of a microbatch
     L = cfg.max_target_length if cfg.task == 'lm' else 81
     log(f'devices: {n_dev} x {devices[0].device_kind} ({devices[0].platform}), {n_proc} process(es); '
         f'mesh {dict(mesh.shape)}')
     log(f'batch: {cfg.per_device_batch}/device x {n_dev} devices x {cfg.grad_accum} accum = {step_rows} '
         f'examples = {step_rows * L} tokens per step')
+    if cfg.batch_ramp_start:
+        log(f'batch ramp: {cfg.batch_ramp_start} accum at step 0, x2 every {cfg.batch_ramp_every} steps up to '
+            f'{cfg.grad_accum}')
 
     # ---- data ----
     ds = data.make_dataset(cfg, proc, n_proc)
@@ -633,10 +789,13 @@ def run(cfg, devices=None):
                 if threading.current_thread() is threading.main_thread() and not (n_proc > 1 and sig == signal.SIGTERM)}
 
     # ---- the loop ----
-    it = ds.train_iter(local_rows, state=data_state)
-    A = cfg.grad_accum
-    to_device = lambda b: global_batch({k: v.reshape(A, -1, *v.shape[1:]) for k, v in b.items()},
-                                       step_sh, micro_rows)
+    # Data is read in microbatch units, so the batch ramp changes only how many a step takes.
+    it = ds.train_iter(local_micro, state=data_state)
+    def next_step(A):  # A microbatches as one [A, B, L] global batch
+        if cfg.batch_ramp_start and step % cfg.batch_ramp_every == 0:
+            log(f'batch ramp: step {step + 1} on: {A} x {micro_rows} = {A * micro_rows} examples per step')
+        mbs = [next(it) for _ in range(A)]
+        return global_batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, step_sh, micro_rows)
     summary, window, t_compile, skipped = {}, [], None, 0
     t_last, tokens_since, wait_last, timed_steps = time.perf_counter(), 0.0, 0.0, 0
     step = saved = int(state['step'])
@@ -644,7 +803,7 @@ def run(cfg, devices=None):
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             while step < cfg.steps:
                 t0 = time.perf_counter()
-                state, out = train_step(state, to_device(next(it)))
+                state, out = train_step(state, next_step(accum_at(cfg, step)))
                 step += 1
                 out = jax.device_get(out)  # waits for this step: losses are checked every step
                 if t_compile is None:
@@ -672,7 +831,7 @@ def run(cfg, devices=None):
                          'learning_rate': float(schedule(step - 1)), 'grad_norm': float(out['grad_norm']),
                          'tokens_per_sec': tps, 'tokens_per_sec_per_device': tps / n_dev,
                          'tflops_per_device': tps * flops_tok / n_dev / 1e12, 'mfu': tps * flops_tok / peak_total,
-                         'step_seconds': dt / max(timed_steps, 1),
+                         'step_seconds': dt / max(timed_steps, 1), 'tokens_per_step': float(out['tokens']),
                          'data_wait_fraction': (it.wait_seconds - wait_last) / dt, 'host_rss_gb': host_rss_gb()}
                     mem = device_peak_memory_gb(devices[0])
                     if mem is not None:
@@ -703,7 +862,7 @@ def run(cfg, devices=None):
         it.close()
         for sig, h in handlers.items():
             signal.signal(sig, h)
-    summary.update({'run_dir': run_dir, 'compile_seconds': t_compile})
+    summary.update({'run_dir': run_dir, 'compile_seconds': t_compile, 'step_variants': train_step._cache_size()})
     log('done: ' + json.dumps({k: summary.get(k) for k in ('step', 'loss', 'eval_loss', 'tokens_per_sec',
                                                            'mfu', 'compile_seconds', 'run_dir')}))
     log(f'checkpoints: {mngr.directory}; metrics: {run_dir}/metrics.jsonl '
@@ -716,7 +875,10 @@ def main(argv):
         print(__doc__.strip().splitlines()[0])
         return 0 if len(argv) >= 2 else 2
     try:
-        run(load_config(argv[1], argv[2:]))
+        cfg = load_config(argv[1], argv[2:])
+        init_distributed()
+        if run(cfg).get('fits') is False:
+            return DOES_NOT_FIT
     except (ConfigError, data.DataError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
