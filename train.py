@@ -513,7 +513,8 @@ _ST_DTYPES = {'F32': np.float32, 'BF16': jnp.bfloat16, 'F16': np.float16}
 
 def hf_names(cfg):
     """[(HF tensor name, our params path, index in the scanned layer stack or None, layout)]."""
-    out = [('model.embed_tokens.weight', ('embed',), None, None), ('model.norm.weight', ('final_norm', 'scale'), None, None)]
+    out = [('model.embed_tokens.weight', ('embed',), None, None),
+           ('model.norm.weight', ('final_norm', 'scale'), None, None)]
     if not cfg.tie_embeddings:
         out.append(('lm_head.weight', ('lm_head',), None, 'in'))
     for i in range(cfg.num_layers):
@@ -560,7 +561,9 @@ def export_hf(cfg, params, ds, out_dir):
         for k in path:
             w = w[k]
         w = w if i is None else w[i]
-        tensors[name] = w if how is None else (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
+        if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
+            w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
+        tensors[name] = w
     bos, eos = (ds.bos_id, ds.eos_id) if ds.tokenizer else (None, None)
     conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu',
             'attention_bias': False, 'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length,
@@ -627,7 +630,9 @@ def generate(cfg, params, prompt_BP, key):
     whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles once."""
     B, P = prompt_BP.shape
     N, V = cfg.max_new_tokens, cfg.vocab_size
-    model = model_lib.Transformer(Config(**{**cfg.__dict__, 'decode_len': P + N, 'remat': 'none'}))
+    # One query per step needs no recompute and no flash kernel: plain XLA attention over the cache.
+    model = model_lib.Transformer(Config(**{**cfg.__dict__, 'decode_len': P + N, 'remat': 'none',
+                                            'attention': 'xla'}))
 
     def sample(logits_BV, key):
         if cfg.temperature == 0:
