@@ -805,7 +805,7 @@ def run(cfg, devices=None):
         return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
 
     if cfg.mode == 'eval':
-        if not (restored or cfg.load_params):
+        if not (restored or cfg.load_params or cfg.load_hf):
             raise ConfigError(f'mode=eval needs trained parameters: set load_params=RUN_DIR, or run_name= a run '
                               f'with checkpoints (none in {run_dir}/checkpoints)')
         result = {'step': int(state['step']), **evaluate(state['params'])}
