@@ -68,6 +68,21 @@ def rope(x_BLHK, positions_BL, theta):
     return (x * jnp.cos(angles_BL1K) + rotated * jnp.sin(angles_BL1K)).astype(x_BLHK.dtype)
 
 
+def kv_cache(module, k_BLGK, v_BLGK, positions_BL, T):
+    """Generation: write this call's keys/values into a [B, T, G, K] cache at their positions (all rows
+    share positions) and let each query see every cached slot at or before its own position. A prompt
+    fills many slots at once (prefill); a decode step fills one, so a new token costs one position.
+    Under nn.scan the 'cache' collection is stacked like the params: [layers, B, T, G, K]."""
+    B, _, G, K = k_BLGK.shape
+    start = (0, positions_BL[0, 0], 0, 0)
+    ck = module.variable('cache', 'k', jnp.zeros, (B, T, G, K), k_BLGK.dtype)
+    cv = module.variable('cache', 'v', jnp.zeros, (B, T, G, K), v_BLGK.dtype)
+    ck.value = jax.lax.dynamic_update_slice(ck.value, k_BLGK, start)
+    cv.value = jax.lax.dynamic_update_slice(cv.value, v_BLGK, start)
+    mask_B1LT = (jnp.arange(T)[None, None, :] <= positions_BL[:, :, None])[:, None]
+    return ck.value, cv.value, mask_B1LT
+
+
 class Attention(nn.Module):
     cfg: Any
 
@@ -85,6 +100,9 @@ class Attention(nn.Module):
         v_BLGK = dot('bld,dgk->blgk', x_BLD, w_DGK_v, dt)
         # Tokens attend only within their own packed document (segment); padding is segment 0.
         mask_B1LL = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
+        if getattr(cfg, 'decode_len', 0):  # generation only (train.generate); training never sets it
+            k_BLGK, v_BLGK, mask_B1LL = kv_cache(self, k_BLGK, v_BLGK, positions_BL, cfg.decode_len)
+            causal = False  # the cache mask already holds causality
         # GQA: dot_product_attention shares each kv head across H/G query heads itself.
         out_BLHK = jax.nn.dot_product_attention(
             q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=causal, implementation=cfg.attention)
@@ -133,7 +151,7 @@ class Trunk(nn.Module):
         if cfg.remat != 'none':
             block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:
-            stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
+            stack = nn.scan(block, variable_axes={'params': 0, 'cache': 0}, split_rngs={'params': True},
                             in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
                             metadata_params={nn.PARTITION_NAME: 'layers'})
             x_BLD, _ = stack(cfg, self.causal, name='layers')(x_BLD, positions_BL, segment_ids_BL)

@@ -138,7 +138,8 @@ def load_config(path, overrides=()):
     return cfg
 
 
-CHOICES = {'task': ('lm', 'sudoku'), 'mode': ('train', 'eval'), 'remat': ('none', 'full', 'save_dots'),
+CHOICES = {'task': ('lm', 'sudoku'), 'mode': ('train', 'eval', 'export', 'generate'),
+           'remat': ('none', 'full', 'save_dots'),
            'dtype': ('float32', 'bfloat16', 'float16'), 'weight_dtype': ('float32', 'bfloat16'),
            'attention': ('xla', 'cudnn'), 'dataset': ('stdlib', 'files', 'tfds', 'synthetic'),
            'platform': ('', 'cpu', 'gpu', 'tpu')}
@@ -641,6 +642,197 @@ def compile_for_topology(cfg):
 
 
 # ==================================================================================================
+# Hugging Face Llama export and import (numpy only: no torch), and text generation with a KV cache.
+# ==================================================================================================
+# Our layer parameter -> HF tensor under model.layers.{i}. HF Linear weights are [out, in]; ours keep the
+# input axis first ('in': wq [D,H,K]) or the output axis last ('out': wo [H,K,D]). Both use rotate-half
+# RoPE, so q and k need no permutation.
+_HF_LAYER = (('self_attn.q_proj', ('attn', 'wq'), 'in'), ('self_attn.k_proj', ('attn', 'wk'), 'in'),
+             ('self_attn.v_proj', ('attn', 'wv'), 'in'), ('self_attn.o_proj', ('attn', 'wo'), 'out'),
+             ('mlp.gate_proj', ('mlp', 'w_gate'), 'in'), ('mlp.up_proj', ('mlp', 'w_up'), 'in'),
+             ('mlp.down_proj', ('mlp', 'w_down'), 'out'), ('input_layernorm', ('attn_norm', 'scale'), None),
+             ('post_attention_layernorm', ('mlp_norm', 'scale'), None))
+_HF_KEYS = {'d_model': 'hidden_size', 'mlp_dim': 'intermediate_size', 'num_heads': 'num_attention_heads',
+            'num_kv_heads': 'num_key_value_heads', 'head_dim': 'head_dim', 'num_layers': 'num_hidden_layers',
+            'vocab_size': 'vocab_size', 'norm_eps': 'rms_norm_eps', 'rope_theta': 'rope_theta',
+            'tie_embeddings': 'tie_word_embeddings'}
+_ST_DTYPES = {'F32': np.float32, 'BF16': jnp.bfloat16, 'F16': np.float16}
+
+
+def hf_names(cfg):
+    """[(HF tensor name, our params path, index in the scanned layer stack or None, layout)]."""
+    out = [('model.embed_tokens.weight', ('embed',), None, None),
+           ('model.norm.weight', ('final_norm', 'scale'), None, None)]
+    if not cfg.tie_embeddings:
+        out.append(('lm_head.weight', ('lm_head',), None, 'in'))
+    for i in range(cfg.num_layers):
+        layer, idx = ('layers', i) if cfg.scan_layers else (f'layers_{i}', None)
+        out += [(f'model.layers.{i}.{hf}.weight', ('trunk', layer, *ours), idx, how) for hf, ours, how in _HF_LAYER]
+    return out
+
+
+def write_safetensors(path, tensors):
+    """The safetensors format: 8-byte little-endian header size, a JSON header (dtype, shape, byte range of
+    each tensor) padded with spaces to a multiple of 8 so the data stays aligned, then the raw bytes."""
+    names = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+    header, offset = {'__metadata__': {'format': 'pt'}}, 0  # transformers wants format=pt
+    for name, w in tensors.items():
+        header[name] = {'dtype': names[w.dtype], 'shape': list(w.shape), 'data_offsets': [offset, offset + w.nbytes]}
+        offset += w.nbytes
+    raw = json.dumps(header, separators=(',', ':')).encode()
+    raw += b' ' * (-len(raw) % 8)
+    with open(path, 'wb') as f:
+        f.write(struct.pack('<Q', len(raw)) + raw)
+        for w in tensors.values():
+            f.write(np.ascontiguousarray(w).tobytes())
+
+
+def read_safetensors(path):
+    with open(path, 'rb') as f:
+        header = json.loads(f.read(struct.unpack('<Q', f.read(8))[0]))
+        buf = f.read()
+    header.pop('__metadata__', None)
+    out = {}
+    for name, h in header.items():
+        if h['dtype'] not in _ST_DTYPES:
+            raise ConfigError(f'{path}: tensor {name} has dtype {h["dtype"]}; supported: {", ".join(_ST_DTYPES)}')
+        out[name] = np.frombuffer(buf[slice(*h['data_offsets'])], _ST_DTYPES[h['dtype']]).reshape(h['shape'])
+    return out
+
+
+def export_hf(cfg, params, ds, out_dir):
+    """mode=export: config.json, model.safetensors (weight dtype), tokenizer.model (+ tokenizer_config.json)."""
+    host = multihost_utils.process_allgather(params, tiled=True)  # whole arrays on every host
+    tensors = {}
+    for name, path, i, how in hf_names(cfg):
+        w = host
+        for k in path:
+            w = w[k]
+        w = w if i is None else w[i]
+        if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
+            w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
+        tensors[name] = w
+    bos, eos = (ds.bos_id, ds.eos_id) if ds.tokenizer else (None, None)
+    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu',
+            'attention_bias': False, 'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length,
+            'torch_dtype': cfg.weight_dtype, 'bos_token_id': bos, 'eos_token_id': eos,
+            **{hf: model_lib.dims(cfg) if ours == 'head_dim' else cfg[ours] for ours, hf in _HF_KEYS.items()}}
+    if jax.process_index() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        write_safetensors(os.path.join(out_dir, 'model.safetensors'), tensors)
+        with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+            json.dump(conf, f, indent=2)
+        if ds.tokenizer:
+            with open(os.path.join(out_dir, 'tokenizer.model'), 'wb') as f:
+                f.write(ds.tokenizer.serialized_model_proto())
+            piece = ds.tokenizer.id_to_piece
+            with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
+                json.dump({'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(bos), 'eos_token': piece(eos),
+                           'unk_token': piece(ds.tokenizer.unk_id()), 'add_bos_token': True, 'add_eos_token': False,
+                           'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
+                           'model_max_length': cfg.max_target_length}, f, indent=2)
+    log(f'exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face Llama checkpoint to {out_dir}'
+        + ('' if ds.tokenizer else ' (no tokenizer: dataset=synthetic has none)'))
+    return tensors
+
+
+def load_hf(path, abstract_params, cfg):
+    """load_hf=DIR: a Hugging Face Llama checkpoint -> our params in the run's shardings (fine-tuning)."""
+    if cfg.load_params:
+        raise ConfigError('load_params and load_hf are both set; keep one')
+    try:
+        with open(os.path.join(path, 'config.json')) as f:
+            conf = json.load(f)
+        tensors = read_safetensors(os.path.join(path, 'model.safetensors'))
+    except OSError as e:
+        raise ConfigError(f'load_hf={path}: cannot read {e.filename} ({e.strerror}); give a directory with '
+                          'config.json and one model.safetensors') from None
+    conf.setdefault('rope_theta', (conf.get('rope_parameters') or {}).get('rope_theta'))  # transformers 5 nests it
+    conf.setdefault('head_dim', conf.get('hidden_size', 0) // conf.get('num_attention_heads', 1))
+    conf.setdefault('tie_word_embeddings', False)  # LlamaConfig's default
+    for ours, hf in _HF_KEYS.items():
+        want = model_lib.dims(cfg) if ours == 'head_dim' else cfg[ours]
+        if not (conf.get(hf) == want or isinstance(want, float) and math.isclose(conf.get(hf) or 0, want)):
+            raise ConfigError(f'load_hf={path}: config.json has {hf}={conf.get(hf)} but {ours}={want}; '
+                              f'set {ours}={conf.get(hf)}')
+    for key, plain in (('hidden_act', 'silu'), ('attention_bias', False), ('mlp_bias', False), ('rope_scaling', None)):
+        if conf.get(key, plain) != plain:
+            raise ConfigError(f'load_hf={path}: {key}={conf[key]!r} is not supported (plain Llama: {plain!r})')
+    flat = {}
+    for name, p, i, how in hf_names(cfg):
+        if name not in tensors:
+            raise ConfigError(f'load_hf={path}: model.safetensors has no tensor {name}')
+        w = tensors[name] if how is None else tensors[name].T  # reshaped to our layout below
+        flat[p] = w if i is None else flat.get(p, []) + [w]
+
+    def place(keypath, a):
+        w = np.asarray(flat[tuple(k.key for k in keypath)])  # a list of layers stacks on a leading axis
+        return jax.device_put(w.reshape(a.shape).astype(a.dtype), a.sharding)
+    log(f'loaded Hugging Face checkpoint {path}')
+    return jax.tree_util.tree_map_with_path(place, abstract_params)
+
+
+def generate(cfg, params, prompt_BP, key):
+    """prompt [B, P] -> [B, max_new_tokens] sampled tokens. The prompt fills the KV cache in one pass
+    (prefill); then a jitted scan of single-token steps: each new token costs one position, not the
+    whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles once."""
+    B, P = prompt_BP.shape
+    N, V = cfg.max_new_tokens, cfg.vocab_size
+    # One query per step needs no recompute and no flash kernel: plain XLA attention over the cache.
+    model = model_lib.Transformer(Config(**{**cfg.__dict__, 'decode_len': P + N, 'remat': 'none',
+                                            'attention': 'xla'}))
+
+    def sample(logits_BV, key):
+        if cfg.temperature == 0:
+            return jnp.argmax(logits_BV, -1).astype(jnp.int32)
+        if 0 < cfg.top_k < V:
+            kth_B1 = jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:]
+            logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+        return jax.random.categorical(key, logits_BV / cfg.temperature).astype(jnp.int32)
+
+    def run_all(params, prompt_BP, key):
+        ones = lambda L: jnp.ones((B, L), jnp.int32)
+        logits_BPV, cache = model.apply({'params': params}, prompt_BP, jnp.arange(P) * ones(P), ones(P),
+                                        mutable=['cache'])
+        keys = jax.random.split(key, N)
+
+        def step(carry, key):  # feed the last sampled token, sample the next
+            cache, tok_B, pos = carry
+            logits_B1V, cache = model.apply({'params': params, **cache}, tok_B[:, None], pos * ones(1), ones(1),
+                                            mutable=['cache'])
+            return (cache, sample(logits_B1V[:, -1], key), pos + 1), tok_B
+
+        (_, last_B, _), toks_NB = jax.lax.scan(step, (cache, sample(logits_BPV[:, -1], keys[0]), P), keys[1:])
+        return jnp.concatenate([toks_NB.T, last_B[:, None]], axis=1)
+    return jax.jit(run_all)(params, jnp.asarray(prompt_BP, jnp.int32), key)
+
+
+def export_or_generate(cfg, params, ds, run_dir, mesh):
+    """mode=export / mode=generate on loaded parameters."""
+    if cfg.task != 'lm':
+        raise ConfigError(f'mode={cfg.mode} supports task=lm only (the sudoku solver is not wired in yet)')
+    if cfg.mode == 'export':
+        out_dir = cfg.export_dir or os.path.join(run_dir, 'hf')
+        export_hf(cfg, params, ds, out_dir)
+        return {'export_dir': out_dir}
+    if ds.tokenizer is None:
+        raise ConfigError('mode=generate needs a tokenizer: use a text dataset (dataset=synthetic has none)')
+    prompt = np.asarray([[ds.bos_id] + ds.tokenizer.encode(cfg.prompt)], np.int32)
+    if prompt.shape[1] + cfg.max_new_tokens > cfg.max_target_length:
+        log(f'WARNING: prompt + max_new_tokens = {prompt.shape[1] + cfg.max_new_tokens} tokens, more than the '
+            f'max_target_length={cfg.max_target_length} the model was trained on')
+    with jax.set_mesh(mesh):
+        tokens = np.asarray(generate(cfg, params, prompt, jax.random.key(cfg.seed)))[0].tolist()
+    tokens = tokens[:tokens.index(ds.eos_id)] if ds.eos_id in tokens else tokens  # eos ends the document
+    text = ds.tokenizer.decode(tokens)
+    log(f'prompt: {cfg.prompt}\ncontinuation: {text}')
+    if jax.process_index() == 0:
+        with open(os.path.join(run_dir, 'generation.txt'), 'w', newline='') as f:
+            f.write(text)
+    return {'prompt': cfg.prompt, 'tokens': tokens, 'generation': text, 'run_dir': run_dir}
+
+
+# ==================================================================================================
 # The run: everything above, in order.
 # ==================================================================================================
 def global_batch(local, sharding, rows):
@@ -741,11 +933,18 @@ def run(cfg, devices=None):
             state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=state_sh)(jax.random.key(cfg.seed))
         if cfg.load_params:
             state['params'] = load_params(cfg.load_params, abstract, mesh, cfg)
+        if cfg.load_hf:
+            state['params'] = load_hf(cfg.load_hf, abstract['params'], cfg)
     n_params = sum(x.size for x in jax.tree.leaves(state['params']))
     flops_tok = model_lib.flops_per_token(cfg)
     log(f'model: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOPs per token (train)')
     if cfg.print_sharding:
         log(sharding_table(state['params'], state_sh['params']))
+    if cfg.mode in ('export', 'generate'):  # issue 9: use the parameters, no training
+        if not (restored or cfg.load_params or cfg.load_hf):
+            raise ConfigError(f'mode={cfg.mode} needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, '
+                              f'or run_name= a run with checkpoints')
+        return export_or_generate(cfg, state['params'], ds, run_dir, mesh)
 
     batch_spec = mesh_spec(('batch', 'length'), (micro_rows, L), cfg, mesh)
     step_sh = NamedSharding(mesh, P(None, *batch_spec))   # [A, B, L]: microbatch axis unsharded
@@ -765,7 +964,7 @@ def run(cfg, devices=None):
         return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
 
     if cfg.mode == 'eval':
-        if not (restored or cfg.load_params):
+        if not (restored or cfg.load_params or cfg.load_hf):
             raise ConfigError(f'mode=eval needs trained parameters: set load_params=RUN_DIR, or run_name= a run '
                               f'with checkpoints (none in {run_dir}/checkpoints)')
         result = {'step': int(state['step']), **evaluate(state['params'])}

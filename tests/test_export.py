@@ -1,0 +1,128 @@
+"""Issue 9: Hugging Face Llama export / import (no torch) and KV-cache generation."""
+import json
+import os
+import struct
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import model as model_lib
+import train
+from test_data import VOCAB, write_corpus
+from test_train import tiny
+
+DEVICES = 4  # fsdp=4: export gathers sharded parameters, import places them back sharded
+
+
+def _greedy_full_recompute(cfg, params, prompt_BP, n):
+    """The reference: rerun the whole sequence for every new token, no cache. Causal, so a fixed padded
+    length (one compile) gives the same logits at each filled position."""
+    B, P = prompt_BP.shape
+    seq = np.zeros((B, P + n), np.int32)
+    seq[:, :P] = prompt_BP
+    pos = np.broadcast_to(np.arange(P + n), seq.shape)
+    logits = jax.jit(lambda p, s: model_lib.Transformer(cfg).apply({'params': p}, s, pos, np.ones_like(seq)))
+    for t in range(P, P + n):
+        seq[:, t] = np.argmax(np.asarray(logits(params, seq))[:, t - 1], -1)
+    return seq[:, P:]
+
+
+@pytest.mark.parametrize('scan,tie', [('true', 'false'), ('false', 'true')])
+def test_export_layout_and_round_trip(tmp_path, scan, tie):
+    """Exported names/shapes/dtypes are Llama's; re-import gives identical parameters and logits."""
+    keys = [f'scan_layers={scan}', f'tie_embeddings={tie}', 'seed=3']
+    cfg = tiny(tmp_path, *keys)
+    mesh = train.make_mesh(cfg, jax.devices()[:DEVICES])
+    model, tx = model_lib.Transformer(cfg), train.make_optimizer(cfg)[0]
+    ours = train.init_state(cfg, mesh, model, tx)[0]['params']  # sharded over fsdp=4
+    hf = str(tmp_path / 'hf')
+    train.export_hf(cfg, ours, train.data.make_dataset(cfg), hf)
+
+    # The safetensors header, parsed by hand: 8-byte size, JSON, 8-byte aligned, contiguous byte ranges.
+    with open(os.path.join(hf, 'model.safetensors'), 'rb') as f:
+        n = struct.unpack('<Q', f.read(8))[0]
+        header, body = json.loads(f.read(n)), f.read()
+    assert n % 8 == 0 and header.pop('__metadata__') == {'format': 'pt'}
+    D, F, V, H, G, K = 64, 128, 128, 4, 2, 16
+    want = {'model.embed_tokens.weight': [V, D], 'model.norm.weight': [D]}
+    if tie == 'false':
+        want['lm_head.weight'] = [V, D]
+    for i in range(2):
+        want.update({f'model.layers.{i}.self_attn.q_proj.weight': [H * K, D],
+                     f'model.layers.{i}.self_attn.k_proj.weight': [G * K, D],
+                     f'model.layers.{i}.self_attn.v_proj.weight': [G * K, D],
+                     f'model.layers.{i}.self_attn.o_proj.weight': [D, H * K],
+                     f'model.layers.{i}.mlp.gate_proj.weight': [F, D], f'model.layers.{i}.mlp.up_proj.weight': [F, D],
+                     f'model.layers.{i}.mlp.down_proj.weight': [D, F],
+                     f'model.layers.{i}.input_layernorm.weight': [D],
+                     f'model.layers.{i}.post_attention_layernorm.weight': [D]})
+    assert {k: h['shape'] for k, h in header.items()} == want
+    assert {h['dtype'] for h in header.values()} == {'F32'}
+    ranges = sorted(h['data_offsets'] for h in header.values())
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(body)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    conf = json.load(open(os.path.join(hf, 'config.json')))
+    assert conf['model_type'] == 'llama' and conf['num_key_value_heads'] == G and conf['head_dim'] == K
+    assert conf['tie_word_embeddings'] == (tie == 'true')
+
+    # Round trip: the same parameters in the same placement, so the same logits.
+    abstract = train.state_layout(cfg, mesh, model, tx)[2]
+    back = train.load_hf(hf, abstract['params'], cfg)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), ours, back)
+    assert jax.tree.map(lambda a: a.sharding.spec, ours) == jax.tree.map(lambda a: a.sharding.spec, back)
+    tokens = np.random.default_rng(0).integers(0, V, (2, 32)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(32), tokens.shape)
+    apply = jax.jit(lambda p: model_lib.Transformer(cfg).apply({'params': p}, tokens, pos, np.ones_like(tokens)))
+    np.testing.assert_array_equal(np.asarray(apply(ours)), np.asarray(apply(back)))
+
+    # A config that disagrees with the checkpoint is one line naming the key; so is a missing directory.
+    with pytest.raises(train.ConfigError, match='hidden_size=64 but d_model=32; set d_model=64'):
+        train.load_hf(hf, abstract['params'], tiny(tmp_path, *keys, 'd_model=32'))
+    with pytest.raises(train.ConfigError, match='cannot read .*config.json'):
+        train.load_hf(str(tmp_path / 'nope'), abstract['params'], cfg)
+
+
+@pytest.mark.parametrize('scan', ['true', 'false'])
+def test_kv_cache_generation_equals_full_recompute(tmp_path, scan):
+    """Greedy decoding with the cache gives the same tokens as recomputing the whole prefix each time."""
+    cfg = tiny(tmp_path, f'scan_layers={scan}', 'temperature=0', 'max_new_tokens=12')
+    model = model_lib.Transformer(cfg)
+    t = jnp.zeros((1, 8), jnp.int32)
+    params = nn.unbox(model.init(jax.random.key(1), t, t, t + 1)['params'])
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 5)).astype(np.int32)
+    got = np.asarray(train.generate(cfg, params, prompt, jax.random.key(0)))
+    np.testing.assert_array_equal(got, _greedy_full_recompute(cfg, params, prompt, 12))
+    if scan == 'false':
+        return
+    # Sampling with top_k=1 is greedy whatever the temperature.
+    hot = tiny(tmp_path, f'scan_layers={scan}', 'max_new_tokens=12', 'temperature=2.0', 'top_k=1')
+    np.testing.assert_array_equal(np.asarray(train.generate(hot, params, prompt, jax.random.key(0))), got)
+
+
+def test_cli_export_and_generate(tmp_path, capsys):
+    """On a text run: mode=export (here from load_hf) writes the same tensors plus the tokenizer;
+    mode=generate writes exactly the continuation to generation.txt."""
+    corpus = tmp_path / 'corpus'
+    write_corpus(corpus, 12, 'train', 0)
+    text = ['dataset=files', f'dataset_path={corpus}/*.txt', f'vocab_size={VOCAB}', f'cache_dir={tmp_path}/cache']
+    cfg = tiny(tmp_path, *text)
+    params = train.init_state(cfg, train.make_mesh(cfg, jax.devices()[:1]), model_lib.Transformer(cfg),
+                              train.make_optimizer(cfg)[0])[0]['params']
+    first, hf = str(tmp_path / 'first'), str(tmp_path / 'hf')
+    train.export_hf(cfg, params, train.data.make_dataset(cfg), first)
+    train.run(tiny(tmp_path, *text, 'mode=export', f'load_hf={first}', f'export_dir={hf}'), jax.devices()[:1])
+    assert sorted(os.listdir(hf)) == ['config.json', 'model.safetensors', 'tokenizer.model', 'tokenizer_config.json']
+    for name in os.listdir(hf):
+        assert open(os.path.join(hf, name), 'rb').read() == open(os.path.join(first, name), 'rb').read(), name
+    cfg = tiny(tmp_path, *text, 'mode=generate', f'load_hf={hf}', 'prompt=train 3\nab', 'temperature=0',
+               'max_new_tokens=16', 'run_name=gen')
+    out = train.run(cfg, jax.devices()[:1])
+    with open(os.path.join(out['run_dir'], 'generation.txt'), newline='') as f:
+        written = f.read()
+    tokenizer = train.data.make_dataset(cfg).tokenizer
+    assert written == out['generation'] == tokenizer.decode(out['tokens'])
+    assert tokenizer.eos_id() not in out['tokens'] and len(out['tokens']) <= 16
+    assert 'prompt: train 3\nab' in capsys.readouterr().out
