@@ -412,7 +412,7 @@ def make_eval_step(cfg, model):
 
 def sudoku_scores(preds_SBL, batch):
     """Host-side scoring of one eval batch: (exact solves per step [S], right blank cells per step [S],
-    blank cells, puzzles). Padding rows are skipped; givens are copied from the puzzle whatever the model
+    blank cells, puzzles, final digit grids [B, L]). Padding rows are skipped; givens are copied from the puzzle whatever the model
     said; a grid counts as solved only if it obeys the Sudoku rules and equals the label."""
     real = batch['segment_ids'][:, 0] > 0
     q_BL, a_BL = batch['inputs'][real] - 1, batch['targets'][real] - 1  # tokens -> digits, 0 = blank
@@ -421,7 +421,7 @@ def sudoku_scores(preds_SBL, batch):
     S, B = grids_SBL.shape[:2]
     valid_SB = data._valid_grids(grids_SBL.reshape(-1, data.SUDOKU_LEN)).reshape(S, B)
     exact_S = ((grids_SBL == a_BL).all(-1) & valid_SB).sum(1)
-    return exact_S, ((grids_SBL == a_BL) & blank_BL).sum((1, 2)), blank_BL.sum(), B
+    return exact_S, ((grids_SBL == a_BL) & blank_BL).sum((1, 2)), blank_BL.sum(), B, np.clip(grids_SBL[-1], 0, 9)
 
 
 # ==================================================================================================
@@ -720,6 +720,9 @@ def run(cfg, devices=None):
             scores = [sudoku_scores(gather(p), {k: gather(b[k]) for k in ('inputs', 'targets', 'segment_ids')})
                       for p, b in zip(sums, batches)]
             exact_S, cells_S, blanks, n = (sum(s[i] for s in scores) for i in range(4))
+            if cfg.mode == 'eval' and proc == 0:  # the answers themselves, givens as in the puzzle
+                data.write_sudoku_csv(os.path.join(run_dir, 'predictions.csv'), ds.eval_q,
+                                      np.concatenate([s[4] for s in scores])[:len(ds.eval_q)])
             return {'exact_accuracy': float(exact_S[-1] / max(n, 1)), 'cell_accuracy': float(cells_S[-1] / max(blanks, 1)),
                     'num_puzzles': int(n), 'decoder': 'trm', 'supervision_steps': cfg.trm.N_sup,
                     'exact_accuracy_per_step': [round(float(e / max(n, 1)), 4) for e in exact_S],
@@ -757,7 +760,7 @@ def run(cfg, devices=None):
     A = cfg.grad_accum
     to_device = lambda b: global_batch({k: v.reshape(A, -1, *v.shape[1:]) for k, v in b.items()},
                                        step_sh, micro_rows)
-    summary, window, t_compile, skipped = {}, [], None, 0
+    summary, window, extras, t_compile, skipped = {}, [], [], None, 0
     t_last, tokens_since, wait_last, timed_steps = time.perf_counter(), 0.0, 0.0, 0
     step = saved = int(state['step'])
     try:
@@ -784,6 +787,7 @@ def run(cfg, devices=None):
                         f'skip_nonfinite_steps={cfg.skip_nonfinite_steps})')
                 else:
                     window.append(float(out['loss']))
+                    extras.append({k: float(out[k]) for k in ('halt_rate', 'sup_steps', 'train_exact') if k in out})
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     now = time.perf_counter()
                     dt = max(now - t_last, 1e-9)
@@ -794,7 +798,7 @@ def run(cfg, devices=None):
                          'tflops_per_device': tps * flops_tok / n_dev / 1e12, 'mfu': tps * flops_tok / peak_total,
                          'step_seconds': dt / max(timed_steps, 1),
                          'data_wait_fraction': (it.wait_seconds - wait_last) / dt, 'host_rss_gb': host_rss_gb()}
-                    m.update({k: float(out[k]) for k in ('halt_rate', 'sup_steps', 'train_exact') if k in out})
+                    m.update({k: float(np.mean([e[k] for e in extras])) for k in (extras or [{}])[0]})  # TRM
                     mem = device_peak_memory_gb(devices[0])
                     if mem is not None:
                         m['device_peak_memory_gb'] = mem
@@ -810,7 +814,7 @@ def run(cfg, devices=None):
                         metrics_file.flush()
                         tb.scalars(step, {k: v for k, v in m.items() if k != 'step' and isinstance(v, (int, float))})
                     summary.update(m)
-                    window, t_last, tokens_since, wait_last, timed_steps = [], time.perf_counter(), 0.0, it.wait_seconds, 0
+                    window, extras, t_last, tokens_since, wait_last, timed_steps = [], [], time.perf_counter(), 0.0, it.wait_seconds, 0
                 preempted = caught or (n_proc > 1 and multihost_utils.reached_preemption_sync_point(step))
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
                     save_checkpoint(mngr, step, state, it, mesh)  # async: training goes on while it writes
