@@ -18,10 +18,14 @@ TINY = ['task=sudoku', 'd_model=32', 'num_layers=1', 'num_heads=2', 'num_kv_head
         'trm.T=2', 'trm.n=1', 'trm.N_sup=2', 'log_every=1', 'eval_every=0', 'eval_batches=1', 'prefetch=0']
 
 
-def cfg_for(tmp_path, *overrides):
+def args_for(tmp_path, *overrides):
     merged = dict(o.split('=', 1) for o in TINY + [f'output_dir={tmp_path}', f'cache_dir={tmp_path}/cache'] +
                   list(overrides))  # later wins
-    cfg = train.load_config(BASE, [f'{k}={v}' for k, v in merged.items()])
+    return [f'{k}={v}' for k, v in merged.items()]
+
+
+def cfg_for(tmp_path, *overrides):
+    cfg = train.load_config(BASE, args_for(tmp_path, *overrides))
     cfg.vocab_size = data.SUDOKU_VOCAB
     return cfg
 
@@ -113,12 +117,12 @@ def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys):
     data.write_sudoku_csv(path, q, a)
     common = [f'dataset_path={path}', f'eval_path={path}', 'augment=false', 'per_device_batch=4', 'd_model=64',
               'mlp_dim=128', 'learning_rate=3e-3', 'weight_decay=0', 'warmup_steps=10', 'trm.ema_decay=0.9',
-              'log_every=50']
-    s = train.run(cfg_for(tmp_path, *common, 'steps=250', 'checkpoint_every=0'), jax.devices()[:1])
-    assert s['train_exact'] == 1.0
+              'log_every=50', 'trm.halt_explore_prob=1']  # every puzzle trains both supervision steps
+    s = train.run(cfg_for(tmp_path, *common, 'steps=400', 'checkpoint_every=0', 'eval_every=400'), jax.devices()[:1])
+    assert s['eval_exact_accuracy'] == 1.0
     capsys.readouterr()
-    assert train.main(['train.py', BASE, *TINY, *common, f'output_dir={tmp_path}', f'cache_dir={tmp_path}/cache',
-                       'mode=eval', 'run_name=ev', f'load_params={s["run_dir"]}']) == 0
+    assert train.main(['train.py', BASE, *args_for(tmp_path, *common, 'mode=eval', 'run_name=ev',
+                                                    f'load_params={s["run_dir"]}')]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result['exact_accuracy'] == 1.0 and result['num_puzzles'] == 4 and result['decoder'] == 'trm'
     assert len(result['exact_accuracy_per_step']) == 2 and 0 < result['cell_accuracy'] <= 1
