@@ -412,8 +412,9 @@ def make_eval_step(cfg, model):
 
 def sudoku_scores(preds_SBL, batch):
     """Host-side scoring of one eval batch: (exact solves per step [S], right blank cells per step [S],
-    blank cells, puzzles, final digit grids [B, L]). Padding rows are skipped; givens are copied from the puzzle whatever the model
-    said; a grid counts as solved only if it obeys the Sudoku rules and equals the label."""
+    blank cells, puzzles, final digit grids [B, L]). Padding rows are skipped; givens are copied from the
+    puzzle whatever the model said; a grid counts as solved only if it obeys the Sudoku rules and equals
+    the label."""
     real = batch['segment_ids'][:, 0] > 0
     q_BL, a_BL = batch['inputs'][real] - 1, batch['targets'][real] - 1  # tokens -> digits, 0 = blank
     blank_BL = q_BL == 0
@@ -421,7 +422,8 @@ def sudoku_scores(preds_SBL, batch):
     S, B = grids_SBL.shape[:2]
     valid_SB = data._valid_grids(grids_SBL.reshape(-1, data.SUDOKU_LEN)).reshape(S, B)
     exact_S = ((grids_SBL == a_BL).all(-1) & valid_SB).sum(1)
-    return exact_S, ((grids_SBL == a_BL) & blank_BL).sum((1, 2)), blank_BL.sum(), B, np.clip(grids_SBL[-1], 0, 9)
+    cells_S = ((grids_SBL == a_BL) & blank_BL).sum((1, 2))
+    return exact_S, cells_S, blank_BL.sum(), B, np.clip(grids_SBL[-1], 0, 9)
 
 
 # ==================================================================================================
@@ -715,7 +717,7 @@ def run(cfg, devices=None):
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             params = state['ema'] if trm else state['params']
             sums = [eval_step(params, global_batch(b, eval_sh, micro_rows)) for b in batches]
-        if trm:  # scored on the host: every process gathers all rows (puzzles and predictions) in process order
+        if trm:  # scored on the host; every process gathers all rows (puzzles, predictions) in process order
             gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
             scores = [sudoku_scores(gather(p), {k: gather(b[k]) for k in ('inputs', 'targets', 'segment_ids')})
                       for p, b in zip(sums, batches)]
@@ -723,10 +725,11 @@ def run(cfg, devices=None):
             if cfg.mode == 'eval' and proc == 0:  # the answers themselves, givens as in the puzzle
                 data.write_sudoku_csv(os.path.join(run_dir, 'predictions.csv'), ds.eval_q,
                                       np.concatenate([s[4] for s in scores])[:len(ds.eval_q)])
-            return {'exact_accuracy': float(exact_S[-1] / max(n, 1)), 'cell_accuracy': float(cells_S[-1] / max(blanks, 1)),
-                    'num_puzzles': int(n), 'decoder': 'trm', 'supervision_steps': cfg.trm.N_sup,
-                    'exact_accuracy_per_step': [round(float(e / max(n, 1)), 4) for e in exact_S],
-                    'cell_accuracy_per_step': [round(float(c / max(blanks, 1)), 4) for c in cells_S]}
+            exact_S, cells_S = exact_S / max(n, 1), cells_S / max(blanks, 1)
+            return {'exact_accuracy': float(exact_S[-1]), 'cell_accuracy': float(cells_S[-1]), 'num_puzzles': int(n),
+                    'decoder': 'trm', 'supervision_steps': cfg.trm.N_sup,
+                    'exact_accuracy_per_step': [round(float(e), 4) for e in exact_S],
+                    'cell_accuracy_per_step': [round(float(c), 4) for c in cells_S]}
         loss = float(sum(s[0] for s in sums)) / max(float(sum(s[1] for s in sums)), 1.0)
         return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
 
@@ -734,8 +737,8 @@ def run(cfg, devices=None):
         if not (restored or cfg.load_params):
             raise ConfigError(f'mode=eval needs trained parameters: set load_params=RUN_DIR, or run_name= a run '
                               f'with checkpoints (none in {run_dir}/checkpoints)')
-        all_batches = -(-len(ds.eval_records) // (micro_rows // n_proc))  # the whole eval set
-        result = {'step': int(state['step']), **evaluate(state, all_batches if trm else cfg.eval_batches)}
+        n_batches = -(-len(ds.eval_records) // (micro_rows // n_proc)) if trm else cfg.eval_batches  # TRM: all
+        result = {'step': int(state['step']), **evaluate(state, n_batches)}
         if proc == 0:
             with open(os.path.join(run_dir, 'eval.json'), 'w') as f:
                 json.dump(result, f)
@@ -803,7 +806,7 @@ def run(cfg, devices=None):
                     if mem is not None:
                         m['device_peak_memory_gb'] = mem
                     if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                        m.update({('' if k.startswith('eval') else 'eval_') + k: v for k, v in evaluate(state).items()})
+                        m.update({k if k.startswith('eval') else f'eval_{k}': v for k, v in evaluate(state).items()})
                     if tokens_since == 0:  # only the compile step was in this window: no rate to report
                         for k in ('tokens_per_sec', 'tokens_per_sec_per_device', 'tflops_per_device', 'mfu',
                                   'step_seconds'):
@@ -814,7 +817,8 @@ def run(cfg, devices=None):
                         metrics_file.flush()
                         tb.scalars(step, {k: v for k, v in m.items() if k != 'step' and isinstance(v, (int, float))})
                     summary.update(m)
-                    window, extras, t_last, tokens_since, wait_last, timed_steps = [], [], time.perf_counter(), 0.0, it.wait_seconds, 0
+                    window, extras, t_last, tokens_since = [], [], time.perf_counter(), 0.0
+                    wait_last, timed_steps = it.wait_seconds, 0
                 preempted = caught or (n_proc > 1 and multihost_utils.reached_preemption_sync_point(step))
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
                     save_checkpoint(mngr, step, state, it, mesh)  # async: training goes on while it writes

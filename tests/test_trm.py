@@ -85,7 +85,8 @@ def test_carry_refills_halted_slots_and_halting_targets(tmp_path):
     cfg = cfg_for(tmp_path, 'trm.N_sup=3', 'trm.halt_explore_prob=0', 'trm.halt_loss_weight=0.5')
     new, old = puzzles(4, seed=1), puzzles(4, seed=2)
     carry = {'y': jnp.full((4, 81, 32), 5.0), 'z': jnp.zeros((4, 81, 32)), 'inputs': old['inputs'],
-             'targets': old['targets'], 'steps': jnp.array([7, 1, 2, 1]), 'halted': jnp.array([True, False, False, False])}
+             'targets': old['targets'], 'steps': jnp.array([7, 1, 2, 1]),
+             'halted': jnp.array([True, False, False, False])}
     # Slot 0 (refilled) and slot 1 are predicted exactly; slots 2 and 3 get one cell wrong.
     targets = jnp.concatenate([new['targets'][:1], old['targets'][1:]])
     logits = 20.0 * jax.nn.one_hot(targets.at[2:, 0].set(targets[2:, 0] % 10 + 1), 11)
