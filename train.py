@@ -643,7 +643,7 @@ def load_params(path, abstract, mesh, cfg, part='params'):
         raise ConfigError(f'load_params={path}: no readable checkpoint there; give a run directory or '
                           'its checkpoints/STEP directory')
     log(f'loaded {part} from {path}/{found[0]}')
-    return found[1]
+    return found[:2]
 
 
 def run(cfg, devices=None):
@@ -693,9 +693,10 @@ def run(cfg, devices=None):
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=state_sh)(jax.random.key(cfg.seed))
         if cfg.load_params and trm and cfg.mode == 'eval':  # TRM evaluates its EMA weights
-            state['ema'] = load_params(cfg.load_params, abstract, mesh, cfg, 'ema')
+            loaded_step, state['ema'] = load_params(cfg.load_params, abstract, mesh, cfg, 'ema')
+            state['step'] = jnp.int32(loaded_step)  # reported with the eval: which training step this is
         elif cfg.load_params:
-            state['params'] = load_params(cfg.load_params, abstract, mesh, cfg)
+            state['params'] = load_params(cfg.load_params, abstract, mesh, cfg)[1]
             if trm:
                 state['ema'] = state['params']
     n_params = sum(x.size for x in jax.tree.leaves(state['params']))
