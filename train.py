@@ -404,7 +404,7 @@ def make_eval_step(cfg, model):
         def sup(carry, fresh_B):
             y_BLD, z_BLD, logits_BLV, _ = model.apply({'params': params}, b['inputs'], b['positions'],
                                                       b['segment_ids'], *carry, fresh_B)
-            return (y_BLD, z_BLD), jnp.argmax(logits_BLV, axis=-1)
+            return (y_BLD.astype(jnp.float32), z_BLD.astype(jnp.float32)), jnp.argmax(logits_BLV, axis=-1)
         fresh_SB = jnp.zeros((cfg.trm.N_sup, B), bool).at[0].set(True)
         return jax.lax.scan(sup, (yz_BLD, yz_BLD), fresh_SB)[1]
     return trm_eval_step
