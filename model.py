@@ -2,7 +2,7 @@
 
 Shape letters used in names (x_BLD is a [batch, length, d_model] array):
   B batch   L length   D d_model   H query heads   G kv heads   K head dim
-  F mlp hidden   V vocab   A microbatches (train.py)
+  F mlp hidden   V vocab   A microbatches (train.py)   S supervision steps (TRM)
 
 Parameters carry *logical* axis names only ('embed', 'heads', 'mlp', ...). train.py maps them to mesh
 axes with the one table `logical_axis_rules` in base.yml; nothing here knows the mesh.
@@ -123,18 +123,44 @@ class MLP(nn.Module):
         return dot('blf,fd->bld', h_BLF, down_FD, dt)
 
 
+class TokenMLP(nn.Module):
+    """SwiGLU across the L positions instead of attention (TRM-MLP): for a fixed-size grid the mixing
+    pattern can be learned outright, which the TRM paper found best on Sudoku. Hidden width L x
+    mlp_dim / d_model, the same expansion as the channel MLP."""
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        cfg, dt, wdt = self.cfg, jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.weight_dtype)
+        L = x_BLD.shape[1]
+        F = L * cfg.mlp_dim // cfg.d_model
+        gate_LF = param(self, 'w_gate', (L, F), ('length', 'mlp'), L ** -0.5, wdt)
+        up_LF = param(self, 'w_up', (L, F), ('length', 'mlp'), L ** -0.5, wdt)
+        down_FL = param(self, 'w_down', (F, L), ('mlp', 'length'), F ** -0.5, wdt)
+        # Contract over L as the last axis of x: XLA's CPU dot has no bf16 x bf16 -> f32 kernel for the
+        # other layout.
+        x_BDL = jnp.swapaxes(x_BLD, 1, 2)
+        h_BDF = nn.silu(dot('bdl,lf->bdf', x_BDL, gate_LF, dt)) * dot('bdl,lf->bdf', x_BDL, up_LF, dt)
+        return jnp.swapaxes(dot('bdf,fl->bdl', h_BDF, down_FL, dt), 1, 2)
+
+
 class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). Signature fits nn.scan (carry, _)."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). Signature fits nn.scan (carry, _).
+    mixer='mlp' swaps attention for TokenMLP (fixed-length puzzles only)."""
     cfg: Any
     causal: bool = True
+    mixer: str = 'attention'
 
     @nn.compact
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
         cfg = self.cfg
         norm = lambda name: RMSNorm(cfg.norm_eps, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype), name=name)
         x_BLD = nn.with_logical_constraint(x_BLD, ('batch', 'length', None))
-        x_BLD = x_BLD + Attention(cfg, name='attn')(norm('attn_norm')(x_BLD), positions_BL, segment_ids_BL,
-                                                    self.causal)
+        if self.mixer == 'mlp':
+            x_BLD = x_BLD + TokenMLP(cfg, name='token_mlp')(norm('attn_norm')(x_BLD))
+        else:
+            x_BLD = x_BLD + Attention(cfg, name='attn')(norm('attn_norm')(x_BLD), positions_BL, segment_ids_BL,
+                                                        self.causal)
         x_BLD = x_BLD + MLP(cfg, name='mlp')(norm('mlp_norm')(x_BLD))
         return nn.with_logical_constraint(x_BLD, ('batch', 'length', None)), None
 
@@ -143,6 +169,7 @@ class Trunk(nn.Module):
     """The stack of blocks, scanned (one compiled layer, stacked params) or unrolled."""
     cfg: Any
     causal: bool = True
+    mixer: str = 'attention'
 
     @nn.compact
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
@@ -154,10 +181,10 @@ class Trunk(nn.Module):
             stack = nn.scan(block, variable_axes={'params': 0, 'cache': 0}, split_rngs={'params': True},
                             in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
                             metadata_params={nn.PARTITION_NAME: 'layers'})
-            x_BLD, _ = stack(cfg, self.causal, name='layers')(x_BLD, positions_BL, segment_ids_BL)
+            x_BLD, _ = stack(cfg, self.causal, self.mixer, name='layers')(x_BLD, positions_BL, segment_ids_BL)
         else:
             for i in range(cfg.num_layers):
-                x_BLD, _ = block(cfg, self.causal, name=f'layers_{i}')(x_BLD, positions_BL, segment_ids_BL)
+                x_BLD, _ = block(cfg, self.causal, self.mixer, name=f'layers_{i}')(x_BLD, positions_BL, segment_ids_BL)
         return x_BLD
 
 
@@ -184,9 +211,61 @@ class Transformer(nn.Module):
         return jnp.einsum('bld,dv->blv', x_BLD, head_DV.astype(dt), preferred_element_type=jnp.float32)
 
 
+class TRM(nn.Module):
+    """Tiny Recursive Model (Jolicoeur-Martineau 2025): one small bidirectional trunk `net` refines an
+    answer state y and a latent z, given the puzzle embedding x. One call is one supervision step:
+
+        T times:  n times z <- net(x + y + z);  then y <- net(y + z)
+
+    The first T-1 cycles run under stop_gradient (cheap deep recursion, no backprop memory); only the
+    last one learns. Returns the new (y, z) for the caller to carry (detached) into the next supervision
+    step, the logits read from y, and the halting logit q (q > 0: "this answer is right, stop")."""
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, inputs_BL, positions_BL, segment_ids_BL, y_BLD, z_BLD, fresh_B):
+        cfg, dt, wdt = self.cfg, jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.weight_dtype)
+        D, V = cfg.d_model, cfg.vocab_size
+        embed_VD = param(self, 'embed', (V, D), ('vocab', 'embed'), 1.0, wdt)
+        x_BLD = jnp.take(nn.with_logical_constraint(embed_VD, (None, None)), inputs_BL, axis=0).astype(dt)
+        # Fresh slots (new puzzles) start from learned initial states; others continue their carry.
+        y0_D = param(self, 'y_init', (D,), ('embed',), 1.0, wdt)
+        z0_D = param(self, 'z_init', (D,), ('embed',), 1.0, wdt)
+        y_BLD = jnp.where(fresh_B[:, None, None], y0_D.astype(dt), y_BLD.astype(dt))
+        z_BLD = jnp.where(fresh_B[:, None, None], z0_D.astype(dt), z_BLD.astype(dt))
+        trunk = Trunk(cfg, causal=False, mixer=cfg.trm.mixer, name='net')
+        # The trunk is pre-norm, so its residual stream would grow with every recursion; normalising the
+        # output keeps y and z at unit scale however deep the recursion goes (TRM uses post-norm for this).
+        out_norm = RMSNorm(cfg.norm_eps, dt, wdt, name='net_norm')
+        net = lambda h_BLD: out_norm(trunk(h_BLD, positions_BL, segment_ids_BL))
+
+        def cycle(y_BLD, z_BLD):
+            for _ in range(cfg.trm.n):
+                z_BLD = net(x_BLD + y_BLD + z_BLD)
+            return net(y_BLD + z_BLD), z_BLD
+
+        for _ in range(cfg.trm.T - 1):
+            y_BLD, z_BLD = cycle(y_BLD, z_BLD)
+        y_BLD, z_BLD = cycle(*jax.lax.stop_gradient((y_BLD, z_BLD)))  # gradient through this cycle only
+        head_DV = param(self, 'head', (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
+        logits_BLV = jnp.einsum('bld,dv->blv', y_BLD, head_DV.astype(dt), preferred_element_type=jnp.float32)
+        # Halting head on the mean of y (no prefix token here to read position 0 from); bias -5 makes the
+        # untrained model keep going (sigmoid(-5) ~ 0.007) instead of halting at random.
+        halt_D = param(self, 'halt', (D,), ('embed',), D ** -0.5, wdt)
+        halt_bias = self.param('halt_bias', nn.with_logical_partitioning(nn.initializers.constant(-5.0), ()), (), wdt)
+        q_B = jnp.mean(y_BLD.astype(jnp.float32), axis=1) @ halt_D.astype(jnp.float32) + halt_bias
+        return y_BLD, z_BLD, logits_BLV, q_B
+
+
 def flops_per_token(cfg):
     """Training FLOPs per token (forward + backward = 3x forward), counted as MaxText does: every matmul
-    including the LM head, plus attention scores and values (halved: causal masks half the square)."""
+    including the LM head, plus attention scores and values (halved: causal masks half the square).
+    TRM (per cell per supervision step): T(n+1) forward net calls, of which the last n+1 also run
+    backward (2x); attention is bidirectional over the 81 cells (TokenMLP is counted as attention)."""
     D, F, H, G, K, L = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, dims(cfg), cfg.max_target_length
+    if cfg.task == 'sudoku':
+        L, T, n = 81, cfg.trm.T, cfg.trm.n
+        per_layer = 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K
+        return (T * (n + 1) + 2 * (n + 1)) * cfg.num_layers * per_layer + 3 * 2 * D * cfg.vocab_size
     per_layer = 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K / 2
     return 3 * (cfg.num_layers * per_layer + 2 * D * cfg.vocab_size)

@@ -166,6 +166,12 @@ def validate(cfg):
                           f'names {len(cfg.mesh_axes)}')
     if cfg.mesh.count(-1) > 1 or any(m == 0 or m < -1 for m in cfg.mesh):
         raise ConfigError(f'mesh={",".join(map(str, cfg.mesh))}: use positive sizes and at most one -1')
+    t = cfg.trm
+    if t.mixer not in ('attention', 'mlp'):
+        raise ConfigError(f"trm.mixer={t.mixer!r}: choose one of 'attention', 'mlp'")
+    if min(t.T, t.n, t.N_sup) < 1 or not 0 <= t.ema_decay < 1 or not 0 <= t.halt_explore_prob <= 1:
+        raise ConfigError(f'trm: T={t.T}, n={t.n}, N_sup={t.N_sup} must be >= 1, ema_decay={t.ema_decay} in [0, 1), '
+                          f'halt_explore_prob={t.halt_explore_prob} in [0, 1]')
 
 
 # ==================================================================================================
@@ -256,12 +262,29 @@ def make_optimizer(cfg):
     return tx, schedule
 
 
+def trm_carry(cfg, A, B):
+    """The deep-supervision carry of task=sudoku, one slot per example row of the step ([A, B, ...]): its
+    puzzle, answer state y, latent z, supervision steps taken, and whether it halted (all start halted,
+    so the first step fills every slot). Boxed with logical axes so it shards over the batch like data."""
+    box = lambda x, *names: nn.LogicallyPartitioned(x, (None, 'batch', 'length', 'embed')[:len(names) + 2])
+    yz = jnp.zeros((A, B, data.SUDOKU_LEN, cfg.d_model), jnp.float32)
+    grid = jnp.zeros((A, B, data.SUDOKU_LEN), jnp.int32)
+    return {'y': box(yz, 1, 1), 'z': box(yz, 1, 1), 'inputs': box(grid, 1), 'targets': box(grid, 1),
+            'steps': box(jnp.zeros((A, B), jnp.int32)), 'halted': box(jnp.ones((A, B), bool))}
+
+
 def state_layout(cfg, mesh, model, tx):
     """(init function, shardings, abstract state): the state's shapes and placement, nothing allocated."""
     def init(rng):
         tokens = jnp.zeros((1, cfg.max_target_length), jnp.int32)
-        params = model.init(rng, tokens, tokens, tokens + 1)['params']
-        return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params)}
+        if cfg.task == 'lm':
+            params = model.init(rng, tokens, tokens, tokens + 1)['params']
+            return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params)}
+        tokens, yz = tokens[:, :data.SUDOKU_LEN], jnp.zeros((1, data.SUDOKU_LEN, cfg.d_model))
+        params = model.init(rng, tokens, tokens, tokens + 1, yz, yz, jnp.ones(1, bool))['params']
+        # The EMA and the carry are train state: checkpointed with it, so a resumed run continues exactly.
+        return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params), 'ema': params,
+                'carry': trm_carry(cfg, cfg.grad_accum, cfg.per_device_batch * mesh.size)}
 
     boxed = jax.eval_shape(init, jax.random.key(cfg.seed))
     shardings = shardings_for(boxed, cfg, mesh)
@@ -288,20 +311,63 @@ def loss_sums(model, params, mb):
     return jnp.sum(ce_BL * mb['loss_mask']), jnp.sum(mb['loss_mask'])
 
 
+def lm_loss(cfg, model, params, mb, carry, key):
+    """loss_sums in the step's shape: (loss sum, (sums: weight = the divisor, ...), carry)."""
+    loss, tokens = loss_sums(model, params, mb)
+    return loss, ({'weight': tokens, 'tokens': tokens}, carry)
+
+
+def trm_loss(cfg, model, params, mb, carry, key):
+    """One supervision step for every slot of the carry (deep supervision with a fixed-shape batch).
+
+    Slots that halted last step take this step's fresh example from `mb` and restart from y_init/z_init;
+    the others keep their puzzle and carry, so shapes never change and nothing recompiles. Loss per
+    slot: mean cell cross-entropy + halt_loss_weight x BCE(q, whole grid right)."""
+    t, fresh_B = cfg.trm, carry['halted']
+    pick = lambda new, old: jnp.where(fresh_B.reshape(-1, *[1] * (old.ndim - 1)), new, old)
+    inputs_BL, targets_BL = pick(mb['inputs'], carry['inputs']), pick(mb['targets'], carry['targets'])
+    steps_B = jnp.where(fresh_B, 0, carry['steps']) + 1
+    y_BLD, z_BLD, logits_BLV, q_B = model.apply({'params': params}, inputs_BL, mb['positions'],
+                                                mb['segment_ids'], carry['y'], carry['z'], fresh_B)
+    ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean(axis=1)
+    correct_B = jnp.all(jnp.argmax(logits_BLV, axis=-1) == targets_BL, axis=1)
+    halt_bce_B = optax.sigmoid_binary_cross_entropy(q_B, correct_B.astype(jnp.float32))
+    # Halt when the head says "right" (q > 0) or at N_sup. With halt_explore_prob a slot must first reach a
+    # random 2..N_sup steps, so the later supervision steps (and the halting head on them) get trained.
+    k_explore, k_steps = jax.random.split(key)
+    B = steps_B.shape[0]
+    explore_B = jax.random.uniform(k_explore, (B,)) < t.halt_explore_prob
+    min_steps_B = jnp.where(explore_B, jax.random.randint(k_steps, (B,), 2, t.N_sup + 1), 1)
+    halted_B = (steps_B >= t.N_sup) | ((q_B > 0) & (steps_B >= min_steps_B))
+    new_carry = {'y': jax.lax.stop_gradient(y_BLD).astype(jnp.float32),  # detached between supervision steps
+                 'z': jax.lax.stop_gradient(z_BLD).astype(jnp.float32), 'inputs': inputs_BL,
+                 'targets': targets_BL, 'steps': steps_B, 'halted': halted_B}
+    sums = {'weight': jnp.float32(B), 'tokens': jnp.float32(B * data.SUDOKU_LEN), 'halted': jnp.sum(halted_B),
+            'halt_steps': jnp.sum(jnp.where(halted_B, steps_B, 0)), 'exact': jnp.sum(correct_B)}
+    return jnp.sum(ce_B) + t.halt_loss_weight * jnp.sum(halt_bce_B), (sums, new_carry)
+
+
 def make_train_step(cfg, model, tx):
+    loss_fn = lm_loss if cfg.task == 'lm' else trm_loss
+
     def train_step(state, batch_ABL):
         params = state['params']
-        grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(model, p, mb), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, mb, c, k: loss_fn(cfg, model, p, mb, c, k), has_aux=True)
 
-        def micro(carry, mb):
-            grads, loss, tokens = carry
-            (l, t), g = grad_fn(params, mb)
-            return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), loss + l, tokens + t), None
+        def micro(acc, xs):
+            grads, loss = acc
+            mb, carry, key = xs
+            (l, (sums, carry)), g = grad_fn(params, mb, carry, key)
+            return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), loss + l), (sums, carry)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (grads, loss, tokens), _ = jax.lax.scan(micro, (zeros, 0.0, 0.0), batch_ABL)
-        # Sum-then-divide by all real tokens of the step: grad_accum=4 x batch 2 == grad_accum=1 x batch 8.
-        denom = jnp.maximum(tokens, 1.0)
+        # Random draws (TRM's halting exploration) are a function of (seed, step): resume stays exact.
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state['step']), cfg.grad_accum)
+        (grads, loss), (sums_A, carry) = jax.lax.scan(micro, (zeros, 0.0), (batch_ABL, state.get('carry'), keys))
+        sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums_A)
+        # Sum-then-divide by all real tokens (LM) / examples (TRM) of the step: grad_accum=4 x batch 2 ==
+        # grad_accum=1 x batch 8.
+        denom = jnp.maximum(sums['weight'], 1.0)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
         updates, opt_state = tx.update(grads, state['opt_state'], params)
         new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
@@ -310,14 +376,55 @@ def make_train_step(cfg, model, tx):
             ok = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
             new_state.update(params=keep(new_state['params'], params), opt_state=keep(opt_state, state['opt_state']))
-        return new_state, {'loss': loss / denom, 'grad_norm': optax.tree.norm(grads), 'tokens': tokens}
+        out = {'loss': loss / denom, 'grad_norm': optax.tree.norm(grads), 'tokens': sums['tokens']}
+        if cfg.task == 'sudoku':
+            new_state.update(carry=carry, ema=ema_update(cfg.trm.ema_decay, state['step'], state['ema'],
+                                                         new_state['params']))
+            out.update(halt_rate=sums['halted'] / denom, train_exact=sums['exact'] / denom,
+                       sup_steps=sums['halt_steps'] / jnp.maximum(sums['halted'], 1))
+        return new_state, out
     return train_step
 
 
-def make_eval_step(model):
-    def eval_step(params, batch_BL):
-        return loss_sums(model, params, batch_BL)
-    return eval_step
+def ema_update(decay, step, ema, params):
+    """ema <- d ema + (1 - d) params, with d = min(decay, (1 + step) / (10 + step)): early on the average
+    forgets the random init quickly instead of dragging it along for ~1/(1 - decay) steps."""
+    d = jnp.minimum(decay, (1.0 + step) / (10.0 + step))
+    return jax.tree.map(lambda e, p: (d * e + (1 - d) * p).astype(e.dtype), ema, params)
+
+
+def make_eval_step(cfg, model):
+    if cfg.task == 'lm':
+        return lambda params, batch_BL: loss_sums(model, params, batch_BL)
+
+    def trm_eval_step(params, b):
+        """All N_sup supervision steps from a fresh carry: predicted tokens after each, [S, B, L]."""
+        B = b['inputs'].shape[0]
+        yz_BLD = jnp.zeros((B, data.SUDOKU_LEN, cfg.d_model), jnp.float32)
+
+        def sup(carry, fresh_B):
+            y_BLD, z_BLD, logits_BLV, _ = model.apply({'params': params}, b['inputs'], b['positions'],
+                                                      b['segment_ids'], *carry, fresh_B)
+            return (y_BLD.astype(jnp.float32), z_BLD.astype(jnp.float32)), jnp.argmax(logits_BLV, axis=-1)
+        fresh_SB = jnp.zeros((cfg.trm.N_sup, B), bool).at[0].set(True)
+        return jax.lax.scan(sup, (yz_BLD, yz_BLD), fresh_SB)[1]
+    return trm_eval_step
+
+
+def sudoku_scores(preds_SBL, batch):
+    """Host-side scoring of one eval batch: (exact solves per step [S], right blank cells per step [S],
+    blank cells, puzzles, final digit grids [B, L]). Padding rows are skipped; givens are copied from the
+    puzzle whatever the model said; a grid counts as solved only if it obeys the Sudoku rules and equals
+    the label."""
+    real = batch['segment_ids'][:, 0] > 0
+    q_BL, a_BL = batch['inputs'][real] - 1, batch['targets'][real] - 1  # tokens -> digits, 0 = blank
+    blank_BL = q_BL == 0
+    grids_SBL = np.where(blank_BL, np.asarray(preds_SBL)[:, real] - 1, q_BL)
+    S, B = grids_SBL.shape[:2]
+    valid_SB = data._valid_grids(grids_SBL.reshape(-1, data.SUDOKU_LEN)).reshape(S, B)
+    exact_S = ((grids_SBL == a_BL).all(-1) & valid_SB).sum(1)
+    cells_S = ((grids_SBL == a_BL) & blank_BL).sum((1, 2))
+    return exact_S, cells_S, blank_BL.sum(), B, np.clip(grids_SBL[-1], 0, 9)
 
 
 # ==================================================================================================
@@ -459,10 +566,10 @@ def _flat_shapes(tree):
     return {tuple(map(name, path)): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def _check_shapes(mngr, step, abstract, params_only):
+def _check_shapes(mngr, step, abstract, part):
     """A checkpoint written by a different model config fails here with a message, not deep in orbax."""
     saved = mngr.item_metadata(step)['train_state']
-    saved = _flat_shapes(saved['params'] if params_only else saved)
+    saved = _flat_shapes(saved[part] if part else saved)
     for path, want in sorted(_flat_shapes(abstract).items(), key=lambda kv: kv[0][0] != 'params'):
         if saved.get(path) != want:
             raise ConfigError(f'checkpoint {mngr.directory}/{step} has {"/".join(path)} of shape {saved.get(path)}, '
@@ -470,19 +577,19 @@ def _check_shapes(mngr, step, abstract, params_only):
                               'or a new run_name / resume=false')
 
 
-def restore_checkpoint(mngr, abstract, mesh, steps=None, params_only=False):
-    """Newest readable checkpoint -> (step, state or params, this process's data state). An unreadable
-    (truncated, corrupted) checkpoint is reported and skipped for the one before it."""
+def restore_checkpoint(mngr, abstract, mesh, steps=None, part=None):
+    """Newest readable checkpoint -> (step, state or its `part` ('params', 'ema'), this process's data
+    state). An unreadable (truncated, corrupted) checkpoint is reported and skipped for the one before it."""
     for step in sorted(steps or mngr.all_steps(), reverse=True):
-        target = abstract['params'] if params_only else abstract
-        _check_shapes(mngr, step, target, params_only)
+        target = abstract[part] if part else abstract
+        _check_shapes(mngr, step, target, part)
         restore = lambda item, **kw: ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), **kw)
         try:
-            if params_only:  # another run's optimizer may differ: read the params subtree alone
+            if part:  # another run's optimizer may differ: read the params subtree alone
                 got = mngr.restore(step, args=ocp.args.Composite(
-                    train_state=restore({'params': target}, partial_restore=True)))
-                return step, got['train_state']['params'], None
+                    train_state=restore({part: target}, partial_restore=True)))
+                return step, got['train_state'][part], None
             rows = jax.ShapeDtypeStruct((mesh.size, DATA_STATE_BYTES), np.uint8,
                                         sharding=NamedSharding(mesh, P(mesh.axis_names)))
             got = mngr.restore(step, args=ocp.args.Composite(
@@ -863,7 +970,7 @@ def prepare_run_dir(cfg):
     return run_dir
 
 
-def load_params(path, abstract, mesh, cfg):
+def load_params(path, abstract, mesh, cfg, part='params'):
     """load_params=PATH: a run directory, its checkpoints/ directory, or one step directory in it."""
     path = path.rstrip('/')
     if os.path.isdir(os.path.join(path, 'checkpoints')):
@@ -872,18 +979,20 @@ def load_params(path, abstract, mesh, cfg):
     if os.path.basename(path).isdigit() and os.path.isdir(path):
         path, steps = os.path.dirname(path), [int(os.path.basename(path))]
     mngr = checkpoint_manager(path, cfg, read_only=True) if os.path.isdir(path) else None
-    found = mngr and restore_checkpoint(mngr, abstract, mesh, steps or mngr.all_steps(), params_only=True)
+    found = mngr and restore_checkpoint(mngr, abstract, mesh, steps or mngr.all_steps(), part=part)
     if not found:
         raise ConfigError(f'load_params={path}: no readable checkpoint there; give a run directory or '
                           'its checkpoints/STEP directory')
-    log(f'loaded parameters from {path}/{found[0]}')
-    return found[1]
+    log(f'loaded {part} from {path}/{found[0]}')
+    return found[:2]
 
 
 def run(cfg, devices=None):
     """Train (or evaluate) per cfg; returns the summary dict. `devices` lets tests use a subset."""
     validate(cfg)
     validate_hardware(cfg)
+    if cfg.task == 'sudoku':  # the puzzle tokens fix the vocabulary; vocab_size is the text tokenizer's
+        cfg.vocab_size = data.SUDOKU_VOCAB
     if cfg.compile_topology:
         return compile_for_topology(cfg)
     devices = devices or pick_devices(cfg)
@@ -913,7 +1022,8 @@ def run(cfg, devices=None):
                           f'set vocab_size={ds.vocab_size}')
 
     # ---- model, optimizer, and the state: restored, or initialised in place ----
-    model = model_lib.Transformer(cfg)
+    trm = cfg.task == 'sudoku'
+    model = model_lib.TRM(cfg) if trm else model_lib.Transformer(cfg)
     tx, schedule = make_optimizer(cfg)
     init, state_sh, abstract = state_layout(cfg, mesh, model, tx)
     rules = axis_rules(cfg)
@@ -931,8 +1041,13 @@ def run(cfg, devices=None):
     else:
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=state_sh)(jax.random.key(cfg.seed))
-        if cfg.load_params:
-            state['params'] = load_params(cfg.load_params, abstract, mesh, cfg)
+        if cfg.load_params and trm and cfg.mode == 'eval':  # TRM evaluates its EMA weights
+            loaded_step, state['ema'] = load_params(cfg.load_params, abstract, mesh, cfg, 'ema')
+            state['step'] = jnp.int32(loaded_step)  # reported with the eval: which training step this is
+        elif cfg.load_params:
+            state['params'] = load_params(cfg.load_params, abstract, mesh, cfg)[1]
+            if trm:
+                state['ema'] = state['params']
         if cfg.load_hf:
             state['params'] = load_hf(cfg.load_hf, abstract['params'], cfg)
     n_params = sum(x.size for x in jax.tree.leaves(state['params']))
@@ -952,14 +1067,28 @@ def run(cfg, devices=None):
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         train_step = jax.jit(make_train_step(cfg, model, tx), in_shardings=(state_sh, step_sh),
                              out_shardings=(state_sh, None), donate_argnums=0)
-        eval_step = jax.jit(make_eval_step(model), in_shardings=(state_sh['params'], eval_sh))
+        eval_step = jax.jit(make_eval_step(cfg, model), in_shardings=(state_sh['params'], eval_sh))
 
-    def evaluate(params):
-        if not cfg.eval_batches:
+    def evaluate(state, n_batches=cfg.eval_batches):
+        if not n_batches:
             return {}
-        batches = ds.eval_batches(micro_rows // n_proc, cfg.eval_batches)
+        batches = ds.eval_batches(micro_rows // n_proc, n_batches)
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            params = state['ema'] if trm else state['params']
             sums = [eval_step(params, global_batch(b, eval_sh, micro_rows)) for b in batches]
+        if trm:  # scored on the host; every process gathers all rows (puzzles, predictions) in process order
+            gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            scores = [sudoku_scores(gather(p), {k: gather(b[k]) for k in ('inputs', 'targets', 'segment_ids')})
+                      for p, b in zip(sums, batches)]
+            exact_S, cells_S, blanks, n = (sum(s[i] for s in scores) for i in range(4))
+            if cfg.mode == 'eval' and proc == 0:  # the answers themselves, givens as in the puzzle
+                data.write_sudoku_csv(os.path.join(run_dir, 'predictions.csv'), ds.eval_q,
+                                      np.concatenate([s[4] for s in scores])[:len(ds.eval_q)])
+            exact_S, cells_S = exact_S / max(n, 1), cells_S / max(blanks, 1)
+            return {'exact_accuracy': float(exact_S[-1]), 'cell_accuracy': float(cells_S[-1]), 'num_puzzles': int(n),
+                    'decoder': 'trm', 'supervision_steps': cfg.trm.N_sup,
+                    'exact_accuracy_per_step': [round(float(e), 4) for e in exact_S],
+                    'cell_accuracy_per_step': [round(float(c), 4) for c in cells_S]}
         loss = float(sum(s[0] for s in sums)) / max(float(sum(s[1] for s in sums)), 1.0)
         return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
 
@@ -967,7 +1096,8 @@ def run(cfg, devices=None):
         if not (restored or cfg.load_params or cfg.load_hf):
             raise ConfigError(f'mode=eval needs trained parameters: set load_params=RUN_DIR, or run_name= a run '
                               f'with checkpoints (none in {run_dir}/checkpoints)')
-        result = {'step': int(state['step']), **evaluate(state['params'])}
+        n_batches = -(-len(ds.eval_records) // (micro_rows // n_proc)) if trm else cfg.eval_batches  # TRM: all
+        result = {'step': int(state['step']), **evaluate(state, n_batches)}
         if proc == 0:
             with open(os.path.join(run_dir, 'eval.json'), 'w') as f:
                 json.dump(result, f)
@@ -995,7 +1125,7 @@ def run(cfg, devices=None):
             log(f'batch ramp: step {step + 1} on: {A} x {micro_rows} = {A * micro_rows} examples per step')
         mbs = [next(it) for _ in range(A)]
         return global_batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, step_sh, micro_rows)
-    summary, window, t_compile, skipped = {}, [], None, 0
+    summary, window, extras, t_compile, skipped = {}, [], [], None, 0
     t_last, tokens_since, wait_last, timed_steps = time.perf_counter(), 0.0, 0.0, 0
     step = saved = int(state['step'])
     try:
@@ -1022,6 +1152,7 @@ def run(cfg, devices=None):
                         f'skip_nonfinite_steps={cfg.skip_nonfinite_steps})')
                 else:
                     window.append(float(out['loss']))
+                    extras.append({k: float(out[k]) for k in ('halt_rate', 'sup_steps', 'train_exact') if k in out})
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     now = time.perf_counter()
                     dt = max(now - t_last, 1e-9)
@@ -1032,11 +1163,12 @@ def run(cfg, devices=None):
                          'tflops_per_device': tps * flops_tok / n_dev / 1e12, 'mfu': tps * flops_tok / peak_total,
                          'step_seconds': dt / max(timed_steps, 1), 'tokens_per_step': float(out['tokens']),
                          'data_wait_fraction': (it.wait_seconds - wait_last) / dt, 'host_rss_gb': host_rss_gb()}
+                    m.update({k: float(np.mean([e[k] for e in extras])) for k in (extras or [{}])[0]})  # TRM
                     mem = device_peak_memory_gb(devices[0])
                     if mem is not None:
                         m['device_peak_memory_gb'] = mem
                     if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                        m.update(evaluate(state['params']))
+                        m.update({k if k.startswith('eval') else f'eval_{k}': v for k, v in evaluate(state).items()})
                     if tokens_since == 0:  # only the compile step was in this window: no rate to report
                         for k in ('tokens_per_sec', 'tokens_per_sec_per_device', 'tflops_per_device', 'mfu',
                                   'step_seconds'):
@@ -1045,9 +1177,10 @@ def run(cfg, devices=None):
                     if metrics_file:
                         metrics_file.write(json.dumps(m) + '\n')
                         metrics_file.flush()
-                        tb.scalars(step, {k: v for k, v in m.items() if k != 'step'})
+                        tb.scalars(step, {k: v for k, v in m.items() if k != 'step' and isinstance(v, (int, float))})
                     summary.update(m)
-                    window, t_last, tokens_since, wait_last, timed_steps = [], time.perf_counter(), 0.0, it.wait_seconds, 0
+                    window, extras, t_last, tokens_since = [], [], time.perf_counter(), 0.0
+                    wait_last, timed_steps = it.wait_seconds, 0
                 preempted = caught or (n_proc > 1 and multihost_utils.reached_preemption_sync_point(step))
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
                     save_checkpoint(mngr, step, state, it, mesh)  # async: training goes on while it writes

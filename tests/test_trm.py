@@ -1,0 +1,155 @@
+"""TRM head: gradient only through the last cycle, the deep-supervision carry, halting targets, EMA,
+overfitting a handful of puzzles, and the eval JSON line."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import data
+import model as model_lib
+import train
+from test_train import BASE
+
+TINY = ['task=sudoku', 'd_model=32', 'num_layers=1', 'num_heads=2', 'num_kv_heads=2', 'mlp_dim=64', 'dtype=float32',
+        'trm.T=2', 'trm.n=1', 'trm.N_sup=2', 'log_every=1', 'eval_every=0', 'eval_batches=1', 'prefetch=0']
+
+
+def args_for(tmp_path, *overrides):
+    merged = dict(o.split('=', 1) for o in TINY + [f'output_dir={tmp_path}', f'cache_dir={tmp_path}/cache'] +
+                  list(overrides))  # later wins
+    return [f'{k}={v}' for k, v in merged.items()]
+
+
+def cfg_for(tmp_path, *overrides):
+    cfg = train.load_config(BASE, args_for(tmp_path, *overrides))
+    cfg.vocab_size = data.SUDOKU_VOCAB
+    return cfg
+
+
+def puzzles(n, seed=0):
+    q, a = data.generate_sudoku(n, 45, seed, stream='test')
+    b = data._sudoku_batch(q, a, n)
+    return {k: jnp.asarray(v) for k, v in b.items()}
+
+
+def init(cfg, b):
+    m = model_lib.TRM(cfg)
+    B = b['inputs'].shape[0]
+    yz = jax.random.normal(jax.random.key(1), (B, 81, cfg.d_model))
+    params = m.init(jax.random.key(0), b['inputs'], b['positions'], b['segment_ids'], yz, yz,
+                    jnp.zeros(B, bool))['params']
+    return m, jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x, params,
+                           is_leaf=lambda x: hasattr(x, 'names')), yz
+
+
+def test_gradient_flows_only_through_the_last_cycle(tmp_path):
+    b = puzzles(2)
+    cfg = cfg_for(tmp_path, 'trm.T=3', 'trm.n=1')
+    m, params, yz = init(cfg, b)
+    fresh = jnp.zeros(2, bool)
+
+    def loss(p, y, z, model=m):
+        logits = model.apply({'params': p}, b['inputs'], b['positions'], b['segment_ids'], y, z, fresh)[2]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b['targets']).mean()
+
+    # A perturbation of the state entering the recursion (the carry, then the T-1 no-grad cycles) gets
+    # no gradient ...
+    got, gy, gz = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, yz, yz)
+    assert not jnp.any(gy) and not jnp.any(gz)
+    # ... while the parameters do: exactly those of one cycle (T=1) run from the state after T-1 cycles.
+    one = model_lib.TRM(cfg_for(tmp_path, 'trm.T=1', 'trm.n=1'))
+    cycle = jax.jit(lambda y, z: one.apply({'params': params}, b['inputs'], b['positions'], b['segment_ids'],
+                                          y, z, fresh)[:2])
+    want = jax.jit(jax.grad(lambda p, y, z: loss(p, y, z, one)))(params, *cycle(*cycle(yz, yz)))
+    assert all(jnp.any(g) for k in ('embed', 'net', 'head') for g in jax.tree.leaves(want[k]))  # (not the
+    # halting head or y/z_init: they are not in this loss)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4), got, want)
+
+
+class FakeModel:
+    """Stands in for TRM in trm_loss: y <- (0 if fresh else y) + 1, chosen logits and halting logits."""
+
+    def __init__(self, logits, q):
+        self.logits, self.q = logits, q
+
+    def apply(self, variables, inputs, positions, segment_ids, y, z, fresh):
+        y = jnp.where(fresh[:, None, None], 0.0, y) + 1
+        return y, z, self.logits, self.q
+
+
+def test_carry_refills_halted_slots_and_halting_targets(tmp_path):
+    cfg = cfg_for(tmp_path, 'trm.N_sup=3', 'trm.halt_explore_prob=0', 'trm.halt_loss_weight=0.5')
+    new, old = puzzles(4, seed=1), puzzles(4, seed=2)
+    carry = {'y': jnp.full((4, 81, 32), 5.0), 'z': jnp.zeros((4, 81, 32)), 'inputs': old['inputs'],
+             'targets': old['targets'], 'steps': jnp.array([7, 1, 2, 1]),
+             'halted': jnp.array([True, False, False, False])}
+    # Slot 0 (refilled) and slot 1 are predicted exactly; slots 2 and 3 get one cell wrong.
+    targets = jnp.concatenate([new['targets'][:1], old['targets'][1:]])
+    logits = 20.0 * jax.nn.one_hot(targets.at[2:, 0].set(targets[2:, 0] % 10 + 1), 11)
+    q = jnp.array([0.5, -1.0, -1.0, 2.0])
+    loss, (sums, c) = train.trm_loss(cfg, FakeModel(logits, q), None, new, carry, jax.random.key(0))
+    np.testing.assert_array_equal(c['inputs'][0], new['inputs'][0])  # halted slot: fresh puzzle
+    np.testing.assert_array_equal(c['inputs'][1:], old['inputs'][1:])  # the others keep theirs
+    np.testing.assert_array_equal(c['targets'][1:], old['targets'][1:])
+    np.testing.assert_array_equal(c['steps'], [1, 2, 3, 2])
+    np.testing.assert_array_equal(c['y'][:, 0, 0], [1, 6, 6, 6])  # fresh from y_init, others from their carry
+    # Halts: q > 0 (slots 0, 3) or N_sup reached (slot 2).
+    np.testing.assert_array_equal(c['halted'], [True, False, True, True])
+    # Halting target: 1 where the whole grid is right (slots 0, 1), else 0.
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(1)
+    bce = optax.sigmoid_binary_cross_entropy(q, jnp.array([1.0, 1.0, 0.0, 0.0]))
+    np.testing.assert_allclose(loss, jnp.sum(ce) + 0.5 * jnp.sum(bce), rtol=1e-6)
+    assert sums['exact'] == 2 and sums['halted'] == 3 and sums['halt_steps'] == 1 + 3 + 2
+
+
+def test_ema_update():
+    ema, p = {'w': jnp.full(3, 2.0)}, {'w': jnp.full(3, 4.0)}
+    np.testing.assert_allclose(train.ema_update(0.9, 100, ema, p)['w'], 0.9 * 2 + 0.1 * 4)
+    np.testing.assert_allclose(train.ema_update(0.999, 0, ema, p)['w'], 0.1 * 2 + 0.9 * 4)  # warmup: (1+0)/(10+0)
+
+
+def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys):
+    q, a = data.generate_sudoku(4, 45, 0, stream='handful')
+    path = str(tmp_path / 'four.csv')
+    data.write_sudoku_csv(path, q, a)
+    common = [f'dataset_path={path}', f'eval_path={path}', 'augment=false', 'per_device_batch=4', 'd_model=64',
+              'mlp_dim=128', 'learning_rate=3e-3', 'weight_decay=0', 'warmup_steps=10', 'trm.ema_decay=0.9',
+              'log_every=50', 'trm.halt_explore_prob=1']  # every puzzle trains both supervision steps
+    s = train.run(cfg_for(tmp_path, *common, 'steps=400', 'checkpoint_every=0', 'eval_every=400'), jax.devices()[:1])
+    assert s['eval_exact_accuracy'] == 1.0
+    capsys.readouterr()
+    assert train.main(['train.py', BASE, *args_for(tmp_path, *common, 'mode=eval', 'run_name=ev',
+                                                    f'load_params={s["run_dir"]}')]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result['exact_accuracy'] == 1.0 and result['num_puzzles'] == 4 and result['decoder'] == 'trm'
+    assert len(result['exact_accuracy_per_step']) == 2 and 0 < result['cell_accuracy'] <= 1
+    got_q, got_grid = data.read_sudoku_csv(os.path.join(tmp_path, 'ev', 'predictions.csv'))
+    np.testing.assert_array_equal(got_q, q)
+    assert ((got_grid == q) | (q == 0)).all()
+
+
+def test_scoring_overwrites_givens_and_checks_rules():
+    q, a = data.generate_sudoku(3, 45, 0, stream='score')
+    b = data._sudoku_batch(q, a, 4)  # row 3 is padding and must be skipped
+    preds = np.array(b['targets'])[None].repeat(2, 0)  # [S=2, B, L]: every blank right ...
+    preds[:, 0, q[0] != 0] = 2  # ... but row 0's givens predicted wrong: overwritten, still solved
+    preds[1, 1, :81][q[1] == 0] = 2  # step 2: row 1's blanks all "1": wrong and against the rules
+    exact_S, cells_S, blanks, n, grids = train.sudoku_scores(preds, b)
+    assert n == 3 and blanks == (q == 0).sum()
+    np.testing.assert_array_equal(exact_S, [3, 2])
+    np.testing.assert_array_equal(grids[0], a[0])
+    assert cells_S[0] == blanks and cells_S[1] == blanks - (q[1] == 0).sum() + (a[1][q[1] == 0] == 1).sum()
+
+
+def test_carry_is_checkpointed_and_resume_is_exact(tmp_path):
+    args = ['per_device_batch=4', 'steps=6', 'checkpoint_every=3', 'trm.halt_explore_prob=0.5']
+    ref = train.run(cfg_for(tmp_path, *args, 'run_name=ref'), jax.devices()[:1])
+    train.run(cfg_for(tmp_path, *args, 'steps=3'), jax.devices()[:1])
+    train.run(cfg_for(tmp_path, *args), jax.devices()[:1])
+    rows = lambda d: [json.loads(r) for r in open(os.path.join(d, 'metrics.jsonl'))]
+    want, got = rows(ref['run_dir']), rows(tmp_path / 'default')
+    assert [(r['loss'], r['halt_rate']) for r in got] == [(r['loss'], r['halt_rate']) for r in want]
