@@ -4,6 +4,7 @@ Reads top to bottom in execution order: config, devices + mesh, sharding, model 
 init, the step, metrics, the loop. Every knob lives in base.yml; hardware variants are overrides.
 """
 import difflib
+import functools
 import json
 import math
 import os
@@ -362,7 +363,8 @@ def make_train_step(cfg, model, tx):
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         # Random draws (TRM's halting exploration) are a function of (seed, step): resume stays exact.
-        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state['step']), cfg.grad_accum)
+        A = jax.tree.leaves(batch_ABL)[0].shape[0]  # microbatches in this step (the batch ramp varies it)
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state['step']), A)
         (grads, loss), (sums_A, carry) = jax.lax.scan(micro, (zeros, 0.0), (batch_ABL, state.get('carry'), keys))
         sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums_A)
         # Sum-then-divide by all real tokens (LM) / examples (TRM) of the step: grad_accum=4 x batch 2 ==
@@ -437,13 +439,14 @@ PEAK_BF16_FLOPS = {  # per JAX device (a v2/v3 device is one core = half a chip)
 }
 
 
-def device_peak_flops(cfg, device):
+@functools.lru_cache  # once per process: tests and notebooks call run() many times
+def device_peak_flops(dtype, device):
     """bf16 peak from the table; on CPU measured now with a matmul in the compute dtype (the machine is
     shared and noisy, so MFU is only meaningful against a peak taken in the same process)."""
     for name, flops in PEAK_BF16_FLOPS.items():
         if name in device.device_kind:
             return flops, f'{device.device_kind} spec sheet'
-    n, dt = 2048, jnp.dtype(cfg.dtype)
+    n, dt = 2048, jnp.dtype(dtype)
     a = jax.device_put(jnp.ones((n, n), dt), device)
     f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     f(a, a).block_until_ready()
@@ -643,6 +646,8 @@ def init_distributed():
 def validate_hardware(cfg):
     if cfg.compile_topology and cfg.compile_topology not in TPU_SLICES:
         raise ConfigError(f'compile_topology={cfg.compile_topology}: choose one of {", ".join(TPU_SLICES)}')
+    if cfg.batch_ramp_start and cfg.task != 'lm':
+        raise ConfigError('batch_ramp_start: the ramp is for task=lm (the TRM carry holds grad_accum microbatches)')
     if not 0 <= cfg.batch_ramp_start <= cfg.grad_accum or (cfg.batch_ramp_start and cfg.batch_ramp_every <= 0):
         raise ConfigError(f'batch_ramp_start={cfg.batch_ramp_start} batch_ramp_every={cfg.batch_ramp_every}: the '
                           f'ramp starts at 1..grad_accum={cfg.grad_accum} microbatches and doubles every >0 steps')
@@ -914,10 +919,36 @@ def generate(cfg, params, prompt_BP, key):
     return jax.jit(run_all)(params, jnp.asarray(prompt_BP, jnp.int32), key)
 
 
-def export_or_generate(cfg, params, ds, run_dir, mesh):
+def solve_puzzle(cfg, model, params, run_dir, mesh):
+    """task=sudoku mode=generate: the TRM's grid for one puzzle given as prompt= (81 characters, '.' or '0'
+    for blanks), givens kept, checked against the rules; printed and written to solution.txt."""
+    text = cfg.prompt.replace('\n', '').replace(' ', '')
+    if len(text) != data.SUDOKU_LEN or any(c not in '.0123456789' for c in text):
+        raise ConfigError(f'prompt={cfg.prompt!r}: give the puzzle as 81 characters, digits 1-9 and . or 0 '
+                          'for blanks, row by row')
+    q_L = np.array([0 if c == '.' else int(c) for c in text], np.int32)
+    rows = mesh.size  # the same puzzle on every device keeps the batch divisible by the mesh
+    tile = lambda x: np.tile(x, (rows, 1)).astype(np.int32)
+    batch = {'inputs': tile(q_L + 1), 'positions': tile(np.arange(data.SUDOKU_LEN)),
+             'segment_ids': tile(np.ones(data.SUDOKU_LEN))}
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(cfg)):
+        preds_L = np.asarray(jax.jit(make_eval_step(cfg, model))(params, batch))[-1, 0] - 1
+    grid_L = np.where(q_L == 0, np.clip(preds_L, 0, 9), q_L)
+    valid = data.is_valid_solution(grid_L[None])
+    shown = '\n'.join(' '.join(map(str, grid_L[r * 9:(r + 1) * 9])) for r in range(9))
+    log(f'{shown}\n{"a valid solution" if valid else "NOT a valid solution"} after {cfg.trm.N_sup} supervision steps')
+    if jax.process_index() == 0:
+        with open(os.path.join(run_dir, 'solution.txt'), 'w') as f:
+            f.write(''.join(map(str, grid_L)) + '\n')
+    return {'solution': ''.join(map(str, grid_L)), 'valid': valid, 'run_dir': run_dir}
+
+
+def export_or_generate(cfg, params, ds, run_dir, mesh, model):
     """mode=export / mode=generate on loaded parameters."""
+    if cfg.task == 'sudoku' and cfg.mode == 'generate':
+        return solve_puzzle(cfg, model, params, run_dir, mesh)
     if cfg.task != 'lm':
-        raise ConfigError(f'mode={cfg.mode} supports task=lm only (the sudoku solver is not wired in yet)')
+        raise ConfigError(f'mode={cfg.mode} supports task=lm only (a TRM solver has no Llama export)')
     if cfg.mode == 'export':
         out_dir = cfg.export_dir or os.path.join(run_dir, 'hf')
         export_hf(cfg, params, ds, out_dir)
@@ -1041,7 +1072,7 @@ def run(cfg, devices=None):
     else:
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=state_sh)(jax.random.key(cfg.seed))
-        if cfg.load_params and trm and cfg.mode == 'eval':  # TRM evaluates its EMA weights
+        if cfg.load_params and trm and cfg.mode in ('eval', 'generate'):  # TRM evaluates its EMA weights
             loaded_step, state['ema'] = load_params(cfg.load_params, abstract, mesh, cfg, 'ema')
             state['step'] = jnp.int32(loaded_step)  # reported with the eval: which training step this is
         elif cfg.load_params:
@@ -1059,7 +1090,7 @@ def run(cfg, devices=None):
         if not (restored or cfg.load_params or cfg.load_hf):
             raise ConfigError(f'mode={cfg.mode} needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, '
                               f'or run_name= a run with checkpoints')
-        return export_or_generate(cfg, state['params'], ds, run_dir, mesh)
+        return export_or_generate(cfg, state['ema'] if trm else state['params'], ds, run_dir, mesh, model)
 
     batch_spec = mesh_spec(('batch', 'length'), (micro_rows, L), cfg, mesh)
     step_sh = NamedSharding(mesh, P(None, *batch_spec))   # [A, B, L]: microbatch axis unsharded
@@ -1104,7 +1135,7 @@ def run(cfg, devices=None):
         log(json.dumps(result))
         return result
 
-    peak, peak_src = device_peak_flops(cfg, devices[0])
+    peak, peak_src = device_peak_flops(cfg.dtype, devices[0])
     # On CPU the simulated devices share one processor: the measured peak is for the whole machine.
     peak_total = peak if devices[0].platform == 'cpu' else peak * n_dev
     log(f'peak: {peak / 1e12:.3f} TFLOP/s per device ({peak_src})')

@@ -130,6 +130,12 @@ def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys):
     got_q, got_grid = data.read_sudoku_csv(os.path.join(tmp_path, 'ev', 'predictions.csv'))
     np.testing.assert_array_equal(got_q, q)
     assert ((got_grid == q) | (q == 0)).all()
+    # mode=generate solves one puzzle given on the command line, keeping its givens.
+    puzzle = ''.join('.' if d == 0 else str(d) for d in q[0])
+    assert train.main(['train.py', BASE, *args_for(tmp_path, *common, 'mode=generate', 'run_name=gen',
+                                                    f'load_params={s["run_dir"]}', f'prompt={puzzle}')]) == 0
+    assert 'a valid solution' in capsys.readouterr().out
+    assert open(os.path.join(tmp_path, 'gen', 'solution.txt')).read().strip() == ''.join(map(str, a[0]))
 
 
 def test_scoring_overwrites_givens_and_checks_rules():
