@@ -254,7 +254,14 @@ class TRM(nn.Module):
         halt_D = param(self, 'halt', (D,), ('embed',), D ** -0.5, wdt)
         halt_bias = self.param('halt_bias', nn.with_logical_partitioning(nn.initializers.constant(-5.0), ()), (), wdt)
         q_B = jnp.mean(y_BLD.astype(jnp.float32), axis=1) @ halt_D.astype(jnp.float32) + halt_bias
-        return y_BLD, z_BLD, logits_BLV, q_B
+        # ToT value head: log P(every digit on the grid is right) = sum over cells of log sigmoid(a per-cell
+        # logit). One wrong cell is local evidence; a product over cells lets it veto the whole state,
+        # where a mean over cells would dilute it 81 times. Bias 5: an untrained head says "~0.6 likely fine".
+        value_D = param(self, 'value', (D,), ('embed',), D ** -0.5, wdt)
+        value_bias = self.param('value_bias', nn.with_logical_partitioning(nn.initializers.constant(5.0), ()), (), wdt)
+        cell_BL = y_BLD.astype(jnp.float32) @ value_D.astype(jnp.float32) + value_bias
+        log_value_B = jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1)
+        return y_BLD, z_BLD, logits_BLV, q_B, log_value_B
 
 
 def flops_per_token(cfg):
@@ -269,3 +276,133 @@ def flops_per_token(cfg):
         return (T * (n + 1) + 2 * (n + 1)) * cfg.num_layers * per_layer + 3 * 2 * D * cfg.vocab_size
     per_layer = 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K / 2
     return 3 * (cfg.num_layers * per_layer + 2 * D * cfg.vocab_size)
+
+
+# ==================================================================================================
+# ToT: a value-guided beam search over thoughts, for Sudoku (digits 1..9 on 81 cells, 0 = blank).
+# ==================================================================================================
+def sudoku_peers():
+    """bool[81, 81]: the cells that share a row, column or box with each cell (not itself)."""
+    i = jnp.arange(81)
+    r, c = i // 9, i % 9
+    b = (r // 3) * 3 + c // 3
+    same = (r[:, None] == r) | (c[:, None] == c) | (b[:, None] == b)
+    return same & ~jnp.eye(81, dtype=bool)
+
+
+def digits_seen(grids_NL):
+    """bool[N, L, 9]: digit d+1 already stands in a peer of the cell (so placing it there breaks a rule)."""
+    onehot_NLC = jax.nn.one_hot(grids_NL - 1, 9, dtype=jnp.float32)  # blank (-1) -> all zeros
+    return jnp.einsum('ml,nlc->nmc', sudoku_peers().astype(jnp.float32), onehot_NLC) > 0
+
+
+def solved(grids_NL):
+    """bool[N]: complete, and no digit repeats in a row, column or box."""
+    clash_NL = jnp.take_along_axis(digits_seen(grids_NL), jnp.maximum(grids_NL - 1, 0)[..., None], -1)[..., 0]
+    return jnp.all(grids_NL > 0, axis=-1) & ~jnp.any(clash_NL, axis=-1)
+
+
+def greedy_fill(evaluate, q_BL):
+    """Fill the single most confident blank cell with its most likely digit, re-evaluate, repeat until full.
+    evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N]). Returns (grids, passes)."""
+    B, L = q_BL.shape
+
+    def body(carry):
+        g_BL, n_B = carry
+        logp_BLC = jnp.where(g_BL[..., None] == 0, evaluate(g_BL)[0], -jnp.inf)
+        flat_B = jnp.argmax(logp_BLC.reshape(B, -1), axis=-1)
+        open_B = jnp.any(g_BL == 0, axis=-1)
+        g_BL = jnp.where(open_B[:, None], g_BL.at[jnp.arange(B), flat_B // 9].set(flat_B % 9 + 1), g_BL)
+        return g_BL, n_B + open_B
+    return jax.lax.while_loop(lambda c: jnp.any(c[0] == 0), body, (q_BL, jnp.zeros(B, jnp.int32)))
+
+
+def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts, score='value',
+                logp_weight=0.0, key=None):
+    """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled loop.
+
+    A thought fills `cells` blank cells: one of the state's `thoughts` most likely (cell, digit) pairs,
+    plus the cells-1 most confident other blanks at their argmax. Every candidate of every state in the
+    beam is evaluated (one forward pass each: the policy for its next thoughts and its value), duplicates
+    are dropped, and the best `width` continue, ranked by `score`:
+      'value'    log value (+ logp_weight x summed log-prob of the path): ToT
+      'logp'     summed log-prob of the path only (plain beam search, no value head)
+      'shuffled' the value scores permuted at random among each puzzle's candidates (the control)
+    A complete grid that obeys the rules ends a puzzle's search; a complete one that breaks them is
+    dropped. A puzzle also stops after max_depth thoughts, once `max_thoughts` states were evaluated,
+    or when its beam is empty. Shapes depend only on (batch, width, thoughts): one compile per batch size.
+    Returns (grids [B, L], states evaluated per puzzle [B]). Unsolved puzzles return the best state of
+    the last step with its blanks filled by argmax."""
+    B, L = q_BL.shape
+    W, P, NEG = width, thoughts, -jnp.inf
+    key = jax.random.key(0) if key is None else key
+
+    def expand(g_L, logp_LC):  # one state -> P candidate grids, their log-prob gain, and whether they exist
+        lp_LC = jnp.where(g_L[:, None] == 0, logp_LC, NEG)
+        top_P, flat_P = jax.lax.top_k(lp_LC.reshape(-1), P)
+        conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
+
+        def one(cell, digit, gain):
+            g = g_L.at[cell].set(digit)
+            if cells > 1:  # the rest of the thought: the most confident other blanks, at their argmax
+                more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(NEG), cells - 1)
+                g = g.at[more_i].set(jnp.where(more_v > NEG, best_L[more_i], g[more_i]))
+                gain = gain + jnp.sum(jnp.where(more_v > NEG, more_v, 0.0))
+            return g, gain
+        g_PL, gain_P = jax.vmap(one)(flat_P // 9, flat_P % 9 + 1, top_P)
+        return g_PL, gain_P, top_P > NEG
+
+    def evaluate_BN(g_BNL):
+        logp, logv = evaluate(g_BNL.reshape(-1, L))
+        return logp.reshape(*g_BNL.shape, 9), logv.reshape(g_BNL.shape[:2])
+
+    def finish(g_BL, logp_BLC):  # blanks left -> argmax digits
+        return jnp.where(g_BL == 0, jnp.argmax(logp_BLC, axis=-1) + 1, g_BL)
+
+    logp0, _ = evaluate_BN(q_BL[:, None])
+    beam = {'grid': jnp.repeat(q_BL[:, None], W, axis=1), 'logp': jnp.repeat(logp0, W, axis=1),
+            'cum': jnp.zeros((B, W)), 'score': jnp.full((B, W), NEG).at[:, 0].set(0.0)}
+    done = solved(q_BL)
+    carry = {'beam': beam, 'done': done, 'stop': done, 'answer': q_BL, 'fallback': finish(q_BL, logp0[:, 0]),
+             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'key': key}
+
+    def body(c):
+        bm, live_B = c['beam'], ~c['stop']
+        g, gain, ok = jax.vmap(jax.vmap(expand))(bm['grid'], bm['logp'])  # [B, W, P, ...]
+        g_BNL, N = g.reshape(B, W * P, L), W * P
+        alive_BN = (ok & (bm['score'][..., None] > NEG)).reshape(B, N)
+        cum_BN = (bm['cum'][..., None] + gain).reshape(B, N)
+        same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
+        alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
+        logp_BNLC, logv_BN = evaluate_BN(g_BNL)
+        key, sub = jax.random.split(c['key'])
+        if score == 'logp':
+            s_BN = cum_BN
+        elif score == 'shuffled':
+            perm_BN = jnp.argsort(jnp.where(alive_BN, jax.random.uniform(sub, (B, N)), 2.0), axis=1)
+            s_BN = jnp.take_along_axis(logv_BN, perm_BN, axis=1) + logp_weight * cum_BN
+        else:
+            s_BN = logv_BN + logp_weight * cum_BN
+        s_BN = jnp.where(alive_BN, s_BN, NEG)
+        full_BN = jnp.all(g_BNL > 0, axis=-1)
+        ok_BN = alive_BN & full_BN & solved(g_BNL.reshape(-1, L)).reshape(B, N)
+        pick = lambda x_BN, i_B: jnp.take_along_axis(x_BN, i_B.reshape(B, *[1] * (x_BN.ndim - 1)), axis=1)[:, 0]
+        found_B = live_B & jnp.any(ok_BN, axis=1)
+        answer = jnp.where(found_B[:, None], pick(g_BNL, jnp.argmax(ok_BN, axis=1)), c['answer'])
+        best_B = jnp.argmax(s_BN, axis=1)  # the best candidate, before full-but-wrong grids are dropped
+        fallback = finish(pick(g_BNL, best_B), pick(logp_BNLC, best_B))
+        fallback = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], fallback, c['fallback'])
+        s_BN = jnp.where(full_BN, NEG, s_BN)  # a full grid either ended the search or broke a rule
+        top_BW, idx_BW = jax.lax.top_k(s_BN, W)
+        take = lambda x: jnp.take_along_axis(x, idx_BW.reshape(B, W, *[1] * (x.ndim - 2)), axis=1)
+        new = {'grid': take(g_BNL), 'logp': take(logp_BNLC), 'cum': take(cum_BN), 'score': top_BW}
+        beam = jax.tree.map(lambda n, o: jnp.where(live_B.reshape(B, *[1] * (n.ndim - 1)), n, o), new, bm)
+        evals = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0)
+        depth = c['depth'] + 1
+        done = c['done'] | found_B
+        stop = c['stop'] | done | (evals >= max_thoughts) | ~jnp.any(top_BW > NEG, axis=1) | (depth >= max_depth)
+        return {'beam': beam, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
+                'evals': evals, 'depth': depth, 'key': key}
+
+    c = jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, carry)
+    return jnp.where(c['done'][:, None], c['answer'], c['fallback']), c['evals']

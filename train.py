@@ -58,8 +58,11 @@ class Config:
     def __init__(self, **kw):
         self.__dict__.update(kw)
 
-    def __getitem__(self, key):
-        return self.__dict__[key]
+    def __getitem__(self, key):  # cfg['trm.T'] reaches into sections
+        node = self
+        for part in key.split('.'):
+            node = node.__dict__[part]
+        return node
 
     def to_dict(self):
         return {k: v.to_dict() if isinstance(v, Config) else v for k, v in self.__dict__.items()}
@@ -143,7 +146,8 @@ CHOICES = {'task': ('lm', 'sudoku'), 'mode': ('train', 'eval', 'export', 'genera
            'remat': ('none', 'full', 'save_dots'),
            'dtype': ('float32', 'bfloat16', 'float16'), 'weight_dtype': ('float32', 'bfloat16'),
            'attention': ('xla', 'cudnn'), 'dataset': ('stdlib', 'files', 'tfds', 'synthetic'),
-           'platform': ('', 'cpu', 'gpu', 'tpu')}
+           'platform': ('', 'cpu', 'gpu', 'tpu'),
+           'decoder': ('trm', 'oneshot', 'greedy', 'beam_logp', 'tot', 'tot_shuffled')}
 
 
 def validate(cfg):
@@ -173,6 +177,12 @@ def validate(cfg):
     if min(t.T, t.n, t.N_sup) < 1 or not 0 <= t.ema_decay < 1 or not 0 <= t.halt_explore_prob <= 1:
         raise ConfigError(f'trm: T={t.T}, n={t.n}, N_sup={t.N_sup} must be >= 1, ema_decay={t.ema_decay} in [0, 1), '
                           f'halt_explore_prob={t.halt_explore_prob} in [0, 1]')
+    for key in ('beam_width', 'thoughts_per_step', 'max_depth', 'max_thoughts', 'thought_cells', 'tot.policy_steps'):
+        if cfg[key] < 1:
+            raise ConfigError(f'{key}={cfg[key]}: must be >= 1')
+    if cfg.thought_cells > 81 or cfg.thoughts_per_step > 81 * 9:
+        raise ConfigError(f'thought_cells={cfg.thought_cells} must be <= 81 and thoughts_per_step='
+                          f'{cfg.thoughts_per_step} <= 729 (81 cells x 9 digits)')
 
 
 # ==================================================================================================
@@ -328,8 +338,8 @@ def trm_loss(cfg, model, params, mb, carry, key):
     pick = lambda new, old: jnp.where(fresh_B.reshape(-1, *[1] * (old.ndim - 1)), new, old)
     inputs_BL, targets_BL = pick(mb['inputs'], carry['inputs']), pick(mb['targets'], carry['targets'])
     steps_B = jnp.where(fresh_B, 0, carry['steps']) + 1
-    y_BLD, z_BLD, logits_BLV, q_B = model.apply({'params': params}, inputs_BL, mb['positions'],
-                                                mb['segment_ids'], carry['y'], carry['z'], fresh_B)
+    y_BLD, z_BLD, logits_BLV, q_B, _ = model.apply({'params': params}, inputs_BL, mb['positions'],
+                                                   mb['segment_ids'], carry['y'], carry['z'], fresh_B)
     ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean(axis=1)
     correct_B = jnp.all(jnp.argmax(logits_BLV, axis=-1) == targets_BL, axis=1)
     halt_bce_B = optax.sigmoid_binary_cross_entropy(q_B, correct_B.astype(jnp.float32))
@@ -345,7 +355,64 @@ def trm_loss(cfg, model, params, mb, carry, key):
                  'targets': targets_BL, 'steps': steps_B, 'halted': halted_B}
     sums = {'weight': jnp.float32(B), 'tokens': jnp.float32(B * data.SUDOKU_LEN), 'halted': jnp.sum(halted_B),
             'halt_steps': jnp.sum(jnp.where(halted_B, steps_B, 0)), 'exact': jnp.sum(correct_B)}
-    return jnp.sum(ce_B) + t.halt_loss_weight * jnp.sum(halt_bce_B), (sums, new_carry)
+    loss = jnp.sum(ce_B) + t.halt_loss_weight * jnp.sum(halt_bce_B)
+    if cfg.tot.loss_weight:  # ToT value head, on partial grids made from this microbatch's fresh puzzles
+        half = max(B // 2, 1)  # half the rows: 2/3 of the extra step time is enough examples for one bit
+        grids_BL, label_B = partial_states(jax.random.fold_in(key, 1), mb['inputs'][:half] - 1,
+                                           mb['targets'][:half] - 1)
+        log_v_B = trm_steps(cfg, model, params, grids_BL, 1)[2]
+        sums.update(value_acc=jnp.sum((log_v_B > jnp.log(0.5)) == label_B), value_rows=jnp.float32(half))
+        loss += cfg.tot.loss_weight * jnp.sum(value_bce(log_v_B, label_B))
+    return loss, (sums, new_carry)
+
+
+def partial_states(key, q_BL, a_BL):
+    """ToT value-head examples from puzzles and solutions (digit grids): a random share of the blanks
+    filled from the solution, and in half of the rows one blank set to a wrong digit, one that breaks no
+    rule where the grid allows it (the mistakes a solver makes). Label: True = every digit right, so
+    the grid can still be completed (the solution is unique)."""
+    k_frac, k_fill, k_bad, k_cell, k_digit = jax.random.split(key, 5)
+    B, L = q_BL.shape
+    blank_BL, rows = q_BL == 0, jnp.arange(B)
+    fill_BL = blank_BL & (jax.random.uniform(k_fill, (B, L)) < jax.random.uniform(k_frac, (B, 1)))
+    g_BL = jnp.where(fill_BL, a_BL, q_BL)
+    bad_B = jax.random.bernoulli(k_bad, 0.5, (B,))
+    # The wrong cell: a random blank, preferring filled ones (so right and wrong grids have as many digits:
+    # the count must not give the label away) where some wrong digit clashes with no peer (a quiet mistake).
+    wrong_BLC = jnp.arange(1, 10) != a_BL[..., None]
+    quiet_BLC = wrong_BLC & ~model_lib.digits_seen(g_BL)
+    pref_BL = blank_BL * (1.0 + 2.0 * fill_BL + jnp.any(quiet_BLC, axis=-1))
+    cell_B = jnp.argmax(pref_BL + jax.random.uniform(k_cell, (B, L)), axis=1)
+    pool_BC = jnp.where(jnp.any(quiet_BLC[rows, cell_B], axis=1, keepdims=True), quiet_BLC[rows, cell_B],
+                        wrong_BLC[rows, cell_B])
+    digit_B = jnp.argmax(jnp.where(pool_BC, jax.random.uniform(k_digit, (B, 9)), -1.0), axis=1) + 1
+    g_BL = jnp.where(bad_B[:, None] & (jnp.arange(L) == cell_B[:, None]), digit_B[:, None], g_BL)
+    return g_BL, ~bad_B
+
+
+def value_bce(log_v_B, label_B):
+    """Binary cross-entropy from log P(right): -log p for right grids, -log(1 - p) for wrong ones."""
+    return -jnp.where(label_B, log_v_B, jnp.log(-jnp.expm1(jnp.minimum(log_v_B, -1e-6))))
+
+
+def trm_steps(cfg, model, params, grids_NL, steps):
+    """`steps` supervision steps from a fresh carry on digit grids (0 = blank): (predicted tokens after
+    each step [S, N, L], digit log-probs [N, L, 9] after the last, log value [N] after the first)."""
+    N, L = grids_NL.shape
+    rows = lambda x: jnp.broadcast_to(x, (N, L)).astype(jnp.int32)
+    tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
+
+    def sup(carry, fresh_N):
+        y, z, logits_NLV, _, log_v_N = model.apply({'params': params}, tokens, pos, seg, *carry, fresh_N)
+        return (y.astype(jnp.float32), z.astype(jnp.float32)), (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N)
+    yz = jnp.zeros((N, L, cfg.d_model), jnp.float32)
+    (y, z), (_, logits_NLV, log_v_N) = sup((yz, yz), jnp.ones(N, bool))
+    preds = [jnp.argmax(logits_NLV, -1)[None]]
+    if steps > 1:
+        _, (p_SNL, l_SNLV, _) = jax.lax.scan(sup, (y, z), jnp.zeros((steps - 1, N), bool))
+        preds, logits_NLV = preds + [p_SNL], l_SNLV[-1]
+    # Digit d is token d + 1: the nine digit logits are tokens 2..10.
+    return jnp.concatenate(preds), jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N
 
 
 def make_train_step(cfg, model, tx):
@@ -384,6 +451,8 @@ def make_train_step(cfg, model, tx):
                                                          new_state['params']))
             out.update(halt_rate=sums['halted'] / denom, train_exact=sums['exact'] / denom,
                        sup_steps=sums['halt_steps'] / jnp.maximum(sums['halted'], 1))
+            if 'value_acc' in sums:  # share of partial grids the value head calls right (p > 0.5 iff right)
+                out['value_acc'] = sums['value_acc'] / sums['value_rows']
         return new_state, out
     return train_step
 
@@ -399,18 +468,35 @@ def make_eval_step(cfg, model):
     if cfg.task == 'lm':
         return lambda params, batch_BL: loss_sums(model, params, batch_BL)
 
-    def trm_eval_step(params, b):
-        """All N_sup supervision steps from a fresh carry: predicted tokens after each, [S, B, L]."""
-        B = b['inputs'].shape[0]
-        yz_BLD = jnp.zeros((B, data.SUDOKU_LEN, cfg.d_model), jnp.float32)
+    def sudoku_eval_step(params, b):
+        """Decodes a batch with cfg.decoder: (predicted tokens [S, B, L] (S = supervision steps for oneshot
+        and trm, 1 for the searches), forward passes per puzzle [B], value-head log values and labels of
+        partial grids made from the batch (for its AUROC))."""
+        q_BL, B = b['inputs'] - 1, b['inputs'].shape[0]
+        steps = {'oneshot': 1, 'trm': cfg.trm.N_sup}.get(cfg.decoder, cfg.tot.policy_steps)
+        evaluate = lambda g_NL: trm_steps(cfg, model, params, g_NL, steps)[1:]
+        if cfg.decoder in ('oneshot', 'trm'):
+            preds_SBL, passes_B = trm_steps(cfg, model, params, q_BL, steps)[0], jnp.full(B, steps)
+        elif cfg.decoder == 'greedy':
+            grids_BL, passes_B = model_lib.greedy_fill(evaluate, q_BL)
+            preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
+        else:
+            score = {'beam_logp': 'logp', 'tot': 'value', 'tot_shuffled': 'shuffled'}[cfg.decoder]
+            grids_BL, passes_B = model_lib.tree_search(
+                evaluate, q_BL, cfg.beam_width, cfg.thoughts_per_step, cfg.thought_cells, cfg.max_depth,
+                cfg.max_thoughts, score, cfg.tot.logp_weight, jax.random.key(cfg.seed))
+            preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
+        partial_BL, label_B = partial_states(jax.random.key(cfg.seed), q_BL, b['targets'] - 1)
+        return preds_SBL, passes_B, trm_steps(cfg, model, params, partial_BL, 1)[2], label_B
+    return sudoku_eval_step
 
-        def sup(carry, fresh_B):
-            y_BLD, z_BLD, logits_BLV, _ = model.apply({'params': params}, b['inputs'], b['positions'],
-                                                      b['segment_ids'], *carry, fresh_B)
-            return (y_BLD.astype(jnp.float32), z_BLD.astype(jnp.float32)), jnp.argmax(logits_BLV, axis=-1)
-        fresh_SB = jnp.zeros((cfg.trm.N_sup, B), bool).at[0].set(True)
-        return jax.lax.scan(sup, (yz_BLD, yz_BLD), fresh_SB)[1]
-    return trm_eval_step
+
+def auroc(scores, labels):
+    """Area under the ROC curve: the chance a random positive scores above a random negative."""
+    pos, neg = scores[labels], scores[~labels]
+    if not len(pos) or not len(neg):
+        return float('nan')
+    return float(np.mean((pos[:, None] > neg[None]) + 0.5 * (pos[:, None] == neg[None])))
 
 
 def sudoku_scores(preds_SBL, batch):
@@ -929,14 +1015,13 @@ def solve_puzzle(cfg, model, params, run_dir, mesh):
     q_L = np.array([0 if c == '.' else int(c) for c in text], np.int32)
     rows = mesh.size  # the same puzzle on every device keeps the batch divisible by the mesh
     tile = lambda x: np.tile(x, (rows, 1)).astype(np.int32)
-    batch = {'inputs': tile(q_L + 1), 'positions': tile(np.arange(data.SUDOKU_LEN)),
-             'segment_ids': tile(np.ones(data.SUDOKU_LEN))}
+    batch = {'inputs': tile(q_L + 1), 'targets': tile(q_L + 1)}  # targets: unknown (only the value AUROC reads them)
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(cfg)):
-        preds_L = np.asarray(jax.jit(make_eval_step(cfg, model))(params, batch))[-1, 0] - 1
+        preds_L = np.asarray(jax.jit(make_eval_step(cfg, model))(params, batch)[0])[-1, 0] - 1
     grid_L = np.where(q_L == 0, np.clip(preds_L, 0, 9), q_L)
     valid = data.is_valid_solution(grid_L[None])
     shown = '\n'.join(' '.join(map(str, grid_L[r * 9:(r + 1) * 9])) for r in range(9))
-    log(f'{shown}\n{"a valid solution" if valid else "NOT a valid solution"} after {cfg.trm.N_sup} supervision steps')
+    log(f'{shown}\n{"a valid solution" if valid else "NOT a valid solution"} (decoder={cfg.decoder})')
     if jax.process_index() == 0:
         with open(os.path.join(run_dir, 'solution.txt'), 'w') as f:
             f.write(''.join(map(str, grid_L)) + '\n')
@@ -1103,23 +1188,29 @@ def run(cfg, devices=None):
     def evaluate(state, n_batches=cfg.eval_batches):
         if not n_batches:
             return {}
-        batches = ds.eval_batches(micro_rows // n_proc, n_batches)
+        batches, t0 = ds.eval_batches(micro_rows // n_proc, n_batches), time.perf_counter()
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             params = state['ema'] if trm else state['params']
             sums = [eval_step(params, global_batch(b, eval_sh, micro_rows)) for b in batches]
         if trm:  # scored on the host; every process gathers all rows (puzzles, predictions) in process order
             gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
-            scores = [sudoku_scores(gather(p), {k: gather(b[k]) for k in ('inputs', 'targets', 'segment_ids')})
-                      for p, b in zip(sums, batches)]
+            outs = [[gather(x) for x in o] for o in sums]
+            real = [gather(b['segment_ids'])[:, 0] > 0 for b in batches]
+            scores = [sudoku_scores(o[0], {k: gather(b[k]) for k in ('inputs', 'targets', 'segment_ids')})
+                      for o, b in zip(outs, batches)]
             exact_S, cells_S, blanks, n = (sum(s[i] for s in scores) for i in range(4))
             if cfg.mode == 'eval' and proc == 0:  # the answers themselves, givens as in the puzzle
                 data.write_sudoku_csv(os.path.join(run_dir, 'predictions.csv'), ds.eval_q,
                                       np.concatenate([s[4] for s in scores])[:len(ds.eval_q)])
             exact_S, cells_S = exact_S / max(n, 1), cells_S / max(blanks, 1)
-            return {'exact_accuracy': float(exact_S[-1]), 'cell_accuracy': float(cells_S[-1]), 'num_puzzles': int(n),
-                    'decoder': 'trm', 'supervision_steps': cfg.trm.N_sup,
-                    'exact_accuracy_per_step': [round(float(e), 4) for e in exact_S],
-                    'cell_accuracy_per_step': [round(float(c), 4) for c in cells_S]}
+            cat = lambda i: np.concatenate([o[i][r] for o, r in zip(outs, real)])
+            result = {'exact_accuracy': float(exact_S[-1]), 'cell_accuracy': float(cells_S[-1]),
+                      'num_puzzles': int(n), 'decoder': cfg.decoder, 'forward_passes': float(np.mean(cat(1))),
+                      'value_auroc': auroc(cat(2), cat(3).astype(bool)), 'seconds': time.perf_counter() - t0}
+            if len(exact_S) > 1:  # does recursion help? accuracy after each supervision step
+                result.update(exact_accuracy_per_step=[round(float(e), 4) for e in exact_S],
+                              cell_accuracy_per_step=[round(float(c), 4) for c in cells_S])
+            return result
         loss = float(sum(s[0] for s in sums)) / max(float(sum(s[1] for s in sums)), 1.0)
         return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
 
@@ -1183,7 +1274,7 @@ def run(cfg, devices=None):
                         f'skip_nonfinite_steps={cfg.skip_nonfinite_steps})')
                 else:
                     window.append(float(out['loss']))
-                    extras.append({k: float(out[k]) for k in ('halt_rate', 'sup_steps', 'train_exact') if k in out})
+                    extras.append({k: float(out[k]) for k in ('halt_rate', 'sup_steps', 'train_exact', 'value_acc') if k in out})
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     now = time.perf_counter()
                     dt = max(now - t_last, 1e-9)
