@@ -321,13 +321,15 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
                 logp_weight=0.0, key=None):
     """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled loop.
 
-    A thought fills `cells` blank cells: one of the state's `thoughts` most likely (cell, digit) pairs,
-    plus the cells-1 most confident other blanks at their argmax. Every candidate of every state in the
-    beam is evaluated (one forward pass each: the policy for its next thoughts and its value), duplicates
-    are dropped, and the best `width` continue, ranked by `score`:
-      'value'    log value (+ logp_weight x summed log-prob of the path): ToT
-      'logp'     summed log-prob of the path only (plain beam search, no value head)
-      'shuffled' the value scores permuted at random among each puzzle's candidates (the control)
+    A thought fills `cells` blank cells: the state's most confident blank cell (highest top probability)
+    with one of its `thoughts` most likely digits, plus the cells-1 next most confident blanks at their
+    argmax. So the search branches where greedy decoding would commit, and keeps the alternatives while
+    they are plausible. Every candidate of every state in the beam is evaluated (one forward pass each:
+    the policy for its next thoughts and its value), duplicates are dropped, and the best `width`
+    continue, ranked by `score` (cum = the path's summed log-prob):
+      'value'    log value + logp_weight x cum: ToT
+      'logp'     cum only (plain beam search, no value head)
+      'shuffled' as 'value' with the value scores permuted at random among a puzzle's candidates (control)
     A complete grid that obeys the rules ends a puzzle's search; a complete one that breaks them is
     dropped. A puzzle also stops after max_depth thoughts, once `max_thoughts` states were evaluated,
     or when its beam is empty. Shapes depend only on (batch, width, thoughts): one compile per batch size.
@@ -339,17 +341,18 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
 
     def expand(g_L, logp_LC):  # one state -> P candidate grids, their log-prob gain, and whether they exist
         lp_LC = jnp.where(g_L[:, None] == 0, logp_LC, NEG)
-        top_P, flat_P = jax.lax.top_k(lp_LC.reshape(-1), P)
         conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
+        cell = jnp.argmax(conf_L)
+        top_P, digit_P = jax.lax.top_k(lp_LC[cell], P)
 
-        def one(cell, digit, gain):
+        def one(digit, gain):
             g = g_L.at[cell].set(digit)
             if cells > 1:  # the rest of the thought: the most confident other blanks, at their argmax
                 more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(NEG), cells - 1)
                 g = g.at[more_i].set(jnp.where(more_v > NEG, best_L[more_i], g[more_i]))
                 gain = gain + jnp.sum(jnp.where(more_v > NEG, more_v, 0.0))
             return g, gain
-        g_PL, gain_P = jax.vmap(one)(flat_P // 9, flat_P % 9 + 1, top_P)
+        g_PL, gain_P = jax.vmap(one)(digit_P + 1, top_P)
         return g_PL, gain_P, top_P > NEG
 
     def evaluate_BN(g_BNL):

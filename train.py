@@ -180,9 +180,9 @@ def validate(cfg):
     for key in ('beam_width', 'thoughts_per_step', 'max_depth', 'max_thoughts', 'thought_cells', 'tot.policy_steps'):
         if cfg[key] < 1:
             raise ConfigError(f'{key}={cfg[key]}: must be >= 1')
-    if cfg.thought_cells > 81 or cfg.thoughts_per_step > 81 * 9:
+    if cfg.thought_cells > 81 or cfg.thoughts_per_step > 9:
         raise ConfigError(f'thought_cells={cfg.thought_cells} must be <= 81 and thoughts_per_step='
-                          f'{cfg.thoughts_per_step} <= 729 (81 cells x 9 digits)')
+                          f'{cfg.thoughts_per_step} <= 9 (the digits a cell can take)')
 
 
 # ==================================================================================================
@@ -322,13 +322,13 @@ def loss_sums(model, params, mb):
     return jnp.sum(ce_BL * mb['loss_mask']), jnp.sum(mb['loss_mask'])
 
 
-def lm_loss(cfg, model, params, mb, carry, key):
+def lm_loss(cfg, model, params, mb, carry, key, step=0):
     """loss_sums in the step's shape: (loss sum, (sums: weight = the divisor, ...), carry)."""
     loss, tokens = loss_sums(model, params, mb)
     return loss, ({'weight': tokens, 'tokens': tokens}, carry)
 
 
-def trm_loss(cfg, model, params, mb, carry, key):
+def trm_loss(cfg, model, params, mb, carry, key, step=0):
     """One supervision step for every slot of the carry (deep supervision with a fixed-shape batch).
 
     Slots that halted last step take this step's fresh example from `mb` and restart from y_init/z_init;
@@ -358,11 +358,17 @@ def trm_loss(cfg, model, params, mb, carry, key):
     loss = jnp.sum(ce_B) + t.halt_loss_weight * jnp.sum(halt_bce_B)
     if cfg.tot.loss_weight:  # ToT value head, on partial grids made from this microbatch's fresh puzzles
         half = max(B // 2, 1)  # half the rows: 2/3 of the extra step time is enough examples for one bit
-        grids_BL, label_B = partial_states(jax.random.fold_in(key, 1), mb['inputs'][:half] - 1,
-                                           mb['targets'][:half] - 1)
-        log_v_B = trm_steps(cfg, model, params, grids_BL, 1)[2]
-        sums.update(value_acc=jnp.sum((log_v_B > jnp.log(0.5)) == label_B), value_rows=jnp.float32(half))
-        loss += cfg.tot.loss_weight * jnp.sum(value_bce(log_v_B, label_B))
+
+        def value_loss(_):
+            grids_BL, label_B = partial_states(jax.random.fold_in(key, 1), mb['inputs'][:half] - 1,
+                                               mb['targets'][:half] - 1)
+            log_v_B = trm_steps(cfg, model, params, grids_BL, 1)[2]
+            return jnp.sum(value_bce(log_v_B, label_B)), jnp.sum((log_v_B > jnp.log(0.5)) == label_B)
+        # From tot.start_step on only: a real branch, so earlier steps do not pay for the value pass.
+        on = step >= cfg.tot.start_step
+        v_loss, v_acc = jax.lax.cond(on, value_loss, lambda _: (0.0, 0), None)
+        sums.update(value_acc=v_acc, value_rows=jnp.where(on, half, 0.0))
+        loss += cfg.tot.loss_weight * v_loss
     return loss, (sums, new_carry)
 
 
@@ -420,7 +426,8 @@ def make_train_step(cfg, model, tx):
 
     def train_step(state, batch_ABL):
         params = state['params']
-        grad_fn = jax.value_and_grad(lambda p, mb, c, k: loss_fn(cfg, model, p, mb, c, k), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, mb, c, k: loss_fn(cfg, model, p, mb, c, k, state['step']),
+                                     has_aux=True)
 
         def micro(acc, xs):
             grads, loss = acc
@@ -452,7 +459,7 @@ def make_train_step(cfg, model, tx):
             out.update(halt_rate=sums['halted'] / denom, train_exact=sums['exact'] / denom,
                        sup_steps=sums['halt_steps'] / jnp.maximum(sums['halted'], 1))
             if 'value_acc' in sums:  # share of partial grids the value head calls right (p > 0.5 iff right)
-                out['value_acc'] = sums['value_acc'] / sums['value_rows']
+                out['value_acc'] = sums['value_acc'] / jnp.maximum(sums['value_rows'], 1)
         return new_state, out
     return train_step
 
