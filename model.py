@@ -93,6 +93,26 @@ def kv_cache(module, k_BLGK, v_BLGK, positions_BL, T):
     return ck.value, cv.value, mask_B1LT
 
 
+def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
+    """attention=einsum: jax.nn.dot_product_attention's math (float32 scores and softmax) in a layout
+    XLA:CPU runs well. The R = H/G query heads sharing a kv head are stacked along the length, so each kv
+    head is one [R*L, K] x [K, T] matmul; the dot_product_attention layout costs ~1.5x more fwd+bwd on CPU
+    (transposed copies of the [B, H, L, T] scores)."""
+    B, L, H, K = q_BLHK.shape
+    T, G = k_BTGK.shape[1], k_BTGK.shape[2]
+    R = H // G
+    q_BGQK = q_BLHK.reshape(B, L, G, R, K).transpose(0, 2, 3, 1, 4).reshape(B, G, R * L, K)
+    k_BGTK, v_BGTK = k_BTGK.transpose(0, 2, 1, 3), v_BTGK.transpose(0, 2, 1, 3)
+    s_BGRLT = jnp.einsum('bgqk,bgtk->bgqt', q_BGQK, k_BGTK,
+                         preferred_element_type=jnp.float32).reshape(B, G, R, L, T) * K ** -0.5
+    if causal:
+        mask_B1LT = mask_B1LT & (jnp.arange(L)[:, None] >= jnp.arange(T)[None, :])
+    s_BGRLT = jnp.where(mask_B1LT[:, :, None], s_BGRLT, -0.7 * jnp.finfo(jnp.float32).max)
+    p_BGQT = jax.nn.softmax(s_BGRLT, axis=-1).astype(dtype).reshape(B, G, R * L, T)
+    o_BGQK = jnp.einsum('bgqt,bgtk->bgqk', p_BGQT, v_BGTK, preferred_element_type=jnp.float32)
+    return o_BGQK.astype(dtype).reshape(B, G, R, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
+
+
 class Attention(nn.Module):
     cfg: Any
 
@@ -113,9 +133,11 @@ class Attention(nn.Module):
         if getattr(cfg, 'decode_len', 0):  # generation only (train.generate); training never sets it
             k_BLGK, v_BLGK, mask_B1LL = kv_cache(self, k_BLGK, v_BLGK, positions_BL, cfg.decode_len)
             causal = False  # the cache mask already holds causality
-        # GQA: dot_product_attention shares each kv head across H/G query heads itself.
-        out_BLHK = jax.nn.dot_product_attention(
-            q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=causal, implementation=cfg.attention)
+        if cfg.attention == 'einsum':
+            out_BLHK = gqa_attention(q_BLHK, k_BLGK, v_BLGK, mask_B1LL, causal, dt)
+        else:  # GQA: dot_product_attention shares each kv head across H/G query heads itself.
+            out_BLHK = jax.nn.dot_product_attention(
+                q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=causal, implementation=cfg.attention)
         return dot('blhk,hkd->bld', out_BLHK, w_HKD, dt)
 
 

@@ -142,7 +142,7 @@ def load_config(path, overrides=()):
 CHOICES = {'task': ('lm', 'sudoku'), 'mode': ('train', 'eval', 'export', 'generate'),
            'remat': ('none', 'full', 'save_dots'),
            'dtype': ('float32', 'bfloat16', 'float16'), 'weight_dtype': ('float32', 'bfloat16'),
-           'attention': ('xla', 'cudnn'), 'dataset': ('stdlib', 'files', 'tfds', 'synthetic'),
+           'attention': ('xla', 'cudnn', 'einsum'), 'dataset': ('stdlib', 'files', 'tfds', 'synthetic'),
            'platform': ('', 'cpu', 'gpu', 'tpu')}
 
 
