@@ -693,6 +693,28 @@ def memory_estimate(cfg, abstract, mesh):
             'gradients': sum(shard(x, 4) for x in jax.tree.leaves(abstract['params'])), 'activations': int(acts)}
 
 
+def abstract_batch(cfg, A, rows, L, sharding):
+    """The step's [A, rows, L] batch as shapes only: to compile ahead of time, nothing read."""
+    return {k: jax.ShapeDtypeStruct((A, rows, L), jnp.float32 if k == 'loss_mask' else jnp.int32, sharding=sharding)
+            for k in ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')}
+
+
+def estimate_line(cfg, est):
+    GB = lambda b: f'{b / GiB:.2f} GiB'
+    return ('estimate per device: ' + ', '.join(f'{k} {GB(v)}' for k, v in est.items()) +
+            f' (remat={cfg.remat}) = {GB(sum(est.values()))}')
+
+
+def compiled_line(m):
+    """(the compiler's memory_analysis() per device as a log line, total bytes). Donated state buffers are
+    reused for the new state (alias), so they count once."""
+    GB = lambda b: f'{b / GiB:.2f} GiB'
+    need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return (f'compiled per device: arguments (params + optimizer state + batch) {GB(m.argument_size_in_bytes)}, '
+            f'temporaries {GB(m.temp_size_in_bytes)}, outputs {GB(m.output_size_in_bytes)} '
+            f'({GB(m.alias_size_in_bytes)} reusing donated arguments) = {GB(need)}', need)
+
+
 def compile_for_topology(cfg):
     """compile_topology=v4-64: lower and compile the real train step for that TPU slice on this machine
     (libtpu describes the chips; no TPU needed), and say whether it fits the slice's HBM. Nothing runs."""
@@ -713,27 +735,21 @@ def compile_for_topology(cfg):
     _, state_sh, abstract = state_layout(cfg, mesh, model, tx)
     est = memory_estimate(cfg, abstract, mesh)
     n_params = sum(x.size for x in jax.tree.leaves(abstract['params']))
-    log(f'model: {n_params / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}; estimate per device: '
-        + ', '.join(f'{k} {GB(v)}' for k, v in est.items()) + f' (remat={cfg.remat}) = {GB(sum(est.values()))}')
+    log(f'model: {n_params / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}; ' + estimate_line(cfg, est))
     rows, L = cfg.per_device_batch * len(devices), cfg.max_target_length
     step_sh = NamedSharding(mesh, P(None, *mesh_spec(('batch', 'length'), (rows, L), cfg, mesh)))
-    batch = {k: jax.ShapeDtypeStruct((cfg.grad_accum, rows, L), jnp.float32 if k == 'loss_mask' else jnp.int32,
-                                     sharding=step_sh)
-             for k in ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')}
+    batch = abstract_batch(cfg, cfg.grad_accum, rows, L, step_sh)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(cfg)):
         lowered = jax.jit(make_train_step(cfg, model, tx), in_shardings=(state_sh, step_sh),
                           out_shardings=(state_sh, None), donate_argnums=0).lower(abstract, batch)
     try:
         m = lowered.compile().memory_analysis()
-        # Donated state buffers are reused for the new state (alias), so they count once.
-        need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+        line, need = compiled_line(m)
         memory = {k: getattr(m, f'{k}_size_in_bytes') for k in ('argument', 'temp', 'output', 'alias')}
         fits = need <= hbm
-        log(f'compiled in {time.perf_counter() - t0:.1f}s; per device: arguments (params + optimizer state + '
-            f'batch) {GB(m.argument_size_in_bytes)}, temporaries {GB(m.temp_size_in_bytes)}, outputs '
-            f'{GB(m.output_size_in_bytes)} ({GB(m.alias_size_in_bytes)} reusing donated arguments) = {GB(need)} '
-            f'of {GB(hbm)} HBM: {"fits" if fits else "does not fit"}')
+        log(f'compiled in {time.perf_counter() - t0:.1f}s; {line} of {GB(hbm)} HBM: '
+            f'{"fits" if fits else "does not fit"}')
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program over its HBM
         if 'RESOURCE_EXHAUSTED' not in str(e):
             raise
