@@ -5,6 +5,7 @@ live in their own virtual environment, never in requirements.txt:
 
     python -m venv /tmp/tv && /tmp/tv/bin/pip install torch==2.13.0 transformers
     python tests/bench_torch.py --torch-python /tmp/tv/bin/python            # the side-by-side table
+    python tests/bench_torch.py --torch-python /tmp/tv/bin/python --variants "jax f32,torch fp32" --repeats 5
     python tests/bench_torch.py --scaling                                     # our scaling table only
 
 (On a machine with CUDA wheels on its index, a plain `pip install torch` pulls GBs of CUDA libraries; the
@@ -31,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIMS = dict(d_model=384, num_layers=4, num_heads=6, num_kv_heads=2, mlp_dim=1024, vocab_size=4096,
             max_target_length=256, per_device_batch=8)
 OURS = {'jax f32': ['dtype=float32'], 'jax bf16': ['dtype=bfloat16']}
-TORCH = ('torch fp32', 'torch bf16 autocast', 'torch.compile fp32', 'torch.compile bf16 autocast')
+TORCH = ('torch fp32', 'torch bf16 autocast', 'torch.compile fp32')
 SCALING = [dict(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=768),
            dict(d_model=384, num_layers=4, num_heads=6, num_kv_heads=2, mlp_dim=1024),
            dict(d_model=512, num_layers=6, num_heads=8, num_kv_heads=2, mlp_dim=1408)]
@@ -85,7 +86,7 @@ def worker(variant, tokens_path, flops_per_token):
         vocab_size=DIMS['vocab_size'], hidden_size=DIMS['d_model'], intermediate_size=DIMS['mlp_dim'],
         num_hidden_layers=DIMS['num_layers'], num_attention_heads=DIMS['num_heads'],
         num_key_value_heads=DIMS['num_kv_heads'], max_position_embeddings=DIMS['max_target_length'],
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attn_implementation='sdpa')
+        rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation='sdpa')  # RoPE base: the default 10000
     model = transformers.LlamaForCausalLM(conf).train()
     # The trainer's recipe: AdamW (b2 0.95, decay 0.1) after global-norm clipping at 1.0.
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -148,7 +149,8 @@ def main():
     p.add_argument('--torch-python', help="the torch venv's python (e.g. /tmp/tv/bin/python)")
     p.add_argument('--steps', type=int, default=12, help='steps per run; the first (compile) is not timed')
     p.add_argument('--repeats', type=int, default=3, help='alternating runs of every variant; medians reported')
-    p.add_argument('--no-compile', action='store_true', help='skip the torch.compile variants')
+    p.add_argument('--variants', default=','.join(list(OURS) + list(TORCH)),
+                   help='comma-separated subset of: ' + ', '.join(list(OURS) + list(TORCH)))
     p.add_argument('--scaling', action='store_true', help='our scaling table: 3 sizes x 2 sequence lengths')
     p.add_argument('--worker', help=argparse.SUPPRESS)
     p.add_argument('--tokens', help=argparse.SUPPRESS)
@@ -174,7 +176,7 @@ def main():
                                                         [f'{k}={v}' for k, v in DIMS.items()]))
     tokens = os.path.join(out, 'tokens.npz')
     write_tokens(tokens, args.steps)
-    variants = list(OURS) + ([v for v in TORCH if not (args.no_compile and 'compile' in v)] if args.torch_python else [])
+    variants = [v for v in args.variants.split(',') if v in OURS or args.torch_python]
     runs = {v: [] for v in variants}
     for rep in range(args.repeats):
         for v in variants:
@@ -192,11 +194,11 @@ def main():
     rows = {v: median_of(rs) for v, rs in runs.items()}
     import jax
     print(f'\n{machine("at the end")}; jax {jax.__version__}' + (f'; {versions}' if args.torch_python else ''))
-    table(rows, f'side by side: {args.repeats} alternating runs x {args.steps} steps of 8 x 256 tokens, medians')
+    table(rows, f'side by side: {args.repeats} alternating run(s) x {args.steps} steps of 8 x 256 tokens, medians')
     torch_rows = {v: r for v, r in rows.items() if v.startswith('torch')}
     if torch_rows:
         best = max(torch_rows, key=lambda v: torch_rows[v]['tokens_s'])
-        ours = max(OURS, key=lambda v: rows[v]['tokens_s'])
+        ours = max((v for v in rows if v in OURS), key=lambda v: rows[v]['tokens_s'])
         print(f'\nbest: {ours} {rows[ours]["tokens_s"]:,.0f} tokens/s vs {best} {rows[best]["tokens_s"]:,.0f}: '
               f'ratio {rows[ours]["tokens_s"] / rows[best]["tokens_s"]:.2f}')
 
