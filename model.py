@@ -10,6 +10,7 @@ axes with the one table `logical_axis_rules` in base.yml; nothing here knows the
 The computation is exactly Llama's (rotate-half RoPE, RMSNorm with eps inside the rsqrt, SwiGLU, no
 biases) so the weights export to Hugging Face's LlamaForCausalLM and give the same logits.
 """
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -33,14 +34,23 @@ def param(module, name, shape, axes, std, dtype):
     return module.param(name, init, shape, dtype)
 
 
-def dot(eq, x, w, dtype):
-    """einsum in the compute dtype with float32 accumulation, result back in the compute dtype.
+def dot(eq, x, w, dtype, out_dtype=None):
+    """einsum in the compute dtype with float32 accumulation, result in the compute dtype (or out_dtype).
 
     preferred_element_type=float32 matters beyond precision: on CPU a bf16 x bf16 -> bf16 dot is no
     faster than float32, while bf16 inputs accumulating in float32 run ~1.8x faster (DESIGN.md).
+    When x's trailing axes contract with w's leading ones (every projection here) it runs as one 2-D
+    matmul [rows, in] x [in, out]: XLA:CPU differentiates that into plain matmuls, while the 3-D einsum
+    made it copy a transposed activation for each weight gradient (MLP fwd+bwd 1.8x slower).
     """
-    return jnp.einsum(eq, x.astype(dtype), w.astype(dtype),
-                      preferred_element_type=jnp.float32).astype(dtype)
+    (lhs, rhs), out = eq.split('->')[0].split(','), eq.split('->')[1]
+    n = len(set(lhs) & set(rhs))
+    x, w = x.astype(dtype), w.astype(dtype)
+    if not n or lhs[-n:] != rhs[:n] or out != lhs[:-n] + rhs[n:]:
+        return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(out_dtype or dtype)
+    y = jnp.dot(x.reshape(-1, math.prod(w.shape[:n])), w.reshape(math.prod(w.shape[:n]), -1),
+                preferred_element_type=jnp.float32)
+    return y.reshape(x.shape[:-n] + w.shape[n:]).astype(out_dtype or dtype)
 
 
 class RMSNorm(nn.Module):
@@ -83,6 +93,26 @@ def kv_cache(module, k_BLGK, v_BLGK, positions_BL, T):
     return ck.value, cv.value, mask_B1LT
 
 
+def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
+    """attention=einsum: jax.nn.dot_product_attention's math (float32 scores and softmax) in a layout
+    XLA:CPU runs well. The R = H/G query heads sharing a kv head are stacked along the length, so each kv
+    head is one [R*L, K] x [K, T] matmul; the dot_product_attention layout costs ~1.5x more fwd+bwd on CPU
+    (transposed copies of the [B, H, L, T] scores)."""
+    B, L, H, K = q_BLHK.shape
+    T, G = k_BTGK.shape[1], k_BTGK.shape[2]
+    R = H // G
+    q_BGQK = q_BLHK.reshape(B, L, G, R, K).transpose(0, 2, 3, 1, 4).reshape(B, G, R * L, K)
+    k_BGTK, v_BGTK = k_BTGK.transpose(0, 2, 1, 3), v_BTGK.transpose(0, 2, 1, 3)
+    s_BGRLT = jnp.einsum('bgqk,bgtk->bgqt', q_BGQK, k_BGTK,
+                         preferred_element_type=jnp.float32).reshape(B, G, R, L, T) * K ** -0.5
+    if causal:
+        mask_B1LT = mask_B1LT & (jnp.arange(L)[:, None] >= jnp.arange(T)[None, :])
+    s_BGRLT = jnp.where(mask_B1LT[:, :, None], s_BGRLT, -0.7 * jnp.finfo(jnp.float32).max)
+    p_BGQT = jax.nn.softmax(s_BGRLT, axis=-1).astype(dtype).reshape(B, G, R * L, T)
+    o_BGQK = jnp.einsum('bgqt,bgtk->bgqk', p_BGQT, v_BGTK, preferred_element_type=jnp.float32)
+    return o_BGQK.astype(dtype).reshape(B, G, R, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
+
+
 class Attention(nn.Module):
     cfg: Any
 
@@ -103,9 +133,11 @@ class Attention(nn.Module):
         if getattr(cfg, 'decode_len', 0):  # generation only (train.generate); training never sets it
             k_BLGK, v_BLGK, mask_B1LL = kv_cache(self, k_BLGK, v_BLGK, positions_BL, cfg.decode_len)
             causal = False  # the cache mask already holds causality
-        # GQA: dot_product_attention shares each kv head across H/G query heads itself.
-        out_BLHK = jax.nn.dot_product_attention(
-            q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=causal, implementation=cfg.attention)
+        if cfg.attention == 'einsum':
+            out_BLHK = gqa_attention(q_BLHK, k_BLGK, v_BLGK, mask_B1LL, causal, dt)
+        else:  # GQA: dot_product_attention shares each kv head across H/G query heads itself.
+            out_BLHK = jax.nn.dot_product_attention(
+                q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=causal, implementation=cfg.attention)
         return dot('blhk,hkd->bld', out_BLHK, w_HKD, dt)
 
 
@@ -208,7 +240,7 @@ class Transformer(nn.Module):
             head_DV = param(self, 'lm_head', (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'),
                             cfg.d_model ** -0.5, wdt)
         # Logits in float32: the softmax over a large vocabulary is where bf16 loses most.
-        return jnp.einsum('bld,dv->blv', x_BLD, head_DV.astype(dt), preferred_element_type=jnp.float32)
+        return dot('bld,dv->blv', x_BLD, head_DV, dt, jnp.float32)
 
 
 class TRM(nn.Module):

@@ -145,7 +145,7 @@ def load_config(path, overrides=()):
 CHOICES = {'task': ('lm', 'sudoku'), 'mode': ('train', 'eval', 'export', 'generate'),
            'remat': ('none', 'full', 'save_dots'),
            'dtype': ('float32', 'bfloat16', 'float16'), 'weight_dtype': ('float32', 'bfloat16'),
-           'attention': ('xla', 'cudnn'), 'dataset': ('stdlib', 'files', 'tfds', 'synthetic'),
+           'attention': ('xla', 'cudnn', 'einsum'), 'dataset': ('stdlib', 'files', 'tfds', 'synthetic'),
            'platform': ('', 'cpu', 'gpu', 'tpu'),
            'decoder': ('trm', 'oneshot', 'greedy', 'beam_logp', 'tot', 'tot_shuffled')}
 
@@ -171,6 +171,10 @@ def validate(cfg):
                           f'names {len(cfg.mesh_axes)}')
     if cfg.mesh.count(-1) > 1 or any(m == 0 or m < -1 for m in cfg.mesh):
         raise ConfigError(f'mesh={",".join(map(str, cfg.mesh))}: use positive sizes and at most one -1')
+    a, b = (list(cfg.profile_steps) + [-1, -1])[:2]
+    if len(cfg.profile_steps) != 2 or [a, b] != [0, 0] and not 1 <= a <= b <= cfg.steps:
+        raise ConfigError(f'profile_steps={",".join(map(str, cfg.profile_steps))}: give two steps a,b with '
+                          f'1 <= a <= b <= steps={cfg.steps} (0,0 = off)')
     t = cfg.trm
     if t.mixer not in ('attention', 'mlp'):
         raise ConfigError(f"trm.mixer={t.mixer!r}: choose one of 'attention', 'mlp'")
@@ -786,6 +790,28 @@ def memory_estimate(cfg, abstract, mesh):
             'gradients': sum(shard(x, 4) for x in jax.tree.leaves(abstract['params'])), 'activations': int(acts)}
 
 
+def abstract_batch(cfg, A, rows, L, sharding):
+    """The step's [A, rows, L] batch as shapes only: to compile ahead of time, nothing read."""
+    return {k: jax.ShapeDtypeStruct((A, rows, L), jnp.float32 if k == 'loss_mask' else jnp.int32, sharding=sharding)
+            for k in ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')}
+
+
+def estimate_line(cfg, est):
+    GB = lambda b: f'{b / GiB:.2f} GiB'
+    return ('estimate per device: ' + ', '.join(f'{k} {GB(v)}' for k, v in est.items()) +
+            f' (remat={cfg.remat}) = {GB(sum(est.values()))}')
+
+
+def compiled_line(m):
+    """(the compiler's memory_analysis() per device as a log line, total bytes). Donated state buffers are
+    reused for the new state (alias), so they count once."""
+    GB = lambda b: f'{b / GiB:.2f} GiB'
+    need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return (f'compiled per device: arguments (params + optimizer state + batch) {GB(m.argument_size_in_bytes)}, '
+            f'temporaries {GB(m.temp_size_in_bytes)}, outputs {GB(m.output_size_in_bytes)} '
+            f'({GB(m.alias_size_in_bytes)} reusing donated arguments) = {GB(need)}', need)
+
+
 def compile_for_topology(cfg):
     """compile_topology=v4-64: lower and compile the real train step for that TPU slice on this machine
     (libtpu describes the chips; no TPU needed), and say whether it fits the slice's HBM. Nothing runs."""
@@ -806,27 +832,21 @@ def compile_for_topology(cfg):
     _, state_sh, abstract = state_layout(cfg, mesh, model, tx)
     est = memory_estimate(cfg, abstract, mesh)
     n_params = sum(x.size for x in jax.tree.leaves(abstract['params']))
-    log(f'model: {n_params / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}; estimate per device: '
-        + ', '.join(f'{k} {GB(v)}' for k, v in est.items()) + f' (remat={cfg.remat}) = {GB(sum(est.values()))}')
+    log(f'model: {n_params / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}; ' + estimate_line(cfg, est))
     rows, L = cfg.per_device_batch * len(devices), cfg.max_target_length
     step_sh = NamedSharding(mesh, P(None, *mesh_spec(('batch', 'length'), (rows, L), cfg, mesh)))
-    batch = {k: jax.ShapeDtypeStruct((cfg.grad_accum, rows, L), jnp.float32 if k == 'loss_mask' else jnp.int32,
-                                     sharding=step_sh)
-             for k in ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')}
+    batch = abstract_batch(cfg, cfg.grad_accum, rows, L, step_sh)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(cfg)):
         lowered = jax.jit(make_train_step(cfg, model, tx), in_shardings=(state_sh, step_sh),
                           out_shardings=(state_sh, None), donate_argnums=0).lower(abstract, batch)
     try:
         m = lowered.compile().memory_analysis()
-        # Donated state buffers are reused for the new state (alias), so they count once.
-        need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+        line, need = compiled_line(m)
         memory = {k: getattr(m, f'{k}_size_in_bytes') for k in ('argument', 'temp', 'output', 'alias')}
         fits = need <= hbm
-        log(f'compiled in {time.perf_counter() - t0:.1f}s; per device: arguments (params + optimizer state + '
-            f'batch) {GB(m.argument_size_in_bytes)}, temporaries {GB(m.temp_size_in_bytes)}, outputs '
-            f'{GB(m.output_size_in_bytes)} ({GB(m.alias_size_in_bytes)} reusing donated arguments) = {GB(need)} '
-            f'of {GB(hbm)} HBM: {"fits" if fits else "does not fit"}')
+        log(f'compiled in {time.perf_counter() - t0:.1f}s; {line} of {GB(hbm)} HBM: '
+            f'{"fits" if fits else "does not fit"}')
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program over its HBM
         if 'RESOURCE_EXHAUSTED' not in str(e):
             raise
@@ -1114,6 +1134,9 @@ def run(cfg, devices=None):
     """Train (or evaluate) per cfg; returns the summary dict. `devices` lets tests use a subset."""
     validate(cfg)
     validate_hardware(cfg)
+    if cfg.compile_cache_dir:  # before the first compile; every program is cached, however quick to compile
+        jax.config.update('jax_compilation_cache_dir', os.path.abspath(cfg.compile_cache_dir))
+        jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
     if cfg.task == 'sudoku':  # the puzzle tokens fix the vocabulary; vocab_size is the text tokenizer's
         cfg.vocab_size = data.SUDOKU_VOCAB
     if cfg.compile_topology:
@@ -1237,6 +1260,17 @@ def run(cfg, devices=None):
     # On CPU the simulated devices share one processor: the measured peak is for the whole machine.
     peak_total = peak if devices[0].platform == 'cpu' else peak * n_dev
     log(f'peak: {peak / 1e12:.3f} TFLOP/s per device ({peak_src})')
+    t_xla, compiled_gb = 0.0, None
+    if cfg.task == 'lm':  # compile before step 1 (the first call reuses it) to show the memory it will take
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            batch = abstract_batch(cfg, accum_at(cfg, int(state['step'])), micro_rows, L, step_sh)
+            m = train_step.lower(state, batch).compile().memory_analysis()
+        t_xla = time.perf_counter() - t0
+        log(f'step compiled in {t_xla:.1f}s; ' + estimate_line(cfg, memory_estimate(cfg, abstract, mesh)))
+        if m is not None:
+            line, compiled_gb = compiled_line(m)
+            log(line)
     metrics_file = open(os.path.join(run_dir, 'metrics.jsonl'), 'a') if proc == 0 else None
     tb = TensorBoard(run_dir) if proc == 0 else None
 
@@ -1257,32 +1291,56 @@ def run(cfg, devices=None):
     summary, window, extras, t_compile, skipped = {}, [], [], None, 0
     t_last, tokens_since, wait_last, timed_steps = time.perf_counter(), 0.0, 0.0, 0
     step = saved = int(state['step'])
+    pending, step_times, t_done, last = [], [], None, {}  # pending: steps dispatched, not yet read on the host
+
+    def drain(keep):
+        """Read finished steps' outputs on the host, oldest first, until `keep` remain in flight. Keeping
+        one lets the host dispatch step n+1 while step n runs; a non-finite loss then stops one step later,
+        but every log line, eval and checkpoint drains fully first, so none of them sees an unchecked step."""
+        nonlocal t_compile, t_done, t_last, wait_last, tokens_since, timed_steps, skipped
+        while len(pending) > keep:
+            s, t0, out = pending.pop(0)
+            out = last['out'] = jax.device_get(out)
+            now = time.perf_counter()
+            if t_compile is None:
+                t_compile = now - t0
+                log(f'first step ({"run" if t_xla else "compile + run"}): {t_compile:.1f}s')
+                t_last, wait_last = now, it.wait_seconds
+            else:
+                tokens_since += float(out['tokens'])
+                timed_steps += 1
+                step_times.append(now - max(t_done, t0))  # from the previous step's end, or this one's dispatch
+            t_done = now
+            if not np.isfinite(out['loss']) or not np.isfinite(out['grad_norm']):
+                skipped += 1
+                if skipped > cfg.skip_nonfinite_steps:
+                    raise FloatingPointError(
+                        f'loss is {out["loss"]} at step {s}; stopping (checkpoints up to step {saved} are '
+                        'intact; lower learning_rate, raise warmup_steps, or set skip_nonfinite_steps)')
+                log(f'WARNING: non-finite loss at step {s}: update skipped ({skipped} of '
+                    f'skip_nonfinite_steps={cfg.skip_nonfinite_steps})')
+            else:
+                window.append(float(out['loss']))
+                extras.append({k: float(out[k]) for k in ('halt_rate', 'sup_steps', 'train_exact', 'value_acc')
+                               if k in out})
+        return last.get('out')
     try:
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             while step < cfg.steps:
+                if step + 1 == cfg.profile_steps[0]:
+                    drain(0)
+                    jax.profiler.start_trace(os.path.join(run_dir, 'profile'))
                 t0 = time.perf_counter()
                 state, out = train_step(state, next_step(accum_at(cfg, step)))
                 step += 1
-                out = jax.device_get(out)  # waits for this step: losses are checked every step
-                if t_compile is None:
-                    t_compile = time.perf_counter() - t0
-                    log(f'first step (compile + run): {t_compile:.1f}s')
-                    t_last, wait_last = time.perf_counter(), it.wait_seconds
-                else:
-                    tokens_since += float(out['tokens'])
-                    timed_steps += 1
-                if not np.isfinite(out['loss']) or not np.isfinite(out['grad_norm']):
-                    skipped += 1
-                    if skipped > cfg.skip_nonfinite_steps:
-                        raise FloatingPointError(
-                            f'loss is {out["loss"]} at step {step}; stopping (checkpoints up to step {saved} are '
-                            'intact; lower learning_rate, raise warmup_steps, or set skip_nonfinite_steps)')
-                    log(f'WARNING: non-finite loss at step {step}: update skipped ({skipped} of '
-                        f'skip_nonfinite_steps={cfg.skip_nonfinite_steps})')
-                else:
-                    window.append(float(out['loss']))
-                    extras.append({k: float(out[k]) for k in ('halt_rate', 'sup_steps', 'train_exact', 'value_acc') if k in out})
+                pending.append((step, t0, out))
+                drain(1)
+                if step == cfg.profile_steps[1]:
+                    drain(0)
+                    jax.profiler.stop_trace()
+                    log(f'profile of steps {cfg.profile_steps[0]}-{step}: {run_dir}/profile')
                 if step % cfg.log_every == 0 or step == cfg.steps:
+                    out = drain(0)
                     now = time.perf_counter()
                     dt = max(now - t_last, 1e-9)
                     tps = tokens_since / dt
@@ -1312,6 +1370,7 @@ def run(cfg, devices=None):
                     wait_last, timed_steps = it.wait_seconds, 0
                 preempted = caught or (n_proc > 1 and multihost_utils.reached_preemption_sync_point(step))
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
+                    drain(0)  # a checkpoint holds only checked steps
                     save_checkpoint(mngr, step, state, it, mesh)  # async: training goes on while it writes
                     saved = step
                 if preempted:
@@ -1323,7 +1382,17 @@ def run(cfg, devices=None):
         it.close()
         for sig, h in handlers.items():
             signal.signal(sig, h)
-    summary.update({'run_dir': run_dir, 'compile_seconds': t_compile, 'step_variants': train_step._cache_size()})
+    summary.update({'run_dir': run_dir, 'compile_seconds': t_xla + (t_compile or 0),
+                    'step_variants': train_step._cache_size()})
+    if step_times:  # the benchmark summary: medians over every timed step (the first, compiling, excluded)
+        med = float(np.median(step_times))
+        tps = float(summary['tokens_per_step']) / med
+        summary.update(median_step_seconds=med, median_tokens_per_sec=tps, median_mfu=tps * flops_tok / peak_total)
+        log(f'benchmark: {len(step_times)} timed steps, median {med:.3f} s/step = {tps:,.0f} tokens/s, '
+            f'{tps * flops_tok / n_dev / 1e12:.3f} TFLOP/s per device, MFU {tps * flops_tok / peak_total:.1%} of '
+            f'{peak / 1e12:.3f} TFLOP/s ({peak_src}); compile + first step {summary["compile_seconds"]:.1f}s; '
+            f'host RSS {host_rss_gb():.2f} GiB' + (f', device peak {mem:.2f} GiB' if (mem := device_peak_memory_gb(
+                devices[0])) is not None else '') + (f', compiled step {compiled_gb / GiB:.2f} GiB' if compiled_gb else ''))
     log('done: ' + json.dumps({k: summary.get(k) for k in ('step', 'loss', 'eval_loss', 'tokens_per_sec',
                                                            'mfu', 'compile_seconds', 'run_dir')}))
     log(f'checkpoints: {mngr.directory}; metrics: {run_dir}/metrics.jsonl '
