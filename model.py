@@ -330,23 +330,45 @@ def digits_seen(grids_NL):
 
 def solved(grids_NL):
     """bool[N]: complete, and no digit repeats in a row, column or box."""
-    clash_NL = jnp.take_along_axis(digits_seen(grids_NL), jnp.maximum(grids_NL - 1, 0)[..., None], -1)[..., 0]
-    return jnp.all(grids_NL > 0, axis=-1) & ~jnp.any(clash_NL, axis=-1)
+    return jnp.all(grids_NL > 0, axis=-1) & ~legal_moves(grids_NL, jnp.zeros(grids_NL.shape + (9,)))[1]
+
+
+def legal_moves(grids_NL, logp_NLC):
+    """The log-probs of the moves that break no rule: blank cell, digit not in a peer (others -inf); and
+    bool[N]: the grid is dead, so no completion obeys the rules (a digit repeats in a row, column or box,
+    or some blank cell has no legal digit left). The rule checker of Long's ToT, as masks."""
+    seen_NLC = digits_seen(grids_NL)
+    blank_NL = grids_NL == 0
+    clash_NL = jnp.take_along_axis(seen_NLC, jnp.maximum(grids_NL - 1, 0)[..., None], -1)[..., 0] & ~blank_NL
+    dead_N = jnp.any(clash_NL | (blank_NL & jnp.all(seen_NLC, axis=-1)), axis=-1)
+    return jnp.where(blank_NL[..., None] & ~seen_NLC, logp_NLC, -jnp.inf), dead_N
+
+
+def fill_argmax(grids_NL, logp_NLC):
+    """Blanks left -> the policy's likeliest digit (how a search hands back a grid it did not finish)."""
+    return jnp.where(grids_NL == 0, jnp.argmax(logp_NLC, axis=-1) + 1, grids_NL)
 
 
 def greedy_fill(evaluate, q_BL):
-    """Fill the single most confident blank cell with its most likely digit, re-evaluate, repeat until full.
-    evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N]). Returns (grids, passes)."""
+    """Fill the most confident legal move (blank cell, digit no peer has), re-evaluate, repeat until full.
+    evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N]). A move that leaves
+    some blank cell without a legal digit ends the puzzle: its other blanks get their argmax digits.
+    Returns (grids, forward passes per puzzle: the puzzle's own + one per move)."""
     B, L = q_BL.shape
 
-    def body(carry):
-        g_BL, n_B = carry
-        logp_BLC = jnp.where(g_BL[..., None] == 0, evaluate(g_BL)[0], -jnp.inf)
-        flat_B = jnp.argmax(logp_BLC.reshape(B, -1), axis=-1)
-        open_B = jnp.any(g_BL == 0, axis=-1)
-        g_BL = jnp.where(open_B[:, None], g_BL.at[jnp.arange(B), flat_B // 9].set(flat_B % 9 + 1), g_BL)
-        return g_BL, n_B + open_B
-    return jax.lax.while_loop(lambda c: jnp.any(c[0] == 0), body, (q_BL, jnp.zeros(B, jnp.int32)))
+    def body(c):
+        g_BL, logp_BLC, n_B, stop_B = c
+        lp_BLC, _ = legal_moves(g_BL, logp_BLC)
+        flat_B = jnp.argmax(lp_BLC.reshape(B, -1), axis=-1)
+        new_BL = g_BL.at[jnp.arange(B), flat_B // 9].set(flat_B % 9 + 1)
+        go_B = ~stop_B & (jnp.max(lp_BLC.reshape(B, -1), axis=-1) > -jnp.inf) & ~legal_moves(new_BL, lp_BLC)[1]
+        new_logp = evaluate(new_BL)[0]
+        g_BL = jnp.where(go_B[:, None], new_BL, g_BL)
+        logp_BLC = jnp.where(go_B[:, None, None], new_logp, logp_BLC)
+        return g_BL, logp_BLC, n_B + go_B, ~go_B | jnp.all(g_BL > 0, axis=-1)
+    c = (q_BL, evaluate(q_BL)[0], jnp.ones(B, jnp.int32), jnp.all(q_BL > 0, axis=-1))
+    g_BL, logp_BLC, n_B, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[3]), body, c)
+    return fill_argmax(g_BL, logp_BLC), n_B
 
 
 def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts, score='value',
@@ -372,7 +394,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
     key = jax.random.key(0) if key is None else key
 
     def expand(g_L, logp_LC):  # one state -> P candidate grids, their log-prob gain, and whether they exist
-        lp_LC = jnp.where(g_L[:, None] == 0, logp_LC, NEG)
+        lp_LC = legal_moves(g_L[None], logp_LC[None])[0][0]
         conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
         cell = jnp.argmax(conf_L)
         top_P, digit_P = jax.lax.top_k(lp_LC[cell], P)
@@ -391,14 +413,11 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         logp, logv = evaluate(g_BNL.reshape(-1, L))
         return logp.reshape(*g_BNL.shape, 9), logv.reshape(g_BNL.shape[:2])
 
-    def finish(g_BL, logp_BLC):  # blanks left -> argmax digits
-        return jnp.where(g_BL == 0, jnp.argmax(logp_BLC, axis=-1) + 1, g_BL)
-
     logp0, _ = evaluate_BN(q_BL[:, None])
     beam = {'grid': jnp.repeat(q_BL[:, None], W, axis=1), 'logp': jnp.repeat(logp0, W, axis=1),
             'cum': jnp.zeros((B, W)), 'score': jnp.full((B, W), NEG).at[:, 0].set(0.0)}
     done = solved(q_BL)
-    carry = {'beam': beam, 'done': done, 'stop': done, 'answer': q_BL, 'fallback': finish(q_BL, logp0[:, 0]),
+    carry = {'beam': beam, 'done': done, 'stop': done, 'answer': q_BL, 'fallback': fill_argmax(q_BL, logp0[:, 0]),
              'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'key': key}
 
     def body(c):
@@ -406,6 +425,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         g, gain, ok = jax.vmap(jax.vmap(expand))(bm['grid'], bm['logp'])  # [B, W, P, ...]
         g_BNL, N = g.reshape(B, W * P, L), W * P
         alive_BN = (ok & (bm['score'][..., None] > NEG)).reshape(B, N)
+        alive_BN &= ~legal_moves(g_BNL.reshape(-1, L), jnp.zeros((B * N, L, 9)))[1].reshape(B, N)  # dead ends
         cum_BN = (bm['cum'][..., None] + gain).reshape(B, N)
         same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
         alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
@@ -425,7 +445,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         found_B = live_B & jnp.any(ok_BN, axis=1)
         answer = jnp.where(found_B[:, None], pick(g_BNL, jnp.argmax(ok_BN, axis=1)), c['answer'])
         best_B = jnp.argmax(s_BN, axis=1)  # the best candidate, before full-but-wrong grids are dropped
-        fallback = finish(pick(g_BNL, best_B), pick(logp_BNLC, best_B))
+        fallback = fill_argmax(pick(g_BNL, best_B), pick(logp_BNLC, best_B))
         fallback = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], fallback, c['fallback'])
         s_BN = jnp.where(full_BN, NEG, s_BN)  # a full grid either ended the search or broke a rule
         top_BW, idx_BW = jax.lax.top_k(s_BN, W)

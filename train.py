@@ -181,7 +181,8 @@ def validate(cfg):
     if min(t.T, t.n, t.N_sup) < 1 or not 0 <= t.ema_decay < 1 or not 0 <= t.halt_explore_prob <= 1:
         raise ConfigError(f'trm: T={t.T}, n={t.n}, N_sup={t.N_sup} must be >= 1, ema_decay={t.ema_decay} in [0, 1), '
                           f'halt_explore_prob={t.halt_explore_prob} in [0, 1]')
-    for key in ('beam_width', 'thoughts_per_step', 'max_depth', 'max_thoughts', 'thought_cells', 'tot.policy_steps'):
+    for key in ('beam_width', 'thoughts_per_step', 'max_depth', 'max_thoughts', 'thought_cells', 'tot.policy_steps',
+                'tot.value_step'):
         if cfg[key] < 1:
             raise ConfigError(f'{key}={cfg[key]}: must be >= 1')
     if cfg.thought_cells > 81 or cfg.thoughts_per_step > 9:
@@ -366,7 +367,7 @@ def trm_loss(cfg, model, params, mb, carry, key, step=0):
         def value_loss(_):
             grids_BL, label_B = partial_states(jax.random.fold_in(key, 1), mb['inputs'][:half] - 1,
                                                mb['targets'][:half] - 1)
-            log_v_B = trm_steps(cfg, model, params, grids_BL, 1)[2]
+            log_v_B = trm_steps(cfg, model, params, grids_BL, cfg.tot.value_step)[2]
             return jnp.sum(value_bce(log_v_B, label_B)), jnp.sum((log_v_B > jnp.log(0.5)) == label_B)
         # From tot.start_step on only: a real branch, so earlier steps do not pay for the value pass.
         on = step >= cfg.tot.start_step
@@ -377,12 +378,15 @@ def trm_loss(cfg, model, params, mb, carry, key, step=0):
 
 
 def partial_states(key, q_BL, a_BL):
-    """ToT value-head examples from puzzles and solutions (digit grids): a random share of the blanks
+    """ToT value-head examples from puzzles and solutions (digit grids): in half of the rows up to a third
+    of the givens blanked (states as sparse as the hardest puzzles'), then a random share of the blanks
     filled from the solution, and in half of the rows one blank set to a wrong digit, one that breaks no
-    rule where the grid allows it (the mistakes a solver makes). Label: True = every digit right, so
-    the grid can still be completed (the solution is unique)."""
-    k_frac, k_fill, k_bad, k_cell, k_digit = jax.random.split(key, 5)
+    rule where the grid allows it (the mistakes a solver makes). Label: True = every digit agrees with
+    the solution (for a unique-solution puzzle: the grid can still be completed)."""
+    k_frac, k_fill, k_bad, k_cell, k_digit, k_drop = jax.random.split(key, 6)
     B, L = q_BL.shape
+    drop_BL = jax.random.uniform(k_drop, (B, L)) < jnp.where(jnp.arange(B) % 2 == 1, 1 / 3, 0.0)[:, None]
+    q_BL = jnp.where(drop_BL, 0, q_BL)
     blank_BL, rows = q_BL == 0, jnp.arange(B)
     fill_BL = blank_BL & (jax.random.uniform(k_fill, (B, L)) < jax.random.uniform(k_frac, (B, 1)))
     g_BL = jnp.where(fill_BL, a_BL, q_BL)
@@ -407,22 +411,29 @@ def value_bce(log_v_B, label_B):
 
 def trm_steps(cfg, model, params, grids_NL, steps):
     """`steps` supervision steps from a fresh carry on digit grids (0 = blank): (predicted tokens after
-    each step [S, N, L], digit log-probs [N, L, 9] after the last, log value [N] after the first)."""
+    each step [S, N, L], digit log-probs [N, L, 9] after the last, log value [N] after step
+    v = min(tot.value_step, steps)). Only step v is differentiable: the value loss trains through it."""
     N, L = grids_NL.shape
     rows = lambda x: jnp.broadcast_to(x, (N, L)).astype(jnp.int32)
     tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
+    v = min(cfg.tot.value_step, steps)
 
-    def sup(carry, fresh_N):
-        y, z, logits_NLV, _, log_v_N = model.apply({'params': params}, tokens, pos, seg, *carry, fresh_N)
-        return (y.astype(jnp.float32), z.astype(jnp.float32)), (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N)
+    def sup(p):
+        def one(carry, fresh_N):
+            y, z, logits_NLV, _, log_v_N = model.apply({'params': p}, tokens, pos, seg, *carry, fresh_N)
+            carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
+            return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N)
+        return one
+    fixed = sup(jax.lax.stop_gradient(params))
+    fresh = lambda n: (jnp.arange(n) == 0)[:, None] & jnp.ones((1, N), bool)  # [n, N]: step 0 starts fresh
     yz = jnp.zeros((N, L, cfg.d_model), jnp.float32)
-    (y, z), (_, logits_NLV, log_v_N) = sup((yz, yz), jnp.ones(N, bool))
-    preds = [jnp.argmax(logits_NLV, -1)[None]]
-    if steps > 1:
-        _, (p_SNL, l_SNLV, _) = jax.lax.scan(sup, (y, z), jnp.zeros((steps - 1, N), bool))
-        preds, logits_NLV = preds + [p_SNL], l_SNLV[-1]
+    carry, (p_before, _, _) = jax.lax.scan(fixed, (yz, yz), fresh(v - 1))
+    carry, (p_v, logits_NLV, log_v_N) = sup(params)(carry, jnp.full(N, v == 1))
+    _, (p_after, l_after, _) = jax.lax.scan(fixed, carry, jnp.zeros((steps - v, N), bool))
+    logits_NLV = l_after[-1] if steps > v else logits_NLV
+    preds = jnp.concatenate([p_before, p_v[None], p_after])
     # Digit d is token d + 1: the nine digit logits are tokens 2..10.
-    return jnp.concatenate(preds), jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N
+    return preds, jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N
 
 
 def make_train_step(cfg, model, tx):
@@ -484,7 +495,7 @@ def make_eval_step(cfg, model):
         and trm, 1 for the searches), forward passes per puzzle [B], value-head log values and labels of
         partial grids made from the batch (for its AUROC))."""
         q_BL, B = b['inputs'] - 1, b['inputs'].shape[0]
-        steps = {'oneshot': 1, 'trm': cfg.trm.N_sup}.get(cfg.decoder, cfg.tot.policy_steps)
+        steps = {'oneshot': 1, 'trm': cfg.trm.N_sup}.get(cfg.decoder, max(cfg.tot.policy_steps, cfg.tot.value_step))
         evaluate = lambda g_NL: trm_steps(cfg, model, params, g_NL, steps)[1:]
         if cfg.decoder in ('oneshot', 'trm'):
             preds_SBL, passes_B = trm_steps(cfg, model, params, q_BL, steps)[0], jnp.full(B, steps)
@@ -498,7 +509,7 @@ def make_eval_step(cfg, model):
                 cfg.max_thoughts, score, cfg.tot.logp_weight, jax.random.key(cfg.seed))
             preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
         partial_BL, label_B = partial_states(jax.random.key(cfg.seed), q_BL, b['targets'] - 1)
-        return preds_SBL, passes_B, trm_steps(cfg, model, params, partial_BL, 1)[2], label_B
+        return preds_SBL, passes_B, trm_steps(cfg, model, params, partial_BL, cfg.tot.value_step)[2], label_B
     return sudoku_eval_step
 
 

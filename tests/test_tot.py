@@ -20,18 +20,20 @@ def oracle(a_BL, uniform=True):
     return evaluate
 
 
-def easy(n, seed=0):
-    q, a = data.generate_sudoku(n, 30, seed, stream='tot')
+def easy(n, seed=0, blanks=30):
+    q, a = data.generate_sudoku(n, blanks, seed, stream='tot')
     return jnp.asarray(q, jnp.int32), jnp.asarray(a, jnp.int32)
 
 
 def test_oracle_value_solves_easy_puzzles_and_log_prob_alone_does_not():
-    q, a = easy(4)
-    search = lambda score: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000, score)
-    grids, evals = jax.jit(lambda: search('value'))()
-    np.testing.assert_array_equal(grids, a)
-    assert bool(model_lib.solved(grids).all()) and (np.asarray(evals) <= 10_000).all()
-    # Same search ranked by the (uniform) policy's log-prob: it keeps the first digits it tries.
+    for blanks in (30, 58):
+        q, a = easy(4, blanks=blanks)
+        search = lambda score: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000, score)
+        grids, evals = jax.jit(lambda: search('value'))()
+        np.testing.assert_array_equal(grids, a)
+        assert bool(model_lib.solved(grids).all()) and (np.asarray(evals) <= 10_000).all()
+    # Same search ranked by the (uniform) policy's log-prob: it keeps the first legal digits it tries, and
+    # on sparse puzzles the rule checks alone do not rescue it.
     grids, _ = jax.jit(lambda: search('logp'))()
     assert not bool((grids == a).all(-1).any())
 
@@ -46,8 +48,8 @@ def test_width_one_reproduces_greedy_and_compiles_once(tmp_path):
     search = jax.jit(lambda q: model_lib.tree_search(evaluate, q, 1, 1, 1, 81, 10_000))
     grids, evals = search(q_BL)
     np.testing.assert_array_equal(grids, greedy)
-    np.testing.assert_array_equal(passes, (q_BL == 0).sum(1))  # one pass per blank
-    np.testing.assert_array_equal(evals, passes + 1)           # + the root
+    np.testing.assert_array_equal(evals, passes)
+    assert (np.asarray(passes) <= (q_BL == 0).sum(1) + 1).all()  # the puzzle + one per move at most
     assert ((greedy == q_BL) | (q_BL == 0)).all() and (greedy > 0).all()  # givens kept, every blank filled
     # Other puzzles with other numbers of blanks: the same compiled search (shapes depend on the batch only).
     q2 = jnp.asarray(data.generate_sudoku(3, 60, 1, stream='tot')[0], jnp.int32)
@@ -61,7 +63,9 @@ def test_partial_states_labels_and_value_range(tmp_path):
     g, label = train.partial_states(jax.random.key(3), q, a)
     filled = g != 0
     wrong = (filled & (g != a)).sum(1)
-    assert ((g == q) | (q == 0)).all()                         # givens untouched
+    blanked = np.asarray((q != 0) & (g == 0)).any(1)           # givens blanked: odd rows only (sparser states)
+    assert not blanked[::2].any() and blanked[1::2].mean() > 0.7
+    assert ((g == q) | (q == 0) | (g == 0) | ~label[:, None]).all()  # a right grid keeps every given it shows
     np.testing.assert_array_equal(wrong, np.where(label, 0, 1))  # right grids have no wrong digit, others one
     assert 0.3 < float(label.mean()) < 0.7
     # Wrong digits avoid clashing with the grid where some digit allows it (a solver's kind of mistake).

@@ -16,7 +16,7 @@ from test_train import BASE
 
 TINY = ['task=sudoku', 'd_model=32', 'num_layers=1', 'num_heads=2', 'num_kv_heads=2', 'mlp_dim=64', 'dtype=float32',
         'trm.T=2', 'trm.n=1', 'trm.N_sup=2', 'log_every=1', 'eval_every=0', 'eval_batches=1', 'prefetch=0',
-        'tot.loss_weight=0']  # the value head trains in the resume test only (a second pass per step)
+        'tot.loss_weight=0', 'tot.value_step=1']  # the value head trains in the resume test only (extra passes)
 
 
 def args_for(tmp_path, *overrides):
@@ -163,7 +163,7 @@ def test_scoring_overwrites_givens_and_checks_rules():
 
 def test_carry_is_checkpointed_and_resume_is_exact(tmp_path):
     args = ['per_device_batch=4', 'steps=6', 'checkpoint_every=3', 'trm.halt_explore_prob=0.5',
-            'tot.loss_weight=0.2', 'tot.start_step=2']  # the value pass switches on mid-run
+            'tot.loss_weight=0.2', 'tot.start_step=2', 'tot.value_step=2']  # value pass on mid-run, read at step 2
     ref = train.run(cfg_for(tmp_path, *args, 'run_name=ref'), jax.devices()[:1])
     train.run(cfg_for(tmp_path, *args, 'steps=3'), jax.devices()[:1])
     train.run(cfg_for(tmp_path, *args), jax.devices()[:1])
