@@ -16,7 +16,7 @@ def test_profile_cache_memory_and_benchmark_line(tmp_path):
     2-3, fills compile_cache_dir, and prints the memory estimate beside the compiler's figures and the
     benchmark line. That a rerun then compiles nothing is measured in README (Performance)."""
     cache = tmp_path / 'xla-cache'
-    args = TINY + [f'output_dir={tmp_path}', 'steps=3', 'scan_layers=false', f'compile_cache_dir={cache}',
+    args = TINY + [f'output_dir={tmp_path}', 'steps=3', f'compile_cache_dir={cache}',
                    'run_name=a', 'profile_steps=2,3']
     run = subprocess.run([sys.executable, 'train.py', 'base.yml', *args], cwd=ROOT, text=True, capture_output=True,
                          timeout=120, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
