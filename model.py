@@ -328,11 +328,6 @@ def digits_seen(grids_NL):
     return jnp.einsum('ml,nlc->nmc', sudoku_peers().astype(jnp.float32), onehot_NLC) > 0
 
 
-def solved(grids_NL):
-    """bool[N]: complete, and no digit repeats in a row, column or box."""
-    return jnp.all(grids_NL > 0, axis=-1) & ~legal_moves(grids_NL, jnp.zeros(grids_NL.shape + (9,)))[1]
-
-
 def legal_moves(grids_NL, logp_NLC):
     """The log-probs of the moves that break no rule: blank cell, digit not in a peer (others -inf); and
     bool[N]: the grid is dead, so no completion obeys the rules (a digit repeats in a row, column or box,
@@ -342,6 +337,11 @@ def legal_moves(grids_NL, logp_NLC):
     clash_NL = jnp.take_along_axis(seen_NLC, jnp.maximum(grids_NL - 1, 0)[..., None], -1)[..., 0] & ~blank_NL
     dead_N = jnp.any(clash_NL | (blank_NL & jnp.all(seen_NLC, axis=-1)), axis=-1)
     return jnp.where(blank_NL[..., None] & ~seen_NLC, logp_NLC, -jnp.inf), dead_N
+
+
+def solved(grids_NL):
+    """bool[N]: complete, and no digit repeats in a row, column or box."""
+    return jnp.all(grids_NL > 0, axis=-1) & ~legal_moves(grids_NL, jnp.zeros(grids_NL.shape + (9,)))[1]
 
 
 def fill_argmax(grids_NL, logp_NLC):
@@ -440,7 +440,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
             s_BN = logv_BN + logp_weight * cum_BN
         s_BN = jnp.where(alive_BN, s_BN, NEG)
         full_BN = jnp.all(g_BNL > 0, axis=-1)
-        ok_BN = alive_BN & full_BN & solved(g_BNL.reshape(-1, L)).reshape(B, N)
+        ok_BN = alive_BN & full_BN  # alive grids break no rule (dead ends dropped above): full = solved
         pick = lambda x_BN, i_B: jnp.take_along_axis(x_BN, i_B.reshape(B, *[1] * (x_BN.ndim - 1)), axis=1)[:, 0]
         found_B = live_B & jnp.any(ok_BN, axis=1)
         answer = jnp.where(found_B[:, None], pick(g_BNL, jnp.argmax(ok_BN, axis=1)), c['answer'])
