@@ -352,7 +352,9 @@ def fill_argmax(grids_NL, logp_NLC):
 def greedy_fill(evaluate, q_BL):
     """Fill the most confident legal move (blank cell, digit no peer has), re-evaluate, repeat until full.
     evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N]). A move that leaves
-    some blank cell without a legal digit ends the puzzle: its other blanks get their argmax digits.
+    some blank cell without a legal digit ends the puzzle: its other blanks get their argmax digits. So
+    does a state whose blanks, filled by the policy's argmax, make a grid that obeys the rules (the
+    policy's own answer, checked at every state for no extra pass).
     Returns (grids, forward passes per puzzle: the puzzle's own + one per move)."""
     B, L = q_BL.shape
 
@@ -365,14 +367,15 @@ def greedy_fill(evaluate, q_BL):
         new_logp = evaluate(new_BL)[0]
         g_BL = jnp.where(go_B[:, None], new_BL, g_BL)
         logp_BLC = jnp.where(go_B[:, None, None], new_logp, logp_BLC)
-        return g_BL, logp_BLC, n_B + go_B, ~go_B | jnp.all(g_BL > 0, axis=-1)
-    c = (q_BL, evaluate(q_BL)[0], jnp.ones(B, jnp.int32), jnp.all(q_BL > 0, axis=-1))
+        return g_BL, logp_BLC, n_B + go_B, ~go_B | solved(fill_argmax(g_BL, logp_BLC))
+    logp0 = evaluate(q_BL)[0]
+    c = (q_BL, logp0, jnp.ones(B, jnp.int32), solved(fill_argmax(q_BL, logp0)))
     g_BL, logp_BLC, n_B, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[3]), body, c)
     return fill_argmax(g_BL, logp_BLC), n_B
 
 
 def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts, score='value',
-                logp_weight=0.0, key=None):
+                logp_weight=0.0, key=None, frontier=0):
     """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled loop.
 
     A thought fills `cells` blank cells: the state's most confident blank cell (highest top probability)
@@ -384,13 +387,20 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
       'value'    log value + logp_weight x cum: ToT
       'logp'     cum only (plain beam search, no value head)
       'shuffled' as 'value' with the value scores permuted at random among a puzzle's candidates (control)
-    A complete grid that obeys the rules ends a puzzle's search; a complete one that breaks them is
-    dropped. A puzzle also stops after max_depth thoughts, once `max_thoughts` states were evaluated,
+    A grid that obeys the rules ends a puzzle's search: a complete candidate, or any state's blanks
+    filled by the policy's argmax (checked at every state, no extra pass); a complete one that breaks
+    them is dropped. A puzzle also stops after max_depth steps, once `max_thoughts` states were evaluated,
     or when its beam is empty. Shapes depend only on (batch, width, thoughts): one compile per batch size.
-    Returns (grids [B, L], states evaluated per puzzle [B]). Unsolved puzzles return the best state of
+
+    frontier F > width keeps F states between steps instead of width (best-first search with
+    backtracking, ToT's DFS/BFS in one): each step expands the best `width` states held, from any depth,
+    and the F best of the rest and the new candidates are held. When every child of a path scores low,
+    the search goes back to an earlier state. F = width (or 0) is the plain per-depth beam above.
+    Returns (grids [B, L], states evaluated per puzzle [B]). Unsolved puzzles return the best candidate of
     the last step with its blanks filled by argmax."""
     B, L = q_BL.shape
     W, P, NEG = width, thoughts, -jnp.inf
+    F = max(frontier, W)
     key = jax.random.key(0) if key is None else key
 
     def expand(g_L, logp_LC):  # one state -> P candidate grids, their log-prob gain, and whether they exist
@@ -414,14 +424,19 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         return logp.reshape(*g_BNL.shape, 9), logv.reshape(g_BNL.shape[:2])
 
     logp0, _ = evaluate_BN(q_BL[:, None])
-    beam = {'grid': jnp.repeat(q_BL[:, None], W, axis=1), 'logp': jnp.repeat(logp0, W, axis=1),
-            'cum': jnp.zeros((B, W)), 'score': jnp.full((B, W), NEG).at[:, 0].set(0.0)}
-    done = solved(q_BL)
-    carry = {'beam': beam, 'done': done, 'stop': done, 'answer': q_BL, 'fallback': fill_argmax(q_BL, logp0[:, 0]),
+    held = {'grid': jnp.repeat(q_BL[:, None], F, axis=1), 'logp': jnp.repeat(logp0, F, axis=1),
+            'cum': jnp.zeros((B, F)), 'score': jnp.full((B, F), NEG).at[:, 0].set(0.0)}
+    fill0 = fill_argmax(q_BL, logp0[:, 0])
+    done = solved(fill0)
+    carry = {'held': held, 'done': done, 'stop': done, 'answer': fill0, 'fallback': fill0,
              'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'key': key}
 
     def body(c):
-        bm, live_B = c['beam'], ~c['stop']
+        live_B = ~c['stop']
+        _, pop_BW = jax.lax.top_k(c['held']['score'], W)  # the W best held states are expanded
+        take = lambda x, i_BK: jnp.take_along_axis(x, i_BK.reshape(*i_BK.shape, *[1] * (x.ndim - 2)), axis=1)
+        bm = jax.tree.map(lambda x: take(x, pop_BW), c['held'])
+        rest = dict(c['held'], score=c['held']['score'].at[jnp.arange(B)[:, None], pop_BW].set(NEG))
         g, gain, ok = jax.vmap(jax.vmap(expand))(bm['grid'], bm['logp'])  # [B, W, P, ...]
         g_BNL, N = g.reshape(B, W * P, L), W * P
         alive_BN = (ok & (bm['score'][..., None] > NEG)).reshape(B, N)
@@ -440,23 +455,26 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
             s_BN = logv_BN + logp_weight * cum_BN
         s_BN = jnp.where(alive_BN, s_BN, NEG)
         full_BN = jnp.all(g_BNL > 0, axis=-1)
-        ok_BN = alive_BN & full_BN  # alive grids break no rule (dead ends dropped above): full = solved
+        fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
+        ok_BN = alive_BN & solved(fill_BNL.reshape(-1, L)).reshape(B, N)
         pick = lambda x_BN, i_B: jnp.take_along_axis(x_BN, i_B.reshape(B, *[1] * (x_BN.ndim - 1)), axis=1)[:, 0]
         found_B = live_B & jnp.any(ok_BN, axis=1)
-        answer = jnp.where(found_B[:, None], pick(g_BNL, jnp.argmax(ok_BN, axis=1)), c['answer'])
+        answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), c['answer'])
         best_B = jnp.argmax(s_BN, axis=1)  # the best candidate, before full-but-wrong grids are dropped
-        fallback = fill_argmax(pick(g_BNL, best_B), pick(logp_BNLC, best_B))
+        fallback = pick(fill_BNL, best_B)
         fallback = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], fallback, c['fallback'])
         s_BN = jnp.where(full_BN, NEG, s_BN)  # a full grid either ended the search or broke a rule
-        top_BW, idx_BW = jax.lax.top_k(s_BN, W)
-        take = lambda x: jnp.take_along_axis(x, idx_BW.reshape(B, W, *[1] * (x.ndim - 2)), axis=1)
-        new = {'grid': take(g_BNL), 'logp': take(logp_BNLC), 'cum': take(cum_BN), 'score': top_BW}
-        beam = jax.tree.map(lambda n, o: jnp.where(live_B.reshape(B, *[1] * (n.ndim - 1)), n, o), new, bm)
+        # The F best of the new candidates (first: they win ties) and the states held but not expanded.
+        pool = jax.tree.map(lambda n, o: jnp.concatenate([n, o], axis=1),
+                            {'grid': g_BNL, 'logp': logp_BNLC, 'cum': cum_BN, 'score': s_BN}, rest)
+        top_BF, idx_BF = jax.lax.top_k(pool['score'], F)
+        new = jax.tree.map(lambda x: take(x, idx_BF), pool)
+        held = jax.tree.map(lambda n, o: jnp.where(live_B.reshape(B, *[1] * (n.ndim - 1)), n, o), new, c['held'])
         evals = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0)
         depth = c['depth'] + 1
         done = c['done'] | found_B
-        stop = c['stop'] | done | (evals >= max_thoughts) | ~jnp.any(top_BW > NEG, axis=1) | (depth >= max_depth)
-        return {'beam': beam, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
+        stop = c['stop'] | done | (evals >= max_thoughts) | ~jnp.any(top_BF > NEG, axis=1) | (depth >= max_depth)
+        return {'held': held, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
                 'evals': evals, 'depth': depth, 'key': key}
 
     c = jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, carry)

@@ -185,6 +185,8 @@ def validate(cfg):
                 'tot.value_step'):
         if cfg[key] < 1:
             raise ConfigError(f'{key}={cfg[key]}: must be >= 1')
+    if cfg.tot.frontier < 0:
+        raise ConfigError(f'tot.frontier={cfg.tot.frontier}: must be >= 0 (0 = beam_width)')
     if cfg.thought_cells > 81 or cfg.thoughts_per_step > 9:
         raise ConfigError(f'thought_cells={cfg.thought_cells} must be <= 81 and thoughts_per_step='
                           f'{cfg.thoughts_per_step} <= 9 (the digits a cell can take)')
@@ -506,7 +508,7 @@ def make_eval_step(cfg, model):
             score = {'beam_logp': 'logp', 'tot': 'value', 'tot_shuffled': 'shuffled'}[cfg.decoder]
             grids_BL, passes_B = model_lib.tree_search(
                 evaluate, q_BL, cfg.beam_width, cfg.thoughts_per_step, cfg.thought_cells, cfg.max_depth,
-                cfg.max_thoughts, score, cfg.tot.logp_weight, jax.random.key(cfg.seed))
+                cfg.max_thoughts, score, cfg.tot.logp_weight, jax.random.key(cfg.seed), cfg.tot.frontier)
             preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
         partial_BL, label_B = partial_states(jax.random.key(cfg.seed), q_BL, b['targets'] - 1)
         return preds_SBL, passes_B, trm_steps(cfg, model, params, partial_BL, cfg.tot.value_step)[2], label_B

@@ -38,6 +38,56 @@ def test_oracle_value_solves_easy_puzzles_and_log_prob_alone_does_not():
     assert not bool((grids == a).all(-1).any())
 
 
+def test_a_policy_answer_that_obeys_the_rules_ends_the_search():
+    """Every evaluated state's argmax fill is checked: a policy that already knows the solution costs
+    the puzzle's one pass, in greedy and in the search; one wrong digit in its answer costs more."""
+    q, a = easy(2, blanks=50)
+
+    def policy(wrong):  # wrong: the first blank's likeliest digit is a wrong one (the right one is 2nd)
+        def evaluate(g_NL):
+            a_NL, q_NL = (jnp.repeat(x, g_NL.shape[0] // 2, axis=0) for x in (a, q))
+            rows, blank_N = jnp.arange(len(a_NL)), jnp.argmax(q_NL == 0, axis=1)
+            bad_NL = a_NL.at[rows, blank_N].set(jnp.where(wrong, a_NL[rows, blank_N] % 9 + 1, a_NL[rows, blank_N]))
+            p_NLC = jax.nn.one_hot(bad_NL - 1, 9) * 0.5 + jax.nn.one_hot(a_NL - 1, 9) * 0.3 + 0.2 / 9
+            return jnp.log(p_NLC), jnp.zeros(g_NL.shape[0])
+        return evaluate
+    both = jax.jit(lambda w: (model_lib.tree_search(policy(w), q, 2, 2, 1, 81, 10_000),
+                              model_lib.greedy_fill(policy(w), q)))
+    for wrong in (False, True):
+        (grids, evals), (greedy, passes) = both(wrong)
+        np.testing.assert_array_equal(grids, a)
+        np.testing.assert_array_equal(greedy, a)
+        assert (np.asarray(evals) > 1).tolist() == (np.asarray(passes) > 1).tolist() == [wrong, wrong]
+
+
+def test_frontier_backtracks_where_the_beam_commits():
+    """A decoy: the policy's surest move is a wrong digit that breaks no rule, and the value head rates that
+    state highest (0.9), but every state after it low (0.01, as a wrong grid should be). A width-1 beam
+    commits to the decoy and fails; with a frontier the search goes back to the right sibling (0.5)."""
+    q, a = easy(2, blanks=40)
+    legal_wrong = ~model_lib.digits_seen(q) & (jnp.arange(1, 10) != a[..., None]) & (q == 0)[..., None]
+    cell_B = jnp.argmax(jnp.any(legal_wrong, -1), axis=1)  # a blank cell where some wrong digit is legal
+    wrong_B = jnp.argmax(legal_wrong[jnp.arange(2), cell_B], axis=1) + 1
+    decoy_BL = q.at[jnp.arange(2), cell_B].set(wrong_B)
+
+    def evaluate(g_NL):
+        r = g_NL.shape[0] // 2
+        a_NL, d_NL, c_N, w_N = (jnp.repeat(x, r, axis=0) for x in (a, decoy_BL, cell_B, wrong_B))
+        # Every cell: the right digit 0.42 sure, another 0.43 (so the policy's own fill is no solution).
+        p_NLC = jax.nn.one_hot(a_NL - 1, 9) * 0.4 + jax.nn.one_hot(a_NL % 9, 9) * 0.41 + 0.19 / 9
+        sure_NC = jax.nn.one_hot(w_N - 1, 9) * 0.5 + jax.nn.one_hot(a_NL[jnp.arange(len(c_N)), c_N] - 1, 9) * 0.3
+        p_NLC = p_NLC.at[jnp.arange(len(c_N)), c_N].set(sure_NC + 0.2 / 9)  # the decoy 0.5, the right digit 0.3
+        v_N = jnp.where(jnp.all((g_NL == 0) | (g_NL == a_NL), -1), 0.5, 0.01)
+        v_N = jnp.where(jnp.all(g_NL == d_NL, -1), 0.9, v_N)
+        return jnp.log(p_NLC), jnp.log(v_N)
+    search = lambda frontier: model_lib.tree_search(evaluate, q, 1, 2, 1, 500, 10_000, frontier=frontier)
+    beam, _ = jax.jit(lambda: search(0))()
+    best_first, evals = jax.jit(lambda: search(8))()
+    assert not bool((beam == a).all(-1).any())
+    np.testing.assert_array_equal(best_first, a)
+    assert (np.asarray(evals) <= 2 * 41 + 1).all()  # no wider than two children per filled cell
+
+
 def test_width_one_reproduces_greedy_and_compiles_once(tmp_path):
     cfg = cfg_for(tmp_path, 'd_model=32')
     b = puzzles(3)
