@@ -323,25 +323,29 @@ def sudoku_peers():
 
 
 def digits_seen(grids_NL):
-    """bool[N, L, 9]: digit d+1 already stands in a peer of the cell (so placing it there breaks a rule)."""
+    """bool[..., L, 9]: digit d+1 already stands in a peer of the cell (so placing it there breaks a rule)."""
     onehot_NLC = jax.nn.one_hot(grids_NL - 1, 9, dtype=jnp.float32)  # blank (-1) -> all zeros
-    return jnp.einsum('ml,nlc->nmc', sudoku_peers().astype(jnp.float32), onehot_NLC) > 0
+    return jnp.einsum('ml,...lc->...mc', sudoku_peers().astype(jnp.float32), onehot_NLC) > 0
 
 
 def legal_moves(grids_NL, logp_NLC):
-    """The log-probs of the moves that break no rule: blank cell, digit not in a peer (others -inf); and
-    bool[N]: the grid is dead, so no completion obeys the rules (a digit repeats in a row, column or box,
-    or some blank cell has no legal digit left). The rule checker of Long's ToT, as masks."""
+    """The log-probs of the moves that break no rule: blank cell, digit not in a peer (others -inf).
+    With dead_end below, the rule checker of Long's ToT, as masks."""
+    return jnp.where((grids_NL == 0)[..., None] & ~digits_seen(grids_NL), logp_NLC, -jnp.inf)
+
+
+def dead_end(grids_NL):
+    """bool[N]: no completion obeys the rules (a digit repeats in a row, column or box, or some blank
+    cell has no legal digit left)."""
     seen_NLC = digits_seen(grids_NL)
     blank_NL = grids_NL == 0
     clash_NL = jnp.take_along_axis(seen_NLC, jnp.maximum(grids_NL - 1, 0)[..., None], -1)[..., 0] & ~blank_NL
-    dead_N = jnp.any(clash_NL | (blank_NL & jnp.all(seen_NLC, axis=-1)), axis=-1)
-    return jnp.where(blank_NL[..., None] & ~seen_NLC, logp_NLC, -jnp.inf), dead_N
+    return jnp.any(clash_NL | (blank_NL & jnp.all(seen_NLC, axis=-1)), axis=-1)
 
 
 def solved(grids_NL):
     """bool[N]: complete, and no digit repeats in a row, column or box."""
-    return jnp.all(grids_NL > 0, axis=-1) & ~legal_moves(grids_NL, jnp.zeros(grids_NL.shape + (9,)))[1]
+    return jnp.all(grids_NL > 0, axis=-1) & ~dead_end(grids_NL)
 
 
 def fill_argmax(grids_NL, logp_NLC):
@@ -360,10 +364,10 @@ def greedy_fill(evaluate, q_BL):
 
     def body(c):
         g_BL, logp_BLC, n_B, stop_B = c
-        lp_BLC, _ = legal_moves(g_BL, logp_BLC)
+        lp_BLC = legal_moves(g_BL, logp_BLC)
         flat_B = jnp.argmax(lp_BLC.reshape(B, -1), axis=-1)
         new_BL = g_BL.at[jnp.arange(B), flat_B // 9].set(flat_B % 9 + 1)
-        go_B = ~stop_B & (jnp.max(lp_BLC.reshape(B, -1), axis=-1) > -jnp.inf) & ~legal_moves(new_BL, lp_BLC)[1]
+        go_B = ~stop_B & (jnp.max(lp_BLC.reshape(B, -1), axis=-1) > -jnp.inf) & ~dead_end(new_BL)
         new_logp = evaluate(new_BL)[0]
         g_BL = jnp.where(go_B[:, None], new_BL, g_BL)
         logp_BLC = jnp.where(go_B[:, None, None], new_logp, logp_BLC)
@@ -404,7 +408,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
     key = jax.random.key(0) if key is None else key
 
     def expand(g_L, logp_LC):  # one state -> P candidate grids, their log-prob gain, and whether they exist
-        lp_LC = legal_moves(g_L[None], logp_LC[None])[0][0]
+        lp_LC = legal_moves(g_L, logp_LC)
         conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
         cell = jnp.argmax(conf_L)
         top_P, digit_P = jax.lax.top_k(lp_LC[cell], P)
@@ -440,7 +444,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         g, gain, ok = jax.vmap(jax.vmap(expand))(bm['grid'], bm['logp'])  # [B, W, P, ...]
         g_BNL, N = g.reshape(B, W * P, L), W * P
         alive_BN = (ok & (bm['score'][..., None] > NEG)).reshape(B, N)
-        alive_BN &= ~legal_moves(g_BNL.reshape(-1, L), jnp.zeros((B * N, L, 9)))[1].reshape(B, N)  # dead ends
+        alive_BN &= ~dead_end(g_BNL)
         cum_BN = (bm['cum'][..., None] + gain).reshape(B, N)
         same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
         alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
@@ -456,8 +460,8 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         s_BN = jnp.where(alive_BN, s_BN, NEG)
         full_BN = jnp.all(g_BNL > 0, axis=-1)
         fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
-        ok_BN = alive_BN & solved(fill_BNL.reshape(-1, L)).reshape(B, N)
-        pick = lambda x_BN, i_B: jnp.take_along_axis(x_BN, i_B.reshape(B, *[1] * (x_BN.ndim - 1)), axis=1)[:, 0]
+        ok_BN = alive_BN & solved(fill_BNL)
+        pick = lambda x, i_B: take(x, i_B[:, None])[:, 0]
         found_B = live_B & jnp.any(ok_BN, axis=1)
         answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), c['answer'])
         best_B = jnp.argmax(s_BN, axis=1)  # the best candidate, before full-but-wrong grids are dropped
