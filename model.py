@@ -394,7 +394,8 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
     A grid that obeys the rules ends a puzzle's search: a complete candidate, or any state's blanks
     filled by the policy's argmax (checked at every state, no extra pass); a complete one that breaks
     them is dropped. A puzzle also stops after max_depth steps, once `max_thoughts` states were evaluated,
-    or when its beam is empty. Shapes depend only on (batch, width, thoughts): one compile per batch size.
+    or when its beam is empty. Shapes depend only on (batch, width, thoughts): one compile per batch size;
+    finished puzzles are dropped from the batch in quarter steps inside it.
 
     frontier F > width keeps F states between steps instead of width (best-first search with
     backtracking, ToT's DFS/BFS in one): each step expands the best `width` states held, from any depth,
@@ -436,7 +437,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
              'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'key': key}
 
     def body(c):
-        live_B = ~c['stop']
+        B, live_B = c['stop'].shape[0], ~c['stop']  # B shrinks as finished puzzles are dropped (below)
         _, pop_BW = jax.lax.top_k(c['held']['score'], W)  # the W best held states are expanded
         take = lambda x, i_BK: jnp.take_along_axis(x, i_BK.reshape(*i_BK.shape, *[1] * (x.ndim - 2)), axis=1)
         bm = jax.tree.map(lambda x: take(x, pop_BW), c['held'])
@@ -481,5 +482,22 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         return {'held': held, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
                 'evals': evals, 'depth': depth, 'key': key}
 
-    c = jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, carry)
+    # Finished puzzles leave the loop: once at most a quarter of the rows still search, those rows are
+    # gathered into a batch a quarter the size (static shapes: 100 -> 25 -> 6 rows, each its own loop in
+    # this one compiled function), so a few hard puzzles no longer drag a full batch through every step.
+    sizes = [B]
+    while sizes[-1] // 4 >= 4:
+        sizes.append(sizes[-1] // 4)
+
+    def run(c, i):
+        if i + 1 == len(sizes):
+            return jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, c)
+        c = jax.lax.while_loop(lambda c: jnp.sum(~c['stop']) > sizes[i + 1], body, c)
+        idx = jax.lax.top_k(~c['stop'], sizes[i + 1])[1]  # the rows still searching (and some finished)
+        shared = {'depth': c['depth'], 'key': c['key']}
+        rows = {k: v for k, v in c.items() if k not in shared}
+        sub = run(dict(jax.tree.map(lambda x: x[idx], rows), **shared), i + 1)
+        return dict(jax.tree.map(lambda x, s: x.at[idx].set(s), rows, {k: sub[k] for k in rows}),
+                    depth=sub['depth'], key=sub['key'])
+    c = run(carry, 0)
     return jnp.where(c['done'][:, None], c['answer'], c['fallback']), c['evals']

@@ -38,6 +38,23 @@ def test_oracle_value_solves_easy_puzzles_and_log_prob_alone_does_not():
     assert not bool((grids == a).all(-1).any())
 
 
+def test_finished_puzzles_leave_the_batch_without_changing_a_result():
+    """16 puzzles: 12 end within a few steps, then the 4 left search on in a batch of 4. Each puzzle's grid
+    and count equal those of batches of 4 (too small to shrink). Oracle value from the grid alone."""
+    q, a = (jnp.concatenate(x) for x in zip(easy(12, blanks=4), easy(4, seed=1, blanks=40)))
+
+    def evaluate(g_NL):  # right while every digit agrees with one of the 16 solutions
+        right_N = jnp.any(jnp.all((g_NL[:, None] == 0) | (g_NL[:, None] == a), axis=-1), axis=1)
+        return jnp.full(g_NL.shape + (9,), -jnp.log(9.0)), jnp.where(right_N, 0.0, -1e9)
+    search = jax.jit(lambda q: model_lib.tree_search(evaluate, q, 2, 9, 1, 81, 10_000))
+    grids, evals = search(q)
+    parts = [search(q[i:i + 4]) for i in range(0, 16, 4)]
+    np.testing.assert_array_equal(grids, a)
+    np.testing.assert_array_equal(grids, np.concatenate([g for g, _ in parts]))
+    np.testing.assert_array_equal(evals, np.concatenate([e for _, e in parts]))
+    assert int(evals[:12].max()) < int(evals[12:].min())
+
+
 def test_a_policy_answer_that_obeys_the_rules_ends_the_search():
     """Every evaluated state's argmax fill is checked: a policy that already knows the solution costs
     the puzzle's one pass, in greedy and in the search; one wrong digit in its answer costs more."""
