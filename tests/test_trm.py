@@ -16,7 +16,8 @@ from test_train import BASE
 
 TINY = ['task=sudoku', 'd_model=32', 'num_layers=1', 'num_heads=2', 'num_kv_heads=2', 'mlp_dim=64', 'dtype=float32',
         'trm.T=2', 'trm.n=1', 'trm.N_sup=2', 'log_every=1', 'eval_every=0', 'eval_batches=1', 'prefetch=0',
-        'tot.loss_weight=0', 'tot.value_step=1']  # the value head trains in the resume test only (extra passes)
+        'tot.loss_weight=0', 'tot.value_step=1',  # the value head trains in the resume test only (extra passes)
+        'sudoku_train_puzzles=64', 'sudoku_eval_puzzles=32']  # generating the default 2,500 takes ~15 s a test
 
 
 def args_for(tmp_path, *overrides):
