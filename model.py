@@ -493,7 +493,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         if i + 1 == len(sizes):
             return jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, c)
         c = jax.lax.while_loop(lambda c: jnp.sum(~c['stop']) > sizes[i + 1], body, c)
-        idx = jax.lax.top_k(~c['stop'], sizes[i + 1])[1]  # the rows still searching (and some finished)
+        idx = jax.lax.top_k((~c['stop']).astype(jnp.int32), sizes[i + 1])[1]  # every row still searching
         shared = {'depth': c['depth'], 'key': c['key']}
         rows = {k: v for k, v in c.items() if k not in shared}
         sub = run(dict(jax.tree.map(lambda x: x[idx], rows), **shared), i + 1)
