@@ -127,7 +127,7 @@ def test_width_one_reproduces_greedy_and_compiles_once(tmp_path):
 def test_partial_states_labels_and_value_range(tmp_path):
     q, a = data.generate_sudoku(64, 45, 0, stream='partial')
     q, a = jnp.asarray(q, jnp.int32), jnp.asarray(a, jnp.int32)
-    g, label = train.partial_states(jax.random.key(3), q, a)
+    g, label = jax.jit(train.partial_states)(jax.random.key(3), q, a)
     filled = g != 0
     wrong = (filled & (g != a)).sum(1)
     blanked = np.asarray((q != 0) & (g == 0)).any(1)           # givens blanked: odd rows only (sparser states)
@@ -140,7 +140,7 @@ def test_partial_states_labels_and_value_range(tmp_path):
     assert int(clash.any(1).sum()) < int((~label).sum()) // 2
     cfg = cfg_for(tmp_path)
     m, params, _ = init(cfg, puzzles(2))
-    v = jnp.exp(train.trm_steps(cfg, m, params, g, 1)[2])
+    v = jnp.exp(jax.jit(lambda g: train.trm_steps(cfg, m, params, g, 1)[2])(g))
     assert v.shape == (64,) and bool(((v >= 0) & (v <= 1)).all())
     bce = train.value_bce(jnp.log(jnp.array([0.9, 0.9])), jnp.array([True, False]))
     np.testing.assert_allclose(bce, [-np.log(0.9), -np.log(0.1)], rtol=1e-5)

@@ -42,8 +42,8 @@ def init(cfg, b):
     m = model_lib.TRM(cfg)
     B = b['inputs'].shape[0]
     yz = jax.random.normal(jax.random.key(1), (B, 81, cfg.d_model))
-    params = m.init(jax.random.key(0), b['inputs'], b['positions'], b['segment_ids'], yz, yz,
-                    jnp.zeros(B, bool))['params']
+    params = jax.jit(m.init)(jax.random.key(0), b['inputs'], b['positions'], b['segment_ids'], yz, yz,
+                             jnp.zeros(B, bool))['params']  # jitted: one compile, not one per op
     return m, jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x, params,
                            is_leaf=lambda x: hasattr(x, 'names')), yz
 
