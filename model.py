@@ -380,7 +380,7 @@ def greedy_fill(evaluate, q_BL):
 
 def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts, score='value',
                 logp_weight=0.0, key=None, frontier=0):
-    """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled loop.
+    """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled function.
 
     A thought fills `cells` blank cells: the state's most confident blank cell (highest top probability)
     with one of its `thoughts` most likely digits, plus the cells-1 next most confident blanks at their
