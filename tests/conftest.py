@@ -3,13 +3,16 @@ import os
 import sys
 import tempfile
 
-import jax
+# Many tests compile the same tiny step, in this process and in the trainer processes they start (which
+# inherit the environment): a per-session persistent cache compiles each program once. A torn entry (a
+# trainer killed mid-write) costs a warning and a recompile, never a wrong program: jax checks entries.
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', tempfile.mkdtemp(prefix='jax-test-cache-'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+
+import jax  # noqa: E402  (after the environment it reads)
 
 jax.config.update('jax_num_cpu_devices', 32)
 jax.config.update('jax_platforms', 'cpu')
-# Many tests compile the same tiny step; a per-session persistent cache compiles each program once.
-jax.config.update('jax_compilation_cache_dir', tempfile.mkdtemp(prefix='jax-test-cache-'))
-jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
-jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

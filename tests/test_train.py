@@ -227,7 +227,7 @@ def test_mesh_fill_and_mismatch(tmp_path):
 
 
 # ---- the command line: user mistakes are one line, exit 2, no traceback ----------------------------
-@pytest.mark.parametrize('args,expect', [
+CLI_CASES = [
     (['stepz=5'], "unknown key 'stepz'; did you mean steps?"),
     (['steps=many'], 'steps=many: expected an integer'),
     (['steps=5', 'steps=6'], 'steps is given twice'),
@@ -236,13 +236,39 @@ def test_mesh_fill_and_mismatch(tmp_path):
     (['remat=some'], "remat='some': choose one of"),
     (['steps'], "argument 'steps' is not key=value"),
     (['dataset=files', 'dataset_path=/nonexistent/*.txt'], "dataset_path='/nonexistent/*.txt' matches no files"),
-])
-def test_cli_errors(args, expect):
-    r = subprocess.run([sys.executable, 'train.py', 'base.yml'] + args, cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, 'JAX_PLATFORMS': 'cpu'}, timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert expect in r.stderr and 'Traceback' not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+]
+CLI_ENV = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'JAX_NUM_CPU_DEVICES': '1'}
+
+
+@pytest.fixture(scope='module')
+def cli_results():
+    """Every case through `train.main` in one fresh one-device process, each with its own stderr (a
+    process per case spent ~2 s a case importing JAX); the real command line is checked once below."""
+    driver = ('import contextlib, io, json, sys, train\n'
+              'out = []\n'
+              'for args in json.loads(sys.argv[1]):\n'
+              '    err = io.StringIO()\n'
+              '    with contextlib.redirect_stderr(err):\n'
+              '        out.append([train.main(["train.py", "base.yml", *args]), err.getvalue()])\n'
+              'print(json.dumps(out))\n')
+    r = subprocess.run([sys.executable, '-c', driver, json.dumps([a for a, _ in CLI_CASES])], cwd=ROOT,
+                       capture_output=True, text=True, env=CLI_ENV, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize('case', range(len(CLI_CASES)), ids=[' '.join(a) for a, _ in CLI_CASES])
+def test_cli_errors(cli_results, case):
+    code, stderr = cli_results[case]
+    assert code == 2, stderr
+    assert CLI_CASES[case][1] in stderr and 'Traceback' not in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_cli_error_exits_2_with_one_line():
+    r = subprocess.run([sys.executable, 'train.py', 'base.yml', 'stepz=5'], cwd=ROOT, capture_output=True,
+                       text=True, env=CLI_ENV, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "error: unknown key 'stepz'; did you mean steps?", r.stderr
 
 
 def test_duplicate_key_in_yaml(tmp_path):

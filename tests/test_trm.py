@@ -122,23 +122,22 @@ def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys):
               'mlp_dim=128', 'learning_rate=3e-3', 'weight_decay=0', 'warmup_steps=10', 'trm.ema_decay=0.9',
               'log_every=50', 'trm.halt_explore_prob=1']  # every puzzle trains both supervision steps
     s = train.run(cfg_for(tmp_path, *common, 'steps=400', 'checkpoint_every=0', 'eval_every=400'), jax.devices()[:1])
-    assert s['eval_exact_accuracy'] == 1.0
+    assert s['eval_exact_accuracy'] == 1.0  # the TRM decoder (the in-training eval): all N_sup=2 steps
+    row = json.loads(open(os.path.join(s['run_dir'], 'metrics.jsonl')).read().splitlines()[-1])
+    assert row['eval_decoder'] == 'trm' and row['eval_forward_passes'] == 2
+    assert len(row['eval_exact_accuracy_per_step']) == 2 and 0 < row['eval_cell_accuracy'] <= 1
+    # mode=eval with the ToT search on the same checkpoint: its JSON line, with the forward passes spent.
     capsys.readouterr()
-    assert train.main(['train.py', BASE, *args_for(tmp_path, *common, 'mode=eval', 'run_name=ev',
-                                                    f'load_params={s["run_dir"]}')]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result['exact_accuracy'] == 1.0 and result['num_puzzles'] == 4 and result['decoder'] == 'trm'
-    assert len(result['exact_accuracy_per_step']) == 2 and 0 < result['cell_accuracy'] <= 1
-    # The ToT search on the same checkpoint: the same JSON line plus the forward passes it spent.
     decoder = 'tot'
     assert train.main(['train.py', BASE, *args_for(tmp_path, *common, 'mode=eval', f'run_name=ev-{decoder}',
                                                     f'load_params={s["run_dir"]}', f'decoder={decoder}')]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r['decoder'] == decoder and r['num_puzzles'] == 4 and 0 <= r['value_auroc'] <= 1
+    assert r == json.load(open(os.path.join(tmp_path, f'ev-{decoder}', 'eval.json')))
     # The policy's answer at the root already obeys the rules (the net memorised these four), so the
     # search stops there: one pass of one supervision step (tot.policy_steps = tot.value_step = 1).
     assert r['exact_accuracy'] == 1.0 and r['forward_passes'] == 1
-    got_q, got_grid = data.read_sudoku_csv(os.path.join(tmp_path, 'ev', 'predictions.csv'))
+    got_q, got_grid = data.read_sudoku_csv(os.path.join(tmp_path, f'ev-{decoder}', 'predictions.csv'))
     np.testing.assert_array_equal(got_q, q)
     assert ((got_grid == q) | (q == 0)).all()
     # mode=generate solves one puzzle given on the command line, keeping its givens.
