@@ -358,12 +358,11 @@ def greedy_fill(evaluate, q_BL):
     evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N]). A move that leaves
     some blank cell without a legal digit ends the puzzle: its other blanks get their argmax digits. So
     does a state whose blanks, filled by the policy's argmax, make a grid that obeys the rules (the
-    policy's own answer, checked at every state for no extra pass).
+    policy's own answer, checked at every state for no extra pass). Finished puzzles leave the batch.
     Returns (grids, forward passes per puzzle: the puzzle's own + one per move)."""
-    B, L = q_BL.shape
-
     def body(c):
-        g_BL, logp_BLC, n_B, stop_B = c
+        g_BL, logp_BLC, n_B, stop_B = c['grid'], c['logp'], c['evals'], c['stop']
+        B = g_BL.shape[0]  # shrinks as finished puzzles leave (shrinking_loop)
         lp_BLC = legal_moves(g_BL, logp_BLC)
         flat_B = jnp.argmax(lp_BLC.reshape(B, -1), axis=-1)
         new_BL = g_BL.at[jnp.arange(B), flat_B // 9].set(flat_B % 9 + 1)
@@ -371,11 +370,34 @@ def greedy_fill(evaluate, q_BL):
         new_logp = evaluate(new_BL)[0]
         g_BL = jnp.where(go_B[:, None], new_BL, g_BL)
         logp_BLC = jnp.where(go_B[:, None, None], new_logp, logp_BLC)
-        return g_BL, logp_BLC, n_B + go_B, ~go_B | solved(fill_argmax(g_BL, logp_BLC))
+        return {'grid': g_BL, 'logp': logp_BLC, 'evals': n_B + go_B,
+                'stop': ~go_B | solved(fill_argmax(g_BL, logp_BLC))}
     logp0 = evaluate(q_BL)[0]
-    c = (q_BL, logp0, jnp.ones(B, jnp.int32), solved(fill_argmax(q_BL, logp0)))
-    g_BL, logp_BLC, n_B, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[3]), body, c)
-    return fill_argmax(g_BL, logp_BLC), n_B
+    c = shrinking_loop(body, {'grid': q_BL, 'logp': logp0, 'evals': jnp.ones(q_BL.shape[0], jnp.int32),
+                              'stop': solved(fill_argmax(q_BL, logp0))})
+    return fill_argmax(c['grid'], c['logp']), c['evals']
+
+
+def shrinking_loop(body, c, shared=()):
+    """lax.while_loop(body) until every row's c['stop'], in which finished rows leave the batch: once at
+    most a quarter of the rows still run, those rows are gathered into a batch a quarter the size (static
+    shapes: 100 -> 25 -> 6 rows, each its own loop in the same compiled function) and scattered back at
+    the end, so a few hard puzzles no longer drag a full batch through every step. Every entry of c but
+    the `shared` keys has the batch as its first axis; body reads the batch size from its carry."""
+    sizes = [c['stop'].shape[0]]
+    while sizes[-1] // 4 >= 4:
+        sizes.append(sizes[-1] // 4)
+
+    def run(c, i):
+        if i + 1 == len(sizes):
+            return jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, c)
+        c = jax.lax.while_loop(lambda c: jnp.sum(~c['stop']) > sizes[i + 1], body, c)
+        idx = jax.lax.top_k((~c['stop']).astype(jnp.int32), sizes[i + 1])[1]  # every row still running
+        rows = {k: v for k, v in c.items() if k not in shared}
+        sub = run(dict(jax.tree.map(lambda x: x[idx], rows), **{k: c[k] for k in shared}), i + 1)
+        return dict(jax.tree.map(lambda x, s: x.at[idx].set(s), rows, {k: sub[k] for k in rows}),
+                    **{k: sub[k] for k in shared})
+    return run(c, 0)
 
 
 def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts, score='value',
@@ -437,7 +459,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
              'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'key': key}
 
     def body(c):
-        B, live_B = c['stop'].shape[0], ~c['stop']  # B shrinks as finished puzzles are dropped (below)
+        B, live_B = c['stop'].shape[0], ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
         _, pop_BW = jax.lax.top_k(c['held']['score'], W)  # the W best held states are expanded
         take = lambda x, i_BK: jnp.take_along_axis(x, i_BK.reshape(*i_BK.shape, *[1] * (x.ndim - 2)), axis=1)
         bm = jax.tree.map(lambda x: take(x, pop_BW), c['held'])
@@ -482,22 +504,5 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         return {'held': held, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
                 'evals': evals, 'depth': depth, 'key': key}
 
-    # Finished puzzles leave the loop: once at most a quarter of the rows still search, those rows are
-    # gathered into a batch a quarter the size (static shapes: 100 -> 25 -> 6 rows, each its own loop in
-    # this one compiled function), so a few hard puzzles no longer drag a full batch through every step.
-    sizes = [B]
-    while sizes[-1] // 4 >= 4:
-        sizes.append(sizes[-1] // 4)
-
-    def run(c, i):
-        if i + 1 == len(sizes):
-            return jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, c)
-        c = jax.lax.while_loop(lambda c: jnp.sum(~c['stop']) > sizes[i + 1], body, c)
-        idx = jax.lax.top_k((~c['stop']).astype(jnp.int32), sizes[i + 1])[1]  # every row still searching
-        shared = {'depth': c['depth'], 'key': c['key']}
-        rows = {k: v for k, v in c.items() if k not in shared}
-        sub = run(dict(jax.tree.map(lambda x: x[idx], rows), **shared), i + 1)
-        return dict(jax.tree.map(lambda x, s: x.at[idx].set(s), rows, {k: sub[k] for k in rows}),
-                    depth=sub['depth'], key=sub['key'])
-    c = run(carry, 0)
+    c = shrinking_loop(body, carry, shared=('depth', 'key'))
     return jnp.where(c['done'][:, None], c['answer'], c['fallback']), c['evals']

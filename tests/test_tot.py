@@ -39,7 +39,7 @@ def test_oracle_value_solves_easy_puzzles_and_log_prob_alone_does_not():
 
 
 def test_finished_puzzles_leave_the_batch_without_changing_a_result():
-    """16 puzzles: 12 end within a few steps, then the 4 left search on in a batch of 4. Each puzzle's grid
+    """16 puzzles: 12 end within a few steps, then the 4 left go on in a batch of 4. Each puzzle's grid
     and count equal those of batches of 4 (too small to shrink)."""
     q, a = (jnp.concatenate(x) for x in zip(easy(12, blanks=4), easy(4, seed=1, blanks=40)))
     search = jax.jit(lambda q: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000))
@@ -49,6 +49,14 @@ def test_finished_puzzles_leave_the_batch_without_changing_a_result():
     np.testing.assert_array_equal(grids, np.concatenate([g for g, _ in parts]))
     np.testing.assert_array_equal(evals, np.concatenate([e for _, e in parts]))
     assert int(evals[:12].max()) < int(evals[12:].min())
+    # Greedy decoding leaves the batch the same way (with the uniform policy it fills the 4-blank puzzles
+    # in 4 moves; the 40-blank ones go on, in the batch of 4, until they hit a dead end).
+    greedy = jax.jit(lambda q: model_lib.greedy_fill(oracle(a), q))
+    grids, passes = greedy(q)
+    parts = [greedy(q[i:i + 4]) for i in range(0, 16, 4)]
+    np.testing.assert_array_equal(grids, np.concatenate([g for g, _ in parts]))
+    np.testing.assert_array_equal(passes, np.concatenate([n for _, n in parts]))
+    assert int(passes[:12].max()) < int(passes[12:].max())
 
 
 def test_a_policy_answer_that_obeys_the_rules_ends_the_search():
