@@ -1335,7 +1335,7 @@ def run(cfg, devices=None):
             else:
                 window.append(float(out['loss']))
                 extras.append({k: float(out[k]) for k in ('halt_rate', 'sup_steps', 'train_exact', 'value_acc')
-                               if k in out})
+                               if k in out and (k != 'value_acc' or s > cfg.tot.start_step)})  # (value pass on)
         return last.get('out')
     try:
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
@@ -1363,7 +1363,8 @@ def run(cfg, devices=None):
                          'tflops_per_device': tps * flops_tok / n_dev / 1e12, 'mfu': tps * flops_tok / peak_total,
                          'step_seconds': dt / max(timed_steps, 1), 'tokens_per_step': float(out['tokens']),
                          'data_wait_fraction': (it.wait_seconds - wait_last) / dt, 'host_rss_gb': host_rss_gb()}
-                    m.update({k: float(np.mean([e[k] for e in extras])) for k in (extras or [{}])[0]})  # TRM
+                    m.update({k: float(np.mean([e[k] for e in extras if k in e]))  # TRM
+                              for k in dict.fromkeys(k for e in extras for k in e)})
                     mem = device_peak_memory_gb(devices[0])
                     if mem is not None:
                         m['device_peak_memory_gb'] = mem
