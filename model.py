@@ -412,7 +412,8 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
     continue, ranked by `score` (cum = the path's summed log-prob):
       'value'    log value + logp_weight x cum: ToT
       'logp'     cum only (plain beam search, no value head)
-      'shuffled' as 'value' with the value scores permuted at random among a puzzle's candidates (control)
+      'shuffled' as 'value' with the value scores permuted at random among a puzzle's candidates (control;
+                 the draws depend on the key, the puzzle and the depth only, not on the batch around it)
     A grid that obeys the rules ends a puzzle's search: a complete candidate, or any state's blanks
     filled by the policy's argmax (checked at every state, no extra pass); a complete one that breaks
     them is dropped. A puzzle also stops after max_depth steps, once `max_thoughts` states were evaluated,
@@ -455,8 +456,9 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
             'cum': jnp.zeros((B, F)), 'score': jnp.full((B, F), NEG).at[:, 0].set(0.0)}
     fill0 = fill_argmax(q_BL, logp0[:, 0])
     done = solved(fill0)
+    puzzle_B = jnp.sum(q_BL.astype(jnp.uint32) * (jnp.arange(L, dtype=jnp.uint32) * jnp.uint32(2654435761) + 1), axis=1)
     carry = {'held': held, 'done': done, 'stop': done, 'answer': fill0, 'fallback': fill0,
-             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'key': key}
+             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'puzzle': puzzle_B}  # (a hash of the givens)
 
     def body(c):
         B, live_B = c['stop'].shape[0], ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
@@ -472,11 +474,11 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
         alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
         logp_BNLC, logv_BN = evaluate_BN(g_BNL)
-        key, sub = jax.random.split(c['key'])
         if score == 'logp':
             s_BN = cum_BN
         elif score == 'shuffled':
-            perm_BN = jnp.argsort(jnp.where(alive_BN, jax.random.uniform(sub, (B, N)), 2.0), axis=1)
+            draw = lambda p: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, p), c['depth']), (N,))
+            perm_BN = jnp.argsort(jnp.where(alive_BN, jax.vmap(draw)(c['puzzle']), 2.0), axis=1)
             s_BN = jnp.take_along_axis(logv_BN, perm_BN, axis=1) + logp_weight * cum_BN
         else:
             s_BN = logv_BN + logp_weight * cum_BN
@@ -502,7 +504,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         done = c['done'] | found_B
         stop = c['stop'] | done | (evals >= max_thoughts) | ~jnp.any(top_BF > NEG, axis=1) | (depth >= max_depth)
         return {'held': held, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
-                'evals': evals, 'depth': depth, 'key': key}
+                'evals': evals, 'depth': depth, 'puzzle': c['puzzle']}
 
-    c = shrinking_loop(body, carry, shared=('depth', 'key'))
+    c = shrinking_loop(body, carry, shared=('depth',))
     return jnp.where(c['done'][:, None], c['answer'], c['fallback']), c['evals']

@@ -49,6 +49,12 @@ def test_finished_puzzles_leave_the_batch_without_changing_a_result():
     np.testing.assert_array_equal(grids, np.concatenate([g for g, _ in parts]))
     np.testing.assert_array_equal(evals, np.concatenate([e for _, e in parts]))
     assert int(evals[:12].max()) < int(evals[12:].min())
+    # The shuffled-value control draws per puzzle: its grids do not depend on the batch around a puzzle.
+    shuffled = jax.jit(lambda q: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000, 'shuffled'))
+    grids, evals = shuffled(q)
+    parts = [shuffled(q[i:i + 4]) for i in range(0, 16, 4)]
+    np.testing.assert_array_equal(grids, np.concatenate([g for g, _ in parts]))
+    np.testing.assert_array_equal(evals, np.concatenate([e for _, e in parts]))
     # Greedy decoding leaves the batch the same way (with the uniform policy it fills the 4-blank puzzles
     # in 4 moves; the 40-blank ones go on, in the batch of 4, until they hit a dead end).
     greedy = jax.jit(lambda q: model_lib.greedy_fill(oracle(a), q))
