@@ -4,8 +4,9 @@ import sys
 import tempfile
 
 # Many tests compile the same tiny step, in this process and in the trainer processes they start (which
-# inherit the environment): a per-session persistent cache compiles each program once. A torn entry (a
-# trainer killed mid-write) costs a warning and a recompile, never a wrong program: jax checks entries.
+# inherit the environment): a per-session persistent cache compiles each program once. An entry torn by
+# a trainer killed mid-write is a truncated compressed file: it fails to decompress, which jax reports
+# as a warning and answers with a recompile.
 os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', tempfile.mkdtemp(prefix='jax-test-cache-'))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
