@@ -456,9 +456,10 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
             'cum': jnp.zeros((B, F)), 'score': jnp.full((B, F), NEG).at[:, 0].set(0.0)}
     fill0 = fill_argmax(q_BL, logp0[:, 0])
     done = solved(fill0)
-    puzzle_B = jnp.sum(q_BL.astype(jnp.uint32) * (jnp.arange(L, dtype=jnp.uint32) * jnp.uint32(2654435761) + 1), axis=1)
+    mix_L = jnp.arange(L, dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
+    puzzle_B = jnp.sum(q_BL.astype(jnp.uint32) * mix_L, axis=1)  # a hash of the givens: seeds 'shuffled'
     carry = {'held': held, 'done': done, 'stop': done, 'answer': fill0, 'fallback': fill0,
-             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'puzzle': puzzle_B}  # (a hash of the givens)
+             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'puzzle': puzzle_B}
 
     def body(c):
         B, live_B = c['stop'].shape[0], ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)

@@ -42,26 +42,22 @@ def test_finished_puzzles_leave_the_batch_without_changing_a_result():
     """16 puzzles: 12 end within a few steps, then the 4 left go on in a batch of 4. Each puzzle's grid
     and count equal those of batches of 4 (too small to shrink)."""
     q, a = (jnp.concatenate(x) for x in zip(easy(12, blanks=4), easy(4, seed=1, blanks=40)))
-    search = jax.jit(lambda q: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000))
-    grids, evals = search(q)
-    parts = [search(q[i:i + 4]) for i in range(0, 16, 4)]
+
+    def as_in_batches_of_4(decode):  # the whole batch's (grids, counts), checked against 4 batches of 4
+        decode = jax.jit(decode)
+        grids, counts = decode(q)
+        parts = [decode(q[i:i + 4]) for i in range(0, 16, 4)]
+        np.testing.assert_array_equal(grids, np.concatenate([g for g, _ in parts]))
+        np.testing.assert_array_equal(counts, np.concatenate([n for _, n in parts]))
+        return grids, counts
+    grids, evals = as_in_batches_of_4(lambda q: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000))
     np.testing.assert_array_equal(grids, a)
-    np.testing.assert_array_equal(grids, np.concatenate([g for g, _ in parts]))
-    np.testing.assert_array_equal(evals, np.concatenate([e for _, e in parts]))
     assert int(evals[:12].max()) < int(evals[12:].min())
     # The shuffled-value control draws per puzzle: its grids do not depend on the batch around a puzzle.
-    shuffled = jax.jit(lambda q: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000, 'shuffled'))
-    grids, evals = shuffled(q)
-    parts = [shuffled(q[i:i + 4]) for i in range(0, 16, 4)]
-    np.testing.assert_array_equal(grids, np.concatenate([g for g, _ in parts]))
-    np.testing.assert_array_equal(evals, np.concatenate([e for _, e in parts]))
+    as_in_batches_of_4(lambda q: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000, 'shuffled'))
     # Greedy decoding leaves the batch the same way (with the uniform policy it fills the 4-blank puzzles
     # in 4 moves; the 40-blank ones go on, in the batch of 4, until they hit a dead end).
-    greedy = jax.jit(lambda q: model_lib.greedy_fill(oracle(a), q))
-    grids, passes = greedy(q)
-    parts = [greedy(q[i:i + 4]) for i in range(0, 16, 4)]
-    np.testing.assert_array_equal(grids, np.concatenate([g for g, _ in parts]))
-    np.testing.assert_array_equal(passes, np.concatenate([n for _, n in parts]))
+    _, passes = as_in_batches_of_4(lambda q: model_lib.greedy_fill(oracle(a), q))
     assert int(passes[:12].max()) < int(passes[12:].max())
 
 
