@@ -353,6 +353,13 @@ def fill_argmax(grids_NL, logp_NLC):
     return jnp.where(grids_NL == 0, jnp.argmax(logp_NLC, axis=-1) + 1, grids_NL)
 
 
+def puzzle_hash(q_BL):
+    """uint32[B]: a hash of each puzzle's givens. It seeds per-puzzle random draws (the shuffled control,
+    eval's value states), so a puzzle's result does not depend on the batch around it."""
+    mix_L = jnp.arange(q_BL.shape[-1], dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
+    return jnp.sum(q_BL.astype(jnp.uint32) * mix_L, axis=-1)
+
+
 def greedy_fill(evaluate, q_BL):
     """Fill the most confident legal move (blank cell, digit no peer has), re-evaluate, repeat until full.
     evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N]). A move that leaves
@@ -456,10 +463,8 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
             'cum': jnp.zeros((B, F)), 'score': jnp.full((B, F), NEG).at[:, 0].set(0.0)}
     fill0 = fill_argmax(q_BL, logp0[:, 0])
     done = solved(fill0)
-    mix_L = jnp.arange(L, dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
-    puzzle_B = jnp.sum(q_BL.astype(jnp.uint32) * mix_L, axis=1)  # a hash of the givens: seeds 'shuffled'
     carry = {'held': held, 'done': done, 'stop': done, 'answer': fill0, 'fallback': fill0,
-             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'puzzle': puzzle_B}
+             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'puzzle': puzzle_hash(q_BL)}
 
     def body(c):
         B, live_B = c['stop'].shape[0], ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)

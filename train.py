@@ -379,15 +379,16 @@ def trm_loss(cfg, model, params, mb, carry, key, step=0):
     return loss, (sums, new_carry)
 
 
-def partial_states(key, q_BL, a_BL):
-    """ToT value-head examples from puzzles and solutions (digit grids): in half of the rows up to a third
-    of the givens blanked (states as sparse as the hardest puzzles'), then a random share of the blanks
-    filled from the solution, and in half of the rows one blank set to a wrong digit, one that breaks no
-    rule where the grid allows it (the mistakes a solver makes). Label: True = every digit agrees with
-    the solution (for a unique-solution puzzle: the grid can still be completed)."""
+def partial_states(key, q_BL, a_BL, sparse_B=None):
+    """ToT value-head examples from puzzles and solutions (digit grids): in half of the rows (odd rows, or
+    `sparse_B`) up to a third of the givens blanked (states as sparse as the hardest puzzles'), then a
+    random share of the blanks filled from the solution, and in half of the rows one blank set to a wrong
+    digit, one that breaks no rule where the grid allows it (the mistakes a solver makes). Label: True =
+    every digit agrees with the solution (for a unique-solution puzzle: the grid can still be completed)."""
     k_frac, k_fill, k_bad, k_cell, k_digit, k_drop = jax.random.split(key, 6)
     B, L = q_BL.shape
-    drop_BL = jax.random.uniform(k_drop, (B, L)) < jnp.where(jnp.arange(B) % 2 == 1, 1 / 3, 0.0)[:, None]
+    sparse_B = jnp.arange(B) % 2 == 1 if sparse_B is None else sparse_B
+    drop_BL = jax.random.uniform(k_drop, (B, L)) < jnp.where(sparse_B, 1 / 3, 0.0)[:, None]
     q_BL = jnp.where(drop_BL, 0, q_BL)
     blank_BL, rows = q_BL == 0, jnp.arange(B)
     fill_BL = blank_BL & (jax.random.uniform(k_fill, (B, L)) < jax.random.uniform(k_frac, (B, 1)))
@@ -404,6 +405,16 @@ def partial_states(key, q_BL, a_BL):
     digit_B = jnp.argmax(jnp.where(pool_BC, jax.random.uniform(k_digit, (B, 9)), -1.0), axis=1) + 1
     g_BL = jnp.where(bad_B[:, None] & (jnp.arange(L) == cell_B[:, None]), digit_B[:, None], g_BL)
     return g_BL, ~bad_B
+
+
+def puzzle_partial_states(key, q_BL, a_BL):
+    """partial_states drawn per puzzle (its key folded with a hash of its givens, a coin for sparse or
+    not), so eval's value_auroc does not depend on the batch size or on which rows a puzzle shares."""
+    def one(q_L, a_L):
+        k = jax.random.fold_in(key, model_lib.puzzle_hash(q_L))
+        g, label = partial_states(k, q_L[None], a_L[None], jax.random.bernoulli(jax.random.fold_in(k, 1))[None])
+        return g[0], label[0]
+    return jax.vmap(one)(q_BL, a_BL)
 
 
 def value_bce(log_v_B, label_B):
@@ -510,7 +521,7 @@ def make_eval_step(cfg, model):
                 evaluate, q_BL, cfg.beam_width, cfg.thoughts_per_step, cfg.thought_cells, cfg.max_depth,
                 cfg.max_thoughts, score, cfg.tot.logp_weight, jax.random.key(cfg.seed), cfg.tot.frontier)
             preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
-        partial_BL, label_B = partial_states(jax.random.key(cfg.seed), q_BL, b['targets'] - 1)
+        partial_BL, label_B = puzzle_partial_states(jax.random.key(cfg.seed), q_BL, b['targets'] - 1)
         return preds_SBL, passes_B, trm_steps(cfg, model, params, partial_BL, cfg.tot.value_step)[2], label_B
     return sudoku_eval_step
 

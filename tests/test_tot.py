@@ -144,6 +144,14 @@ def test_partial_states_labels_and_value_range(tmp_path):
     # Wrong digits avoid clashing with the grid where some digit allows it (a solver's kind of mistake).
     clash = jnp.take_along_axis(model_lib.digits_seen(g), jnp.maximum(g - 1, 0)[..., None], -1)[..., 0] & filled
     assert int(clash.any(1).sum()) < int((~label).sum()) // 2
+    # Eval draws them per puzzle: a puzzle gets the same state in a batch of 64 as in one of 8 (value_auroc
+    # does not depend on the eval batch), still about half of them right and half sparse.
+    pg, pl = jax.jit(train.puzzle_partial_states)(jax.random.key(3), q, a)
+    pg8, pl8 = jax.jit(train.puzzle_partial_states)(jax.random.key(3), q[8:16], a[8:16])
+    np.testing.assert_array_equal(pg[8:16], pg8)
+    np.testing.assert_array_equal(pl[8:16], pl8)
+    np.testing.assert_array_equal(((pg != 0) & (pg != a)).sum(1), np.where(pl, 0, 1))
+    assert 0.3 < float(pl.mean()) < 0.7 and 0.3 < float(((q != 0) & (pg == 0)).any(1).mean()) < 0.7
     cfg = cfg_for(tmp_path)
     m, params, _ = init(cfg, puzzles(2))
     v = jnp.exp(jax.jit(lambda g: train.trm_steps(cfg, m, params, g, 1)[2])(g))
