@@ -412,7 +412,8 @@ def puzzle_partial_states(key, q_BL, a_BL):
     not), so eval's value_auroc does not depend on the batch size or on which rows a puzzle shares."""
     def one(q_L, a_L):
         k = jax.random.fold_in(key, model_lib.puzzle_hash(q_L))
-        g, label = partial_states(k, q_L[None], a_L[None], jax.random.bernoulli(jax.random.fold_in(k, 1))[None])
+        sparse = jax.random.bernoulli(jax.random.fold_in(k, 1))  # half the states sparse, as in training
+        g, label = partial_states(k, q_L[None], a_L[None], sparse[None])
         return g[0], label[0]
     return jax.vmap(one)(q_BL, a_BL)
 
