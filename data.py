@@ -478,27 +478,55 @@ class TextData(_Data):
         return [next(batches)[0] for _ in range(n)]
 
 
-# ---- Sudoku: solver and generator --------------------------------------------------------------
-# Grids are 81 digits in row-major order, 0 = blank.
+# ---- Sudoku: the rules, defined once ------------------------------------------------------------
+# Grids are 81 digits in row-major order, 0 = blank. Each cell lies in three units (its row, column and
+# box, numbered 0..26); two cells are peers when they share a unit. The solver below, the CSV checks,
+# eval scoring and the ToT search (model.py) all read the rules from these two tables.
 
-_ROW = [i // 9 for i in range(81)]
-_COL = [i % 9 for i in range(81)]
-_BOX = [(i // 27) * 3 + (i % 9) // 3 for i in range(81)]
+UNITS = np.array([[i // 9, 9 + i % 9, 18 + (i // 27) * 3 + (i % 9) // 3] for i in range(SUDOKU_LEN)])  # [81, 3]
+PEERS = (UNITS[:, None, :] == UNITS[None, :, :]).any(-1) & ~np.eye(SUDOKU_LEN, dtype=bool)  # bool[81, 81]
+
+
+def digits_seen(grids_NL):
+    """bool[..., L, 9]: digit d+1 already stands in a peer of the cell (placing it there breaks a rule).
+    Takes numpy or jax arrays (their own array namespace), so data checks and jitted search share it."""
+    xp = grids_NL.__array_namespace__()
+    onehot_NLC = (grids_NL[..., None] == xp.arange(1, 10)).astype(xp.float32)  # blank -> all zeros
+    return xp.einsum('ml,...lc->...mc', PEERS.astype(np.float32), onehot_NLC) > 0
+
+
+def dead_end(grids_NL):
+    """bool[N]: no completion obeys the rules (a digit repeats in a unit, or a blank cell has no digit left)."""
+    xp = grids_NL.__array_namespace__()
+    g_NL = grids_NL.astype(xp.int32)
+    seen_NLC, blank_NL = digits_seen(g_NL), g_NL == 0
+    clash_NL = xp.take_along_axis(seen_NLC, xp.maximum(g_NL - 1, 0)[..., None], axis=-1)[..., 0] & ~blank_NL
+    return xp.any(clash_NL | (blank_NL & xp.all(seen_NLC, axis=-1)), axis=-1)
+
+
+def solved(grids_NL):
+    """bool[N]: complete, and no digit repeats in a row, column or box."""
+    return (grids_NL > 0).all(axis=-1) & ~dead_end(grids_NL)
+
+
+# ---- Sudoku: solver and generator --------------------------------------------------------------
+
+_CELL_UNITS = [tuple(int(u) for u in units) for units in UNITS]  # plain ints: the solver's hot loop
 _ALL_DIGITS = 0b1111111110  # bit d set = digit d allowed
 
 
 def _search(grid, limit):
-    """Backtracking over bitmasks, most-constrained cell first. Returns (first solution, count <= limit)."""
-    g = list(grid)
-    rows, cols, boxes = [0] * 9, [0] * 9, [0] * 9
+    """Backtracking over bitmasks (one per unit), most-constrained cell first. Returns (first solution,
+    count <= limit)."""
+    g, used = list(grid), [0] * 27
     for i, v in enumerate(g):
         if v:
-            bit = 1 << v
-            if (rows[_ROW[i]] | cols[_COL[i]] | boxes[_BOX[i]]) & bit:
+            bit, (r, c, b) = 1 << v, _CELL_UNITS[i]
+            if (used[r] | used[c] | used[b]) & bit:
                 return None, 0  # the givens already clash
-            rows[_ROW[i]] |= bit
-            cols[_COL[i]] |= bit
-            boxes[_BOX[i]] |= bit
+            used[r] |= bit
+            used[c] |= bit
+            used[b] |= bit
     empty = [i for i in range(81) if not g[i]]
     found = []
 
@@ -506,7 +534,8 @@ def _search(grid, limit):
         best, best_count, best_mask = -1, 10, 0
         for i in empty:
             if not g[i]:
-                mask = _ALL_DIGITS & ~(rows[_ROW[i]] | cols[_COL[i]] | boxes[_BOX[i]])
+                r, c, b = _CELL_UNITS[i]
+                mask = _ALL_DIGITS & ~(used[r] | used[c] | used[b])
                 count = mask.bit_count()
                 if count < best_count:
                     best, best_count, best_mask = i, count, mask
@@ -515,18 +544,18 @@ def _search(grid, limit):
         if best < 0:
             found.append(list(g))
             return len(found) >= limit
-        r, c, b = _ROW[best], _COL[best], _BOX[best]
+        r, c, b = _CELL_UNITS[best]
         while best_mask:
             bit = best_mask & -best_mask
             best_mask ^= bit
             g[best] = bit.bit_length() - 1
-            rows[r] |= bit
-            cols[c] |= bit
-            boxes[b] |= bit
+            used[r] |= bit
+            used[c] |= bit
+            used[b] |= bit
             stop = recurse()
-            rows[r] ^= bit
-            cols[c] ^= bit
-            boxes[b] ^= bit
+            used[r] ^= bit
+            used[c] ^= bit
+            used[b] ^= bit
             g[best] = 0
             if stop:
                 return True
@@ -540,18 +569,6 @@ def solve(grid):
     """(solution as uint8[81] or None, number of solutions counted up to 2) for an 81-digit grid."""
     solution, count = _search([int(v) for v in np.asarray(grid).reshape(81)], limit=2)
     return (None if solution is None else np.asarray(solution, np.uint8)), count
-
-
-def _valid_grids(grids_N81):
-    """bool[N]: each grid is a complete Sudoku (every row, column and box holds 1..9 once)."""
-    g = np.asarray(grids_N81).reshape(-1, 9, 9)
-    boxes = g.reshape(-1, 3, 3, 3, 3).transpose(0, 1, 3, 2, 4).reshape(-1, 9, 9)
-    units_NU9 = np.concatenate([g, g.transpose(0, 2, 1), boxes], axis=1)
-    return (np.sort(units_NU9, axis=-1) == np.arange(1, 10)).all(axis=(1, 2))
-
-
-def is_valid_solution(grid81):
-    return bool(_valid_grids(grid81)[0])
 
 
 def _make_puzzle(rng, blanks):
@@ -639,7 +656,7 @@ def read_sudoku_csv(path, key='dataset_path'):
         raise DataError(f'{key}={path!r}: no puzzles in the file')
     q, a = _digit_rows(puzzles), _digit_rows(solutions)
     clash = ((q != 0) & (q != a)).any(axis=1)
-    bad = clash | ~_valid_grids(a)
+    bad = clash | ~solved(a)
     if bad.any():
         i = int(bad.argmax())
         what = ('solution a disagrees with a given digit of q' if clash[i]

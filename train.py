@@ -545,7 +545,7 @@ def sudoku_scores(preds_SBL, batch):
     blank_BL = q_BL == 0
     grids_SBL = np.where(blank_BL, np.asarray(preds_SBL)[:, real] - 1, q_BL)
     S, B = grids_SBL.shape[:2]
-    valid_SB = data._valid_grids(grids_SBL.reshape(-1, data.SUDOKU_LEN)).reshape(S, B)
+    valid_SB = data.solved(grids_SBL.reshape(-1, data.SUDOKU_LEN)).reshape(S, B)
     exact_S = ((grids_SBL == a_BL).all(-1) & valid_SB).sum(1)
     cells_S = ((grids_SBL == a_BL) & blank_BL).sum((1, 2))
     return exact_S, cells_S, blank_BL.sum(), B, np.clip(grids_SBL[-1], 0, 9)
@@ -1071,7 +1071,7 @@ def solve_puzzle(cfg, model, params, run_dir, mesh):
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(cfg)):
         preds_L = np.asarray(jax.jit(make_eval_step(cfg, model))(params, batch)[0])[-1, 0] - 1
     grid_L = np.where(q_L == 0, np.clip(preds_L, 0, 9), q_L)
-    valid = data.is_valid_solution(grid_L[None])
+    valid = bool(data.solved(grid_L[None])[0])
     shown = '\n'.join(' '.join(map(str, grid_L[r * 9:(r + 1) * 9])) for r in range(9))
     log(f'{shown}\n{"a valid solution" if valid else "NOT a valid solution"} (decoder={cfg.decoder})')
     if jax.process_index() == 0:

@@ -1,5 +1,8 @@
-"""Every test sees 32 simulated CPU devices (a v4-64-sized mesh), set before JAX touches a device."""
+"""Shared by every test file: 32 simulated CPU devices (a v4-64-sized mesh, set before JAX touches a
+device), one persistent compile cache per test session, and the helpers that build configs the way a
+user does (base.yml + key=value overrides through train.load_config) and read a run's metrics."""
 import atexit
+import json
 import os
 import shutil
 import sys
@@ -21,3 +24,45 @@ jax.config.update('jax_num_cpu_devices', 32)
 jax.config.update('jax_platforms', 'cpu')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+BASE = os.path.join(ROOT, 'base.yml')
+ENV = {**os.environ, 'JAX_PLATFORMS': 'cpu'}  # for trainer subprocesses: CPU only, the session's compile cache
+
+import train  # noqa: E402  (after sys.path)
+
+# A tiny LM: unrolled layers compile faster (tests that need the scan say so); synthetic tokens need no files.
+LM = ['d_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2', 'mlp_dim=128', 'max_target_length=32',
+      'vocab_size=128', 'dataset=synthetic', 'dtype=float32', 'log_every=1', 'eval_every=0', 'eval_batches=0',
+      'prefetch=0', 'scan_layers=false']
+# A tiny TRM; the value head trains only where a test turns it on (its pass costs extra supervision steps),
+# and 64 + 32 generated puzzles instead of the default 2,500 (generating them takes ~15 s).
+SUDOKU = ['task=sudoku', 'd_model=32', 'num_layers=1', 'num_heads=2', 'num_kv_heads=2', 'mlp_dim=64',
+          'dtype=float32', 'trm.T=2', 'trm.n=1', 'trm.N_sup=2', 'log_every=1', 'eval_every=0', 'eval_batches=1',
+          'prefetch=0', 'tot.loss_weight=0', 'tot.value_step=1', 'sudoku_train_puzzles=64', 'sudoku_eval_puzzles=32']
+
+
+def args(tmp_path, *overrides, preset=LM):
+    """preset + run directories under tmp_path + overrides as one key=value list (a later key wins)."""
+    merged = dict(o.split('=', 1) for o in [*preset, f'output_dir={tmp_path}', f'cache_dir={tmp_path}/cache',
+                                            *overrides])
+    return [f'{k}={v}' for k, v in merged.items()]
+
+
+def config(tmp_path, *overrides, preset=LM):
+    """The Config a user would get from `python train.py base.yml <args>`, before run() touches it."""
+    cfg = train.load_config(BASE, args(tmp_path, *overrides, preset=preset))
+    if cfg.task == 'sudoku':  # what run() sets: the puzzle tokens fix the vocabulary
+        cfg.vocab_size = train.data.SUDOKU_VOCAB
+    return cfg
+
+
+def metrics(run_dir):
+    """The rows of a run's metrics.jsonl, checked to hold one row per logged step, in order."""
+    with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+        rows = [json.loads(line) for line in f]
+    steps = [r['step'] for r in rows]
+    assert steps == sorted(set(steps)), f'metrics.jsonl steps out of order or repeated: {steps}'
+    return rows
+
+
+def losses(run_dir):
+    return [r['loss'] for r in metrics(run_dir)]

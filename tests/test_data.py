@@ -333,7 +333,7 @@ def test_augment_keeps_puzzles_valid():
     outputs = set()
     for s in range(20):
         q2, a2 = data.augment(q[0], a[0], np.random.default_rng(s))
-        assert grid_ok(a2.tolist()) and data.is_valid_solution(a2)
+        assert grid_ok(a2.tolist()) and data.solved(a2[None])[0]
         assert (q2 == 0).sum() == 45
         assert ((q2 == 0) | (q2 == a2)).all()  # givens still agree with the solution
         assert data.solve(q2)[1] == 1 and np.array_equal(data.solve(q2)[0], a2)
@@ -357,7 +357,7 @@ def test_sudoku_resume_is_exact(tmp_path, prefetch):
     resumed.close()
     for b in reference:
         for qi, ai in zip(b['inputs'] - 1, b['targets'] - 1):
-            assert data.is_valid_solution(ai) and ((qi == 0) | (qi == ai)).all()
+            assert data.solved(ai[None])[0] and ((qi == 0) | (qi == ai)).all()
 
 
 def test_sudoku_csv_roundtrip_and_cli(tmp_path):
