@@ -1,14 +1,22 @@
-"""A Llama-style GQA transformer in Flax Linen, written to be read.
+"""A Llama-style GQA transformer in Flax Linen, and two puzzle heads on it, written to be read.
 
-Shape letters used in names (x_BLD is a [batch, length, d_model] array):
-  B batch   L length   D d_model   H query heads   G kv heads   K head dim
-  F mlp hidden   V vocab   A microbatches (train.py)   S supervision steps (TRM)
+  Transformer    token ids -> logits; exactly Llama's math (rotate-half RoPE, RMSNorm with eps inside the
+                 rsqrt, SwiGLU, no biases), so the weights export to Hugging Face's LlamaForCausalLM.
+  TRM            Tiny Recursive Model: the trunk recursed over an answer state and a latent, with deep
+                 supervision and a halting head (trm_loss is its training step's loss).
+  ToT            a value head on the TRM's answer state and a step-level beam search over thoughts
+                 (tree_search), plus greedy decoding and the Sudoku scoring they are measured with.
 
 Parameters carry *logical* axis names only ('embed', 'heads', 'mlp', ...). train.py maps them to mesh
-axes with the one table `logical_axis_rules` in base.yml; nothing here knows the mesh.
+axes with the one table `logical_axis_rules` in base.yml; nothing here knows the mesh. The puzzle heads
+read the Sudoku rules and token layout from data.py, where they are defined once.
 
-The computation is exactly Llama's (rotate-half RoPE, RMSNorm with eps inside the rsqrt, SwiGLU, no
-biases) so the weights export to Hugging Face's LlamaForCausalLM and give the same logits.
+Shape letters, for the whole repository (x_BLD is a [batch, length, d_model] array):
+  B batch rows   L length       D d_model      H query heads   G kv heads      K head dim
+  R query heads per kv head (H / G)             Q stacked queries (R x L)       T key / cache length
+  F mlp hidden   V vocab        A microbatches  S supervision steps              P prompt length
+  N grids in a flat batch (search candidates)  C digit choices (9)             W beam width
+  E thoughts per state          M states held between search steps (the frontier)
 """
 import math
 from typing import Any
@@ -16,13 +24,19 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
+
+from data import SUDOKU_LEN, dead_end, digits_seen, solved
 
 REMAT_POLICIES = {
     'full': None,  # recompute everything in the backward pass: least memory
     'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projection outputs
 }
 
-
+# ==================================================================================================
+# The transformer: layers, the LM, its loss and FLOPs.
+# ==================================================================================================
 def dims(cfg):
     """Head width, derived once: explicit head_dim or d_model / num_heads."""
     return cfg.head_dim or cfg.d_model // cfg.num_heads
@@ -38,7 +52,8 @@ def dot(eq, x, w, dtype, out_dtype=None):
     """einsum in the compute dtype with float32 accumulation, result in the compute dtype (or out_dtype).
 
     preferred_element_type=float32 matters beyond precision: on CPU a bf16 x bf16 -> bf16 dot is no
-    faster than float32, while bf16 inputs accumulating in float32 run ~1.8x faster (DESIGN.md).
+    faster than float32, while bf16 inputs accumulating in float32 run ~1.8x faster on CPUs with
+    bf16 matrix instructions (AVX-512 BF16).
     When x's trailing axes contract with w's leading ones (every projection here) it runs as one 2-D
     matmul [rows, in] x [in, out]: XLA:CPU differentiates that into plain matmuls, while the 3-D einsum
     made it copy a transposed activation for each weight gradient (MLP fwd+bwd 1.8x slower).
@@ -243,6 +258,32 @@ class Transformer(nn.Module):
         return dot('bld,dv->blv', x_BLD, head_DV, dt, jnp.float32)
 
 
+def lm_loss(cfg, model, params, mb, carry, key, step=0):
+    """The LM's loss in the train step's shape: (summed cross-entropy over real target tokens, (sums, carry)).
+    The step divides by sums['weight'] (the token count of the whole step), so accumulation is exact."""
+    logits_BLV = model.apply({'params': params}, mb['inputs'], mb['positions'], mb['segment_ids'])
+    ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, mb['targets'])
+    tokens = jnp.sum(mb['loss_mask'])
+    return jnp.sum(ce_BL * mb['loss_mask']), ({'weight': tokens, 'tokens': tokens}, carry)
+
+
+def flops_per_token(cfg):
+    """Training FLOPs per token (forward + backward = 3x forward), counted as MaxText does: every matmul
+    including the LM head, plus attention scores and values (halved: causal masks half the square).
+    TRM (per cell per supervision step): T(n+1) forward net calls, of which the last n+1 also run
+    backward (2x); attention is bidirectional over the 81 cells (TokenMLP is counted as attention)."""
+    D, F, H, G, K, L = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, dims(cfg), cfg.max_target_length
+    if cfg.task == 'sudoku':
+        L, T, n = 81, cfg.trm.T, cfg.trm.n
+        per_layer = 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K
+        return (T * (n + 1) + 2 * (n + 1)) * cfg.num_layers * per_layer + 3 * 2 * D * cfg.vocab_size
+    per_layer = 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K / 2
+    return 3 * (cfg.num_layers * per_layer + 2 * D * cfg.vocab_size)
+
+
+# ==================================================================================================
+# TRM: the recursive head, its deep-supervision loss, and decoding by recursion.
+# ==================================================================================================
 class TRM(nn.Module):
     """Tiny Recursive Model (Jolicoeur-Martineau 2025): one small bidirectional trunk `net` refines an
     answer state y and a latent z, given the puzzle embedding x. One call is one supervision step:
@@ -296,61 +337,142 @@ class TRM(nn.Module):
         return y_BLD, z_BLD, logits_BLV, q_B, log_value_B
 
 
-def flops_per_token(cfg):
-    """Training FLOPs per token (forward + backward = 3x forward), counted as MaxText does: every matmul
-    including the LM head, plus attention scores and values (halved: causal masks half the square).
-    TRM (per cell per supervision step): T(n+1) forward net calls, of which the last n+1 also run
-    backward (2x); attention is bidirectional over the 81 cells (TokenMLP is counted as attention)."""
-    D, F, H, G, K, L = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, dims(cfg), cfg.max_target_length
-    if cfg.task == 'sudoku':
-        L, T, n = 81, cfg.trm.T, cfg.trm.n
-        per_layer = 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K
-        return (T * (n + 1) + 2 * (n + 1)) * cfg.num_layers * per_layer + 3 * 2 * D * cfg.vocab_size
-    per_layer = 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K / 2
-    return 3 * (cfg.num_layers * per_layer + 2 * D * cfg.vocab_size)
+def trm_carry(cfg, A, B):
+    """The deep-supervision carry, one slot per example row of a train step ([A, B, ...]): its puzzle,
+    answer state y, latent z, supervision steps taken, and whether it halted (all start halted, so the
+    first step fills every slot). Boxed with logical axes so it shards over the batch like data."""
+    box = lambda x, *names: nn.LogicallyPartitioned(x, (None, 'batch', 'length', 'embed')[:len(names) + 2])
+    yz = jnp.zeros((A, B, SUDOKU_LEN, cfg.d_model), jnp.float32)
+    grid = jnp.zeros((A, B, SUDOKU_LEN), jnp.int32)
+    return {'y': box(yz, 1, 1), 'z': box(yz, 1, 1), 'inputs': box(grid, 1), 'targets': box(grid, 1),
+            'steps': box(jnp.zeros((A, B), jnp.int32)), 'halted': box(jnp.ones((A, B), bool))}
+
+
+def trm_loss(cfg, model, params, mb, carry, key, step=0):
+    """One supervision step for every slot of the carry (deep supervision with a fixed-shape batch).
+
+    Slots that halted last step take this step's fresh example from `mb` and restart from y_init/z_init;
+    the others keep their puzzle and carry, so shapes never change and nothing recompiles. Loss per
+    slot: mean cell cross-entropy + halt_loss_weight x BCE(q, whole grid right), plus the ToT value
+    head's BCE on partial grids from tot.start_step on."""
+    t, fresh_B = cfg.trm, carry['halted']
+    pick = lambda new, old: jnp.where(fresh_B.reshape(-1, *[1] * (old.ndim - 1)), new, old)
+    inputs_BL, targets_BL = pick(mb['inputs'], carry['inputs']), pick(mb['targets'], carry['targets'])
+    steps_B = jnp.where(fresh_B, 0, carry['steps']) + 1
+    y_BLD, z_BLD, logits_BLV, q_B, _ = model.apply({'params': params}, inputs_BL, mb['positions'],
+                                                   mb['segment_ids'], carry['y'], carry['z'], fresh_B)
+    ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean(axis=1)
+    correct_B = jnp.all(jnp.argmax(logits_BLV, axis=-1) == targets_BL, axis=1)
+    halt_bce_B = optax.sigmoid_binary_cross_entropy(q_B, correct_B.astype(jnp.float32))
+    # Halt when the head says "right" (q > 0) or at N_sup. With halt_explore_prob a slot must first reach a
+    # random 2..N_sup steps, so the later supervision steps (and the halting head on them) get trained.
+    k_explore, k_steps = jax.random.split(key)
+    B = steps_B.shape[0]
+    explore_B = jax.random.uniform(k_explore, (B,)) < t.halt_explore_prob
+    min_steps_B = jnp.where(explore_B, jax.random.randint(k_steps, (B,), 2, t.N_sup + 1), 1)
+    halted_B = (steps_B >= t.N_sup) | ((q_B > 0) & (steps_B >= min_steps_B))
+    new_carry = {'y': jax.lax.stop_gradient(y_BLD).astype(jnp.float32),  # detached between supervision steps
+                 'z': jax.lax.stop_gradient(z_BLD).astype(jnp.float32), 'inputs': inputs_BL,
+                 'targets': targets_BL, 'steps': steps_B, 'halted': halted_B}
+    sums = {'weight': jnp.float32(B), 'tokens': jnp.float32(B * SUDOKU_LEN), 'halted': jnp.sum(halted_B),
+            'halt_steps': jnp.sum(jnp.where(halted_B, steps_B, 0)), 'exact': jnp.sum(correct_B)}
+    loss = jnp.sum(ce_B) + t.halt_loss_weight * jnp.sum(halt_bce_B)
+    if cfg.tot.loss_weight:  # ToT value head, on partial grids made from this microbatch's fresh puzzles
+        half = max(B // 2, 1)  # half the rows: 2/3 of the extra step time is enough examples for one bit
+
+        def value_loss(_):
+            grids_BL, label_B = partial_states(jax.random.fold_in(key, 1), mb['inputs'][:half] - 1,
+                                               mb['targets'][:half] - 1)
+            log_v_B = trm_steps(cfg, model, params, grids_BL, cfg.tot.value_step)[2]
+            return jnp.sum(value_bce(log_v_B, label_B)), jnp.sum((log_v_B > jnp.log(0.5)) == label_B)
+        # From tot.start_step on only: a real branch, so earlier steps do not pay for the value pass.
+        on = step >= cfg.tot.start_step
+        v_loss, v_acc = jax.lax.cond(on, value_loss, lambda _: (0.0, 0), None)
+        sums.update(value_acc=v_acc, value_rows=jnp.where(on, half, 0.0))
+        loss += cfg.tot.loss_weight * v_loss
+    return loss, (sums, new_carry)
+
+
+def ema_update(decay, step, ema, params):
+    """ema <- d ema + (1 - d) params, with d = min(decay, (1 + step) / (10 + step)): early on the average
+    forgets the random init quickly instead of dragging it along for ~1/(1 - decay) steps."""
+    d = jnp.minimum(decay, (1.0 + step) / (10.0 + step))
+    return jax.tree.map(lambda e, p: (d * e + (1 - d) * p).astype(e.dtype), ema, params)
+
+
+def trm_steps(cfg, model, params, grids_NL, steps):
+    """`steps` supervision steps from a fresh carry on digit grids (0 = blank): (predicted tokens after
+    each step [S, N, L], digit log-probs [N, L, C] after the last, log value [N] after step
+    v = min(tot.value_step, steps)). Only step v is differentiable: the value loss trains through it."""
+    N, L = grids_NL.shape
+    rows = lambda x: jnp.broadcast_to(x, (N, L)).astype(jnp.int32)
+    tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
+    v = min(cfg.tot.value_step, steps)
+
+    def sup(p):
+        def one(carry, fresh_N):
+            y, z, logits_NLV, _, log_v_N = model.apply({'params': p}, tokens, pos, seg, *carry, fresh_N)
+            carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
+            return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N)
+        return one
+    fixed = sup(jax.lax.stop_gradient(params))
+    fresh = lambda n: (jnp.arange(n) == 0)[:, None] & jnp.ones((1, N), bool)  # [n, N]: step 0 starts fresh
+    yz = jnp.zeros((N, L, cfg.d_model), jnp.float32)
+    carry, (p_before, _, _) = jax.lax.scan(fixed, (yz, yz), fresh(v - 1))
+    carry, (p_v, logits_NLV, log_v_N) = sup(params)(carry, jnp.full(N, v == 1))
+    _, (p_after, l_after, _) = jax.lax.scan(fixed, carry, jnp.zeros((steps - v, N), bool))
+    logits_NLV = l_after[-1] if steps > v else logits_NLV
+    preds = jnp.concatenate([p_before, p_v[None], p_after])
+    # Digit d is token d + 1: the nine digit logits are tokens 2..10.
+    return preds, jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N
+
 
 
 # ==================================================================================================
-# ToT: a value-guided beam search over thoughts, for Sudoku (digits 1..9 on 81 cells, 0 = blank).
+# ToT, part 1: the value head's training states. Grids are digits (0 = blank), as in data.py.
 # ==================================================================================================
-def sudoku_peers():
-    """bool[81, 81]: the cells that share a row, column or box with each cell (not itself)."""
-    i = jnp.arange(81)
-    r, c = i // 9, i % 9
-    b = (r // 3) * 3 + c // 3
-    same = (r[:, None] == r) | (c[:, None] == c) | (b[:, None] == b)
-    return same & ~jnp.eye(81, dtype=bool)
+def partial_states(key, q_BL, a_BL, sparse_B=None):
+    """ToT value-head examples from puzzles and solutions (digit grids): in half of the rows (odd rows, or
+    `sparse_B`) up to a third of the givens blanked (states as sparse as the hardest puzzles'), then a
+    random share of the blanks filled from the solution, and in half of the rows one blank set to a wrong
+    digit, one that breaks no rule where the grid allows it (the mistakes a solver makes). Label: True =
+    every digit agrees with the solution (for a unique-solution puzzle: the grid can still be completed)."""
+    k_frac, k_fill, k_bad, k_cell, k_digit, k_drop = jax.random.split(key, 6)
+    B, L = q_BL.shape
+    sparse_B = jnp.arange(B) % 2 == 1 if sparse_B is None else sparse_B
+    drop_BL = jax.random.uniform(k_drop, (B, L)) < jnp.where(sparse_B, 1 / 3, 0.0)[:, None]
+    q_BL = jnp.where(drop_BL, 0, q_BL)
+    blank_BL, rows = q_BL == 0, jnp.arange(B)
+    fill_BL = blank_BL & (jax.random.uniform(k_fill, (B, L)) < jax.random.uniform(k_frac, (B, 1)))
+    g_BL = jnp.where(fill_BL, a_BL, q_BL)
+    bad_B = jax.random.bernoulli(k_bad, 0.5, (B,))
+    # The wrong cell: a random blank, preferring filled ones (so right and wrong grids have as many digits:
+    # the count must not give the label away) where some wrong digit clashes with no peer (a quiet mistake).
+    wrong_BLC = jnp.arange(1, 10) != a_BL[..., None]
+    quiet_BLC = wrong_BLC & ~digits_seen(g_BL)
+    pref_BL = blank_BL * (1.0 + 2.0 * fill_BL + jnp.any(quiet_BLC, axis=-1))
+    cell_B = jnp.argmax(pref_BL + jax.random.uniform(k_cell, (B, L)), axis=1)
+    pool_BC = jnp.where(jnp.any(quiet_BLC[rows, cell_B], axis=1, keepdims=True), quiet_BLC[rows, cell_B],
+                        wrong_BLC[rows, cell_B])
+    digit_B = jnp.argmax(jnp.where(pool_BC, jax.random.uniform(k_digit, (B, 9)), -1.0), axis=1) + 1
+    g_BL = jnp.where(bad_B[:, None] & (jnp.arange(L) == cell_B[:, None]), digit_B[:, None], g_BL)
+    return g_BL, ~bad_B
 
 
-def digits_seen(grids_NL):
-    """bool[..., L, 9]: digit d+1 already stands in a peer of the cell (so placing it there breaks a rule)."""
-    onehot_NLC = jax.nn.one_hot(grids_NL - 1, 9, dtype=jnp.float32)  # blank (-1) -> all zeros
-    return jnp.einsum('ml,...lc->...mc', sudoku_peers().astype(jnp.float32), onehot_NLC) > 0
+def puzzle_partial_states(key, q_BL, a_BL):
+    """partial_states drawn per puzzle (its key folded with a hash of its givens, a coin for sparse or
+    not), so eval's value_auroc does not depend on the batch size or on which rows a puzzle shares."""
+    def one(q_L, a_L):
+        k = jax.random.fold_in(key, puzzle_hash(q_L))
+        sparse = jax.random.bernoulli(jax.random.fold_in(k, 1))  # half the states sparse, as in training
+        g, label = partial_states(k, q_L[None], a_L[None], sparse[None])
+        return g[0], label[0]
+    return jax.vmap(one)(q_BL, a_BL)
 
 
-def legal_moves(grids_NL, logp_NLC):
-    """The log-probs of the moves that break no rule: blank cell, digit not in a peer (others -inf).
-    With dead_end below, the rule checker of Long's ToT, as masks."""
-    return jnp.where((grids_NL == 0)[..., None] & ~digits_seen(grids_NL), logp_NLC, -jnp.inf)
-
-
-def dead_end(grids_NL):
-    """bool[N]: no completion obeys the rules (a digit repeats in a row, column or box, or some blank
-    cell has no legal digit left)."""
-    seen_NLC = digits_seen(grids_NL)
-    blank_NL = grids_NL == 0
-    clash_NL = jnp.take_along_axis(seen_NLC, jnp.maximum(grids_NL - 1, 0)[..., None], -1)[..., 0] & ~blank_NL
-    return jnp.any(clash_NL | (blank_NL & jnp.all(seen_NLC, axis=-1)), axis=-1)
-
-
-def solved(grids_NL):
-    """bool[N]: complete, and no digit repeats in a row, column or box."""
-    return jnp.all(grids_NL > 0, axis=-1) & ~dead_end(grids_NL)
-
-
-def fill_argmax(grids_NL, logp_NLC):
-    """Blanks left -> the policy's likeliest digit (how a search hands back a grid it did not finish)."""
-    return jnp.where(grids_NL == 0, jnp.argmax(logp_NLC, axis=-1) + 1, grids_NL)
+def value_bce(log_v_B, label_B):
+    """Binary cross-entropy from log P(right): -log p for right grids, -log(1 - p) for wrong ones."""
+    return -jnp.where(label_B, log_v_B, jnp.log(-jnp.expm1(jnp.minimum(log_v_B, -1e-6))))
 
 
 def puzzle_hash(q_BL):
@@ -358,6 +480,20 @@ def puzzle_hash(q_BL):
     eval's value states), so a puzzle's result does not depend on the batch around it."""
     mix_L = jnp.arange(q_BL.shape[-1], dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
     return jnp.sum(q_BL.astype(jnp.uint32) * mix_L, axis=-1)
+
+
+# ==================================================================================================
+# ToT, part 2: decoding by search. The rule checks (data.digits_seen, dead_end, solved) are Long's Sudoku
+# ToT checker, as masks.
+# ==================================================================================================
+def legal_moves(grids_NL, logp_NLC):
+    """The log-probs of the moves that break no rule: blank cell, digit not in a peer (others -inf)."""
+    return jnp.where((grids_NL == 0)[..., None] & ~digits_seen(grids_NL), logp_NLC, -jnp.inf)
+
+
+def fill_argmax(grids_NL, logp_NLC):
+    """Blanks left -> the policy's likeliest digit (how a search hands back a grid it did not finish)."""
+    return jnp.where(grids_NL == 0, jnp.argmax(logp_NLC, axis=-1) + 1, grids_NL)
 
 
 def greedy_fill(evaluate, q_BL):
@@ -427,22 +563,22 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
     or when its beam is empty. Shapes depend only on (batch, width, thoughts): one compile per batch size;
     finished puzzles are dropped from the batch in quarter steps inside it.
 
-    frontier F > width keeps F states between steps instead of width (best-first search with
+    frontier M > width keeps M states between steps instead of width (best-first search with
     backtracking, ToT's DFS/BFS in one): each step expands the best `width` states held, from any depth,
-    and the F best of the rest and the new candidates are held. When every child of a path scores low,
-    the search goes back to an earlier state. F = width (or 0) is the plain per-depth beam above.
+    and the M best of the rest and the new candidates are held. When every child of a path scores low,
+    the search goes back to an earlier state. M = width (or 0) is the plain per-depth beam above.
     Returns (grids [B, L], states evaluated per puzzle [B]). Unsolved puzzles return the best candidate of
     the last step with its blanks filled by argmax."""
     B, L = q_BL.shape
-    W, P, NEG = width, thoughts, -jnp.inf
-    F = max(frontier, W)
+    W, E, NEG = width, thoughts, -jnp.inf
+    M = max(frontier, W)
     key = jax.random.key(0) if key is None else key
 
-    def expand(g_L, logp_LC):  # one state -> P candidate grids, their log-prob gain, and whether they exist
+    def expand(g_L, logp_LC):  # one state -> E candidate grids, their log-prob gain, and whether they exist
         lp_LC = legal_moves(g_L, logp_LC)
         conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
         cell = jnp.argmax(conf_L)
-        top_P, digit_P = jax.lax.top_k(lp_LC[cell], P)
+        top_E, digit_E = jax.lax.top_k(lp_LC[cell], E)
 
         def one(digit, gain):
             g = g_L.at[cell].set(digit)
@@ -451,16 +587,16 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
                 g = g.at[more_i].set(jnp.where(more_v > NEG, best_L[more_i], g[more_i]))
                 gain = gain + jnp.sum(jnp.where(more_v > NEG, more_v, 0.0))
             return g, gain
-        g_PL, gain_P = jax.vmap(one)(digit_P + 1, top_P)
-        return g_PL, gain_P, top_P > NEG
+        g_EL, gain_E = jax.vmap(one)(digit_E + 1, top_E)
+        return g_EL, gain_E, top_E > NEG
 
     def evaluate_BN(g_BNL):
         logp, logv = evaluate(g_BNL.reshape(-1, L))
         return logp.reshape(*g_BNL.shape, 9), logv.reshape(g_BNL.shape[:2])
 
     logp0, _ = evaluate_BN(q_BL[:, None])
-    held = {'grid': jnp.repeat(q_BL[:, None], F, axis=1), 'logp': jnp.repeat(logp0, F, axis=1),
-            'cum': jnp.zeros((B, F)), 'score': jnp.full((B, F), NEG).at[:, 0].set(0.0)}
+    held = {'grid': jnp.repeat(q_BL[:, None], M, axis=1), 'logp': jnp.repeat(logp0, M, axis=1),
+            'cum': jnp.zeros((B, M)), 'score': jnp.full((B, M), NEG).at[:, 0].set(0.0)}
     fill0 = fill_argmax(q_BL, logp0[:, 0])
     done = solved(fill0)
     carry = {'held': held, 'done': done, 'stop': done, 'answer': fill0, 'fallback': fill0,
@@ -472,8 +608,8 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         take = lambda x, i_BK: jnp.take_along_axis(x, i_BK.reshape(*i_BK.shape, *[1] * (x.ndim - 2)), axis=1)
         bm = jax.tree.map(lambda x: take(x, pop_BW), c['held'])
         rest = dict(c['held'], score=c['held']['score'].at[jnp.arange(B)[:, None], pop_BW].set(NEG))
-        g, gain, ok = jax.vmap(jax.vmap(expand))(bm['grid'], bm['logp'])  # [B, W, P, ...]
-        g_BNL, N = g.reshape(B, W * P, L), W * P
+        g, gain, ok = jax.vmap(jax.vmap(expand))(bm['grid'], bm['logp'])  # [B, W, E, ...]
+        g_BNL, N = g.reshape(B, W * E, L), W * E
         alive_BN = (ok & (bm['score'][..., None] > NEG)).reshape(B, N)
         alive_BN &= ~dead_end(g_BNL)
         cum_BN = (bm['cum'][..., None] + gain).reshape(B, N)
@@ -499,18 +635,70 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         fallback = pick(fill_BNL, best_B)
         fallback = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], fallback, c['fallback'])
         s_BN = jnp.where(full_BN, NEG, s_BN)  # a full grid either ended the search or broke a rule
-        # The F best of the new candidates (first: they win ties) and the states held but not expanded.
+        # The M best of the new candidates (first: they win ties) and the states held but not expanded.
         pool = jax.tree.map(lambda n, o: jnp.concatenate([n, o], axis=1),
                             {'grid': g_BNL, 'logp': logp_BNLC, 'cum': cum_BN, 'score': s_BN}, rest)
-        top_BF, idx_BF = jax.lax.top_k(pool['score'], F)
-        new = jax.tree.map(lambda x: take(x, idx_BF), pool)
+        top_BM, idx_BM = jax.lax.top_k(pool['score'], M)
+        new = jax.tree.map(lambda x: take(x, idx_BM), pool)
         held = jax.tree.map(lambda n, o: jnp.where(live_B.reshape(B, *[1] * (n.ndim - 1)), n, o), new, c['held'])
         evals = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0)
         depth = c['depth'] + 1
         done = c['done'] | found_B
-        stop = c['stop'] | done | (evals >= max_thoughts) | ~jnp.any(top_BF > NEG, axis=1) | (depth >= max_depth)
+        stop = c['stop'] | done | (evals >= max_thoughts) | ~jnp.any(top_BM > NEG, axis=1) | (depth >= max_depth)
         return {'held': held, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
                 'evals': evals, 'depth': depth, 'puzzle': c['puzzle']}
 
     c = shrinking_loop(body, carry, shared=('depth',))
     return jnp.where(c['done'][:, None], c['answer'], c['fallback']), c['evals']
+
+
+# ==================================================================================================
+# Sudoku eval: decode a batch with cfg.decoder, score it on the host.
+# ==================================================================================================
+DECODERS = ('trm', 'oneshot', 'greedy', 'beam_logp', 'tot', 'tot_shuffled')
+
+
+def sudoku_decode(cfg, model, params, batch):
+    """Decodes a token batch with cfg.decoder: (predicted tokens [S, B, L] (S = supervision steps for
+    oneshot and trm, 1 for the others), forward passes per puzzle [B], value-head log values and labels
+    of partial grids made from the batch (for its AUROC))."""
+    q_BL, B = batch['inputs'] - 1, batch['inputs'].shape[0]
+    steps = {'oneshot': 1, 'trm': cfg.trm.N_sup}.get(cfg.decoder, max(cfg.tot.policy_steps, cfg.tot.value_step))
+    evaluate = lambda g_NL: trm_steps(cfg, model, params, g_NL, steps)[1:]
+    if cfg.decoder in ('oneshot', 'trm'):
+        preds_SBL, passes_B = trm_steps(cfg, model, params, q_BL, steps)[0], jnp.full(B, steps)
+    elif cfg.decoder == 'greedy':
+        grids_BL, passes_B = greedy_fill(evaluate, q_BL)
+        preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
+    else:
+        score = {'beam_logp': 'logp', 'tot': 'value', 'tot_shuffled': 'shuffled'}[cfg.decoder]
+        grids_BL, passes_B = tree_search(
+            evaluate, q_BL, cfg.beam_width, cfg.thoughts_per_step, cfg.thought_cells, cfg.max_depth,
+            cfg.max_thoughts, score, cfg.tot.logp_weight, jax.random.key(cfg.seed), cfg.tot.frontier)
+        preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
+    partial_BL, label_B = puzzle_partial_states(jax.random.key(cfg.seed), q_BL, batch['targets'] - 1)
+    return preds_SBL, passes_B, trm_steps(cfg, model, params, partial_BL, cfg.tot.value_step)[2], label_B
+
+
+def sudoku_scores(preds_SBL, batch):
+    """Host-side scoring of one eval batch: (exact solves per step [S], right blank cells per step [S],
+    blank cells, puzzles, final digit grids [B, L]). Padding rows are skipped; givens are copied from the
+    puzzle whatever the model said; a grid counts as solved only if it obeys the Sudoku rules and equals
+    the label."""
+    real = batch['segment_ids'][:, 0] > 0
+    q_BL, a_BL = batch['inputs'][real] - 1, batch['targets'][real] - 1  # tokens -> digits, 0 = blank
+    blank_BL = q_BL == 0
+    grids_SBL = np.where(blank_BL, np.asarray(preds_SBL)[:, real] - 1, q_BL)
+    S, B = grids_SBL.shape[:2]
+    valid_SB = solved(grids_SBL.reshape(-1, SUDOKU_LEN)).reshape(S, B)
+    exact_S = ((grids_SBL == a_BL).all(-1) & valid_SB).sum(1)
+    cells_S = ((grids_SBL == a_BL) & blank_BL).sum((1, 2))
+    return exact_S, cells_S, blank_BL.sum(), B, np.clip(grids_SBL[-1], 0, 9)
+
+
+def auroc(scores, labels):
+    """Area under the ROC curve: the chance a random positive scores above a random negative."""
+    pos, neg = scores[labels], scores[~labels]
+    if not len(pos) or not len(neg):
+        return float('nan')
+    return float(np.mean((pos[:, None] > neg[None]) + 0.5 * (pos[:, None] == neg[None])))

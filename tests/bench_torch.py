@@ -28,7 +28,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The model of issue 8: Llama-style GQA, d=384, 4 layers, 6 heads / 2 kv heads, SwiGLU 1024, vocab 4096.
+# The benchmark model: Llama-style GQA, d=384, 4 layers, 6 heads / 2 kv heads, SwiGLU 1024, vocab 4096.
 DIMS = dict(d_model=384, num_layers=4, num_heads=6, num_kv_heads=2, mlp_dim=1024, vocab_size=4096,
             max_target_length=256, per_device_batch=8)
 OURS = {'jax f32': ['dtype=float32'], 'jax bf16': ['dtype=bfloat16']}

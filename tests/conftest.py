@@ -66,3 +66,35 @@ def metrics(run_dir):
 
 def losses(run_dir):
     return [r['loss'] for r in metrics(run_dir)]
+
+
+# ---- small data the tests make ---------------------------------------------------------------------
+VOCAB = 320  # smallest comfortable byte-fallback BPE for write_corpus's text (256 bytes + chars + merges)
+
+
+def write_corpus(root, n, tag, seed):
+    """n documents of made-up words, first line names the document; lengths span a few rows."""
+    import random
+    rng = random.Random(seed)
+    words = [''.join(rng.choice('abcdefghijklmnoprstuvw') for _ in range(rng.randint(2, 7))) for _ in range(60)]
+    os.makedirs(root, exist_ok=True)
+    for k in range(n):
+        lines = [f'{tag} {k}'] + [' '.join(rng.choice(words) for _ in range(rng.randint(1, 9)))
+                                  for _ in range(rng.randint(1, 12))]
+        with open(os.path.join(root, f'{tag}{k:02d}.txt'), 'w') as f:
+            f.write('\n'.join(lines) + '\n')
+
+
+def sudoku_batch(n, seed=0, blanks=45):
+    """n generated puzzles as a token batch of jax arrays (the layout data.py feeds the TRM)."""
+    q, a = train.data.generate_sudoku(n, blanks, seed, stream='test')
+    return {k: jax.numpy.asarray(v) for k, v in train.data._sudoku_batch(q, a, n).items()}
+
+
+def init_trm(cfg, batch):
+    """(TRM module, unboxed params, a random (y, z) state) for the batch's shape; init jitted (one compile)."""
+    m, B = train.model_lib.TRM(cfg), batch['inputs'].shape[0]
+    yz = jax.random.normal(jax.random.key(1), (B, 81, cfg.d_model))
+    boxed = jax.jit(m.init)(jax.random.key(0), batch['inputs'], batch['positions'], batch['segment_ids'], yz, yz,
+                            jax.numpy.zeros(B, bool))['params']
+    return m, train.nn.unbox(boxed), yz

@@ -1,6 +1,5 @@
 """Checkpoints: exact resume after SIGKILL and SIGTERM, atomicity, corruption, resharding, bad input."""
 import glob
-import json
 import os
 import shutil
 import signal
@@ -14,8 +13,7 @@ import numpy as np
 import pytest
 
 import train
-from conftest import ROOT
-from test_train import tiny
+from conftest import ENV, ROOT, config, losses, metrics
 
 # A small real-text run: local files through the tfds builder + a trained sentencepiece model.
 TEXT = ['dataset=files', 'vocab_size=512', 'd_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2',
@@ -36,16 +34,16 @@ def cli(corpus, out, *extra):
             f'cache_dir={out}/cache', *extra]
 
 
-def losses(out, run='default'):
-    rows = [json.loads(line) for line in open(os.path.join(out, run, 'metrics.jsonl'))]
-    assert [r['step'] for r in rows] == list(range(1, len(rows) + 1)), 'one row per step, no duplicates'
+def run_losses(out, run='default'):
+    rows = metrics(os.path.join(out, run))
+    assert [r['step'] for r in rows] == list(range(1, len(rows) + 1)), 'one row per step, none missing'
     return [r['loss'] for r in rows]
 
 
 def run_until(cmd, out, step, sig):
     """Start the trainer, wait until it has logged `step`, send `sig`; returns the process result."""
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+                         env=ENV)
     metrics, deadline = os.path.join(out, 'default', 'metrics.jsonl'), time.time() + 600
     first_ckpt = os.path.join(out, 'default', 'checkpoints', '10')  # appears only once complete
     while time.time() < deadline and p.poll() is None:
@@ -62,9 +60,9 @@ def reference(corpus, tmp_path_factory):
     """The uninterrupted run every interrupted one must reproduce exactly."""
     out = tmp_path_factory.mktemp('ref')
     r = subprocess.run(cli(corpus, out), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+                       env=ENV)
     assert r.returncode == 0, r.stderr
-    return losses(out)
+    return run_losses(out)
 
 
 @pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM])
@@ -77,16 +75,16 @@ def test_interrupted_run_resumes_exactly(corpus, reference, tmp_path, sig):
         saved = int(err.split('saved checkpoint at step ')[1].split()[0])
         assert saved in [int(s) for s in os.listdir(tmp_path / 'default' / 'checkpoints')]
     r = subprocess.run(cli(corpus, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+                       env=ENV)
     assert r.returncode == 0, r.stderr
     start = int(r.stdout.split('resuming from checkpoint ')[1].split()[0].rsplit('/', 1)[1])
     assert 10 <= start < 20
-    assert losses(tmp_path) == reference  # bit-for-bit, steps before and after the resume point
+    assert run_losses(tmp_path) == reference  # bit-for-bit, steps before and after the resume point
 
 
 def test_unfinished_and_corrupted_checkpoints_are_skipped(tmp_path):
-    cfg = tiny(tmp_path, 'steps=6', 'checkpoint_every=3', 'prefetch=2')
-    ref = train.run(tiny(tmp_path, 'steps=9', 'run_name=ref'), jax.devices()[:1])
+    cfg = config(tmp_path, 'steps=6', 'checkpoint_every=3', 'prefetch=2')
+    ref = train.run(config(tmp_path, 'steps=9', 'run_name=ref'), jax.devices()[:1])
     train.run(cfg, jax.devices()[:1])
     ckpts = tmp_path / 'default' / 'checkpoints'
     # What a kill -9 in the middle of a write leaves behind: a temporary directory, never a step.
@@ -95,31 +93,28 @@ def test_unfinished_and_corrupted_checkpoints_are_skipped(tmp_path):
     biggest = max((p for p in (ckpts / '6').rglob('*') if p.is_file()), key=lambda p: p.stat().st_size)
     with open(biggest, 'r+b') as f:
         f.truncate(biggest.stat().st_size // 2)
-    s = train.run(tiny(tmp_path, 'steps=9', 'checkpoint_every=3', 'prefetch=2'), jax.devices()[:1])
+    s = train.run(config(tmp_path, 'steps=9', 'checkpoint_every=3', 'prefetch=2'), jax.devices()[:1])
     assert s['step'] == 9
-    got = [json.loads(r)['loss'] for r in open(tmp_path / 'default' / 'metrics.jsonl')]
-    want = [json.loads(r)['loss'] for r in open(os.path.join(ref['run_dir'], 'metrics.jsonl'))]
-    assert got == want  # resumed from step 3, the last readable one, and continued exactly
+    assert losses(tmp_path / 'default') == losses(ref['run_dir'])  # resumed from step 3, continued exactly
 
 
 def test_restore_onto_a_different_mesh(tmp_path):
     """Saved on mesh=8,1,1 at step 3, resumed on mesh=2,2,2: steps 4-6 match the run that never moved."""
-    ref = train.run(tiny(tmp_path, 'mesh=8,1,1', 'per_device_batch=2', 'steps=6', 'checkpoint_every=3',
+    ref = train.run(config(tmp_path, 'mesh=8,1,1', 'per_device_batch=2', 'steps=6', 'checkpoint_every=3',
                          'run_name=ref'), jax.devices()[:8])
     shutil.copytree(os.path.join(ref['run_dir'], 'checkpoints', '3'), tmp_path / 'moved' / 'checkpoints' / '3')
-    train.run(tiny(tmp_path, 'mesh=2,2,2', 'per_device_batch=2', 'steps=6', 'run_name=moved'), jax.devices()[:8])
-    got = [json.loads(r)['loss'] for r in open(tmp_path / 'moved' / 'metrics.jsonl')]
-    want = [json.loads(r)['loss'] for r in open(os.path.join(ref['run_dir'], 'metrics.jsonl'))][3:]
+    train.run(config(tmp_path, 'mesh=2,2,2', 'per_device_batch=2', 'steps=6', 'run_name=moved'), jax.devices()[:8])
+    got, want = losses(tmp_path / 'moved'), losses(ref['run_dir'])[3:]
     assert len(got) == 3
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_shape_mismatch_and_load_params(tmp_path):
-    train.run(tiny(tmp_path, 'steps=2'), jax.devices()[:1])
+    train.run(config(tmp_path, 'steps=2'), jax.devices()[:1])
     with pytest.raises(train.ConfigError, match=r'has params/.* of shape .* but this config makes'):
-        train.run(tiny(tmp_path, 'steps=4', 'd_model=32'), jax.devices()[:1])
+        train.run(config(tmp_path, 'steps=4', 'd_model=32'), jax.devices()[:1])
     # load_params starts a fresh run (step 0, new optimizer) from the other run's weights.
-    cfg = tiny(tmp_path, 'steps=1', 'run_name=finetune', f'load_params={tmp_path}/default', 'learning_rate=0',
+    cfg = config(tmp_path, 'steps=1', 'run_name=finetune', f'load_params={tmp_path}/default', 'learning_rate=0',
                'warmup_steps=0', 'checkpoint_every=0')
     train.run(cfg, jax.devices()[:1])
     mngr = train.checkpoint_manager(tmp_path / 'default' / 'checkpoints', cfg, read_only=True)
@@ -132,20 +127,20 @@ def test_shape_mismatch_and_load_params(tmp_path):
 
 def test_eval_mode_and_resume_false(tmp_path):
     with pytest.raises(train.ConfigError, match='mode=eval needs trained parameters'):
-        train.run(tiny(tmp_path, 'mode=eval', 'eval_batches=1'), jax.devices()[:1])
-    s = train.run(tiny(tmp_path, 'steps=2', 'eval_batches=1'), jax.devices()[:1])
-    e = train.run(tiny(tmp_path, 'steps=2', 'mode=eval', 'eval_batches=1'), jax.devices()[:1])
+        train.run(config(tmp_path, 'mode=eval', 'eval_batches=1'), jax.devices()[:1])
+    s = train.run(config(tmp_path, 'steps=2', 'eval_batches=1'), jax.devices()[:1])
+    e = train.run(config(tmp_path, 'steps=2', 'mode=eval', 'eval_batches=1'), jax.devices()[:1])
     assert e['step'] == 2 and abs(e['eval_loss'] - s['eval_loss']) < 1e-6
     # resume=false starts again from step 0 and keeps the earlier run, renamed.
-    s = train.run(tiny(tmp_path, 'steps=1', 'resume=false'), jax.devices()[:1])
+    s = train.run(config(tmp_path, 'steps=1', 'resume=false'), jax.devices()[:1])
     names = os.listdir(s['run_dir'])
     assert any(n.startswith('checkpoints.replaced-') for n in names) and 'checkpoints' in names
-    assert [json.loads(r)['step'] for r in open(os.path.join(s['run_dir'], 'metrics.jsonl'))] == [1]
+    assert [r['step'] for r in metrics(s['run_dir'])] == [1]
 
 
 def test_skip_nonfinite_steps(tmp_path, capsys):
     with pytest.raises(FloatingPointError, match=r'at step \d+'):
-        train.run(tiny(tmp_path, 'steps=50', 'learning_rate=1e12', 'warmup_steps=0', 'grad_clip=0',
+        train.run(config(tmp_path, 'steps=50', 'learning_rate=1e12', 'warmup_steps=0', 'grad_clip=0',
                        'skip_nonfinite_steps=2', 'checkpoint_every=1'), jax.devices()[:1])
     assert capsys.readouterr().out.count('update skipped') == 2
 
@@ -153,4 +148,14 @@ def test_skip_nonfinite_steps(tmp_path, capsys):
 def test_unwritable_output_dir(tmp_path):
     (tmp_path / 'file').write_text('')
     with pytest.raises(train.ConfigError, match='output_dir=.*choose a writable output_dir'):
-        train.run(tiny(tmp_path, f'output_dir={tmp_path}/file/sub'), jax.devices()[:1])
+        train.run(config(tmp_path, f'output_dir={tmp_path}/file/sub'), jax.devices()[:1])
+
+
+def test_keep_checkpoints_deletes_the_oldest(tmp_path):
+    """keep_checkpoints=2 with a checkpoint every step: only the two newest step directories remain, and
+    the run resumes from the newest."""
+    train.run(config(tmp_path, 'steps=5', 'checkpoint_every=1', 'keep_checkpoints=2'), jax.devices()[:1])
+    assert sorted(os.listdir(tmp_path / 'default' / 'checkpoints')) == ['4', '5']
+    s = train.run(config(tmp_path, 'steps=6', 'checkpoint_every=1', 'keep_checkpoints=2'), jax.devices()[:1])
+    assert [r['step'] for r in metrics(s['run_dir'])] == [1, 2, 3, 4, 5, 6]
+    assert sorted(os.listdir(tmp_path / 'default' / 'checkpoints')) == ['5', '6']

@@ -1,4 +1,4 @@
-"""Issue 9: Hugging Face Llama export / import (no torch) and KV-cache generation."""
+"""Hugging Face Llama export / import (safetensors, no torch) and KV-cache generation."""
 import json
 import os
 import struct
@@ -11,8 +11,7 @@ import pytest
 
 import model as model_lib
 import train
-from test_data import VOCAB, write_corpus
-from test_train import tiny
+from conftest import VOCAB, config, write_corpus
 
 DEVICES = 4  # fsdp=4: export gathers sharded parameters, import places them back sharded
 
@@ -34,7 +33,7 @@ def _greedy_full_recompute(cfg, params, prompt_BP, n):
 def test_export_layout_and_round_trip(tmp_path, scan, tie):
     """Exported names/shapes/dtypes are Llama's; re-import gives identical parameters and logits."""
     keys = [f'scan_layers={scan}', f'tie_embeddings={tie}', 'seed=3']
-    cfg = tiny(tmp_path, *keys)
+    cfg = config(tmp_path, *keys)
     mesh = train.make_mesh(cfg, jax.devices()[:DEVICES])
     model, tx = model_lib.Transformer(cfg), train.make_optimizer(cfg)[0]
     ours = train.init_state(cfg, mesh, model, tx)[0]['params']  # sharded over fsdp=4
@@ -80,7 +79,7 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
 
     # A config that disagrees with the checkpoint is one line naming the key; so is a missing directory.
     with pytest.raises(train.ConfigError, match='hidden_size=64 but d_model=32; set d_model=64'):
-        train.load_hf(hf, abstract['params'], tiny(tmp_path, *keys, 'd_model=32'))
+        train.load_hf(hf, abstract['params'], config(tmp_path, *keys, 'd_model=32'))
     with pytest.raises(train.ConfigError, match='cannot read .*config.json'):
         train.load_hf(str(tmp_path / 'nope'), abstract['params'], cfg)
 
@@ -88,7 +87,7 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
 @pytest.mark.parametrize('scan', ['true', 'false'])
 def test_kv_cache_generation_equals_full_recompute(tmp_path, scan):
     """Greedy decoding with the cache gives the same tokens as recomputing the whole prefix each time."""
-    cfg = tiny(tmp_path, f'scan_layers={scan}', 'temperature=0', 'max_new_tokens=12')
+    cfg = config(tmp_path, f'scan_layers={scan}', 'temperature=0', 'max_new_tokens=12')
     model = model_lib.Transformer(cfg)
     t = jnp.zeros((1, 8), jnp.int32)
     params = nn.unbox(model.init(jax.random.key(1), t, t, t + 1)['params'])
@@ -98,7 +97,7 @@ def test_kv_cache_generation_equals_full_recompute(tmp_path, scan):
     if scan == 'false':
         return
     # Sampling with top_k=1 is greedy whatever the temperature.
-    hot = tiny(tmp_path, f'scan_layers={scan}', 'max_new_tokens=12', 'temperature=2.0', 'top_k=1')
+    hot = config(tmp_path, f'scan_layers={scan}', 'max_new_tokens=12', 'temperature=2.0', 'top_k=1')
     np.testing.assert_array_equal(np.asarray(train.generate(hot, params, prompt, jax.random.key(0))), got)
 
 
@@ -108,16 +107,16 @@ def test_cli_export_and_generate(tmp_path, capsys):
     corpus = tmp_path / 'corpus'
     write_corpus(corpus, 12, 'train', 0)
     text = ['dataset=files', f'dataset_path={corpus}/*.txt', f'vocab_size={VOCAB}', f'cache_dir={tmp_path}/cache']
-    cfg = tiny(tmp_path, *text)
+    cfg = config(tmp_path, *text)
     params = train.init_state(cfg, train.make_mesh(cfg, jax.devices()[:1]), model_lib.Transformer(cfg),
                               train.make_optimizer(cfg)[0])[0]['params']
     first, hf = str(tmp_path / 'first'), str(tmp_path / 'hf')
     train.export_hf(cfg, params, train.data.make_dataset(cfg), first)
-    train.run(tiny(tmp_path, *text, 'mode=export', f'load_hf={first}', f'export_dir={hf}'), jax.devices()[:1])
+    train.run(config(tmp_path, *text, 'mode=export', f'load_hf={first}', f'export_dir={hf}'), jax.devices()[:1])
     assert sorted(os.listdir(hf)) == ['config.json', 'model.safetensors', 'tokenizer.model', 'tokenizer_config.json']
     for name in os.listdir(hf):
         assert open(os.path.join(hf, name), 'rb').read() == open(os.path.join(first, name), 'rb').read(), name
-    cfg = tiny(tmp_path, *text, 'mode=generate', f'load_hf={hf}', 'prompt=train 3\nab', 'temperature=0',
+    cfg = config(tmp_path, *text, 'mode=generate', f'load_hf={hf}', 'prompt=train 3\nab', 'temperature=0',
                'max_new_tokens=16', 'run_name=gen')
     out = train.run(cfg, jax.devices()[:1])
     with open(os.path.join(out['run_dir'], 'generation.txt'), newline='') as f:

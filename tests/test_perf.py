@@ -7,8 +7,7 @@ import sys
 import pytest
 
 import train
-from conftest import ROOT
-from test_train import BASE, TINY
+from conftest import BASE, ENV, LM, ROOT
 
 
 def test_profile_cache_memory_and_benchmark_line(tmp_path):
@@ -16,10 +15,10 @@ def test_profile_cache_memory_and_benchmark_line(tmp_path):
     2-3, fills compile_cache_dir, and prints the memory estimate beside the compiler's figures and the
     benchmark line. That a rerun then compiles nothing is measured in README (Performance)."""
     cache = tmp_path / 'xla-cache'
-    args = TINY + [f'output_dir={tmp_path}', 'steps=3', f'compile_cache_dir={cache}',
+    args = LM + [f'output_dir={tmp_path}', 'steps=3', f'compile_cache_dir={cache}',
                    'run_name=a', 'profile_steps=2,3']
     run = subprocess.run([sys.executable, 'train.py', 'base.yml', *args], cwd=ROOT, text=True, capture_output=True,
-                         timeout=120, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+                         timeout=120, env=ENV)
     assert run.returncode == 0, run.stderr[-2000:]
     traces = [f for _, _, fs in os.walk(tmp_path / 'a' / 'profile') for f in fs if f.endswith('.xplane.pb')]
     assert traces, run.stdout
@@ -30,6 +29,6 @@ def test_profile_cache_memory_and_benchmark_line(tmp_path):
 
 @pytest.mark.parametrize('value', ['3,2', '0,9', '1'])
 def test_bad_profile_steps_name_the_key(tmp_path, value):
-    cfg = train.load_config(BASE, TINY + ['steps=4', f'profile_steps={value}', f'output_dir={tmp_path}'])
+    cfg = train.load_config(BASE, LM + ['steps=4', f'profile_steps={value}', f'output_dir={tmp_path}'])
     with pytest.raises(train.ConfigError, match='profile_steps='):
         train.run(cfg)

@@ -6,8 +6,7 @@ import numpy as np
 
 import data
 import model as model_lib
-import train
-from test_trm import cfg_for, init, puzzles
+from conftest import SUDOKU, config, init_trm, sudoku_batch
 
 
 def oracle(a_BL):
@@ -31,7 +30,7 @@ def test_oracle_value_solves_easy_puzzles_and_log_prob_alone_does_not():
         search = lambda score: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000, score)
         grids, evals = jax.jit(lambda: search('value'))()
         np.testing.assert_array_equal(grids, a)
-        assert bool(model_lib.solved(grids).all()) and (np.asarray(evals) <= 10_000).all()
+        assert bool(data.solved(grids).all()) and (np.asarray(evals) <= 10_000).all()
     # Same search ranked by the (uniform) policy's log-prob: it keeps the first legal digits it tries, and
     # on sparse puzzles the rule checks alone do not rescue it.
     grids, _ = jax.jit(lambda: search('logp'))()
@@ -88,7 +87,7 @@ def test_frontier_backtracks_where_the_beam_commits():
     state highest (0.9), but every state after it low (0.01, as a wrong grid should be). A width-1 beam
     commits to the decoy and fails; with a frontier the search goes back to the right sibling (0.5)."""
     q, a = easy(2, blanks=40)
-    legal_wrong = ~model_lib.digits_seen(q) & (jnp.arange(1, 10) != a[..., None]) & (q == 0)[..., None]
+    legal_wrong = ~data.digits_seen(q) & (jnp.arange(1, 10) != a[..., None]) & (q == 0)[..., None]
     cell_B = jnp.argmax(jnp.any(legal_wrong, -1), axis=1)  # a blank cell where some wrong digit is legal
     wrong_B = jnp.argmax(legal_wrong[jnp.arange(2), cell_B], axis=1) + 1
     decoy_BL = q.at[jnp.arange(2), cell_B].set(wrong_B)
@@ -111,11 +110,30 @@ def test_frontier_backtracks_where_the_beam_commits():
     assert (np.asarray(evals) <= 2 * 41 + 1).all()  # no wider than two children per filled cell
 
 
+def test_max_depth_and_max_thoughts_cut_the_search_short():
+    """With the oracle value the search solves 40-blank puzzles one cell a step (40 steps); max_depth=3
+    stops it after 3 steps (at most 1 + 3 x W x E states), max_thoughts=20 once 20 states were evaluated."""
+    q, a = easy(2, blanks=40)
+    W, E = 2, 9
+    search = jax.jit(lambda depth, thoughts: model_lib.tree_search(oracle(a), q, W, E, 1, depth, thoughts),
+                     static_argnums=(0, 1))
+    full, full_evals = search(81, 10_000)
+    np.testing.assert_array_equal(full, a)
+    assert (np.asarray(full_evals) > 20 + W * E).all()
+    for depth, thoughts in ((3, 10_000), (81, 20)):
+        grids, evals = (np.asarray(x) for x in search(depth, thoughts))
+        assert not (grids == a).all(-1).any(), (depth, thoughts)
+        if depth == 3:
+            assert (evals <= 1 + 3 * W * E).all() and ((q != grids) & (grids != 1)).sum(1).max() <= 3, evals
+        else:  # the step that reaches 20 evaluations is the last: it adds at most W x E
+            assert ((evals >= 20) & (evals < 20 + W * E)).all(), evals
+
+
 def test_width_one_reproduces_greedy_and_compiles_once(tmp_path):
-    cfg = cfg_for(tmp_path, 'd_model=32')
-    b = puzzles(3)
-    m, params, _ = init(cfg, b)
-    evaluate = lambda g: train.trm_steps(cfg, m, params, g, 1)[1:]  # an untrained net: arbitrary but fixed
+    cfg = config(tmp_path, preset=SUDOKU)
+    b = sudoku_batch(3)
+    m, params, _ = init_trm(cfg, b)
+    evaluate = lambda g: model_lib.trm_steps(cfg, m, params, g, 1)[1:]  # an untrained net: arbitrary but fixed
     q_BL = b['inputs'] - 1
     greedy, passes = jax.jit(lambda q: model_lib.greedy_fill(evaluate, q))(q_BL)
     search = jax.jit(lambda q: model_lib.tree_search(evaluate, q, 1, 1, 1, 81, 10_000))
@@ -130,10 +148,10 @@ def test_width_one_reproduces_greedy_and_compiles_once(tmp_path):
     assert search._cache_size() == 1
 
 
-def test_partial_states_labels_and_value_range(tmp_path):
+def test_partial_states_labels_and_where_the_value_is_read(tmp_path):
     q, a = data.generate_sudoku(64, 45, 0, stream='partial')
     q, a = jnp.asarray(q, jnp.int32), jnp.asarray(a, jnp.int32)
-    g, label = jax.jit(train.partial_states)(jax.random.key(3), q, a)
+    g, label = jax.jit(model_lib.partial_states)(jax.random.key(3), q, a)
     filled = g != 0
     wrong = (filled & (g != a)).sum(1)
     blanked = np.asarray((q != 0) & (g == 0)).any(1)           # givens blanked: odd rows only (sparser states)
@@ -142,20 +160,23 @@ def test_partial_states_labels_and_value_range(tmp_path):
     np.testing.assert_array_equal(wrong, np.where(label, 0, 1))  # right grids have no wrong digit, others one
     assert 0.3 < float(label.mean()) < 0.7
     # Wrong digits avoid clashing with the grid where some digit allows it (a solver's kind of mistake).
-    clash = jnp.take_along_axis(model_lib.digits_seen(g), jnp.maximum(g - 1, 0)[..., None], -1)[..., 0] & filled
+    clash = jnp.take_along_axis(data.digits_seen(g), jnp.maximum(g - 1, 0)[..., None], -1)[..., 0] & filled
     assert int(clash.any(1).sum()) < int((~label).sum()) // 2
     # Eval draws them per puzzle: a puzzle gets the same state in a batch of 64 as in one of 8 (value_auroc
     # does not depend on the eval batch), still about half of them right and half sparse.
-    pg, pl = jax.jit(train.puzzle_partial_states)(jax.random.key(3), q, a)
-    pg8, pl8 = jax.jit(train.puzzle_partial_states)(jax.random.key(3), q[8:16], a[8:16])
+    pg, pl = jax.jit(model_lib.puzzle_partial_states)(jax.random.key(3), q, a)
+    pg8, pl8 = jax.jit(model_lib.puzzle_partial_states)(jax.random.key(3), q[8:16], a[8:16])
     np.testing.assert_array_equal(pg[8:16], pg8)
     np.testing.assert_array_equal(pl[8:16], pl8)
     np.testing.assert_array_equal(((pg != 0) & (pg != a)).sum(1), np.where(pl, 0, 1))
     assert 0.3 < float(pl.mean()) < 0.7 and 0.3 < float(((q != 0) & (pg == 0)).any(1).mean()) < 0.7
-    cfg = cfg_for(tmp_path)
-    m, params, _ = init(cfg, puzzles(2))
-    v = jnp.exp(jax.jit(lambda g: train.trm_steps(cfg, m, params, g, 1)[2])(g))
-    assert v.shape == (64,) and bool(((v >= 0) & (v <= 1)).all())
-    bce = train.value_bce(jnp.log(jnp.array([0.9, 0.9])), jnp.array([True, False]))
+    # The value is read after supervision step tot.value_step (2 here) however many steps run after it.
+    cfg = config(tmp_path, 'tot.value_step=2', preset=SUDOKU)
+    m, params, _ = init_trm(cfg, sudoku_batch(2))
+    log_v = {n: jax.jit(lambda g, n=n: model_lib.trm_steps(cfg, m, params, g, n)[2])(g) for n in (1, 2, 3)}
+    assert log_v[2].shape == (64,)
+    np.testing.assert_array_equal(log_v[3], log_v[2])
+    assert not np.allclose(log_v[1], log_v[2])
+    bce = model_lib.value_bce(jnp.log(jnp.array([0.9, 0.9])), jnp.array([True, False]))
     np.testing.assert_allclose(bce, [-np.log(0.9), -np.log(0.1)], rtol=1e-5)
-    assert train.auroc(np.array([0.9, 0.8, 0.1]), np.array([True, True, False])) == 1.0
+    assert model_lib.auroc(np.array([0.9, 0.8, 0.1]), np.array([True, True, False])) == 1.0

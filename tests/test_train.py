@@ -1,4 +1,5 @@
-"""Core trainer: config strictness, mesh/sharding, the accumulate/clip/update step, the model's math."""
+"""Core trainer: config strictness, mesh/sharding, the accumulate/clip/update step, the model's math,
+and what a run writes (config, metrics, TensorBoard events)."""
 import json
 import os
 import subprocess
@@ -8,26 +9,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import model as model_lib
 import train
-from conftest import ROOT
-
-BASE = os.path.join(ROOT, 'base.yml')
-TINY = ['d_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2', 'mlp_dim=128', 'max_target_length=32',
-        'vocab_size=128', 'dataset=synthetic', 'dtype=float32', 'log_every=1', 'eval_every=0', 'eval_batches=0',
-        'prefetch=0', 'scan_layers=false']  # unrolled: compiles faster (tests that need the scan say so)
-
-
-def tiny(tmp_path, *overrides):
-    merged = dict(o.split('=', 1) for o in TINY + [f'output_dir={tmp_path}'] + list(overrides))  # later wins
-    return train.load_config(BASE, [f'{k}={v}' for k, v in merged.items()])
-
-
-def logged_losses(summary):
-    with open(os.path.join(summary['run_dir'], 'metrics.jsonl')) as f:
-        return [json.loads(line)['loss'] for line in f]
+from conftest import BASE, ENV, ROOT, config, losses, metrics
 
 
 # ---- the step's math ------------------------------------------------------------------------------
@@ -36,13 +23,13 @@ def test_mesh_invariance(tmp_path):
     (float32, 1e-5 relative). mesh=4,4,2 is checked for its sharding in test_big_parameters_are_sharded."""
     runs = {}
     for mesh, pdb, n in [('1,1,1', 32, 1), ('2,2,2', 4, 8)]:
-        cfg = tiny(tmp_path, f'mesh={mesh}', f'per_device_batch={pdb}', 'steps=3', f'run_name=mesh{n}',
+        cfg = config(tmp_path, f'mesh={mesh}', f'per_device_batch={pdb}', 'steps=3', f'run_name=mesh{n}',
                    'scan_layers=true')  # the default, pods' layout
-        runs[mesh] = logged_losses(train.run(cfg, jax.devices()[:n]))
+        runs[mesh] = losses(train.run(cfg, jax.devices()[:n])['run_dir'])
     ref = np.array(runs['1,1,1'])
     assert len(ref) == 3 and len(set(ref)) == 3  # three distinct steps, not one repeated
-    for mesh, losses in runs.items():
-        np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=mesh)
+    for mesh, got in runs.items():
+        np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=mesh)
 
 
 def _state_and_step(cfg, n_devices=1):
@@ -68,10 +55,10 @@ def _batch(cfg, rows, seed=0):
 
 def test_grad_accumulation_is_exact(tmp_path):
     """grad_accum=4 x 2 rows == grad_accum=1 x 8 rows, with ragged masks (token-weighted, not mean of means)."""
-    b = _batch(tiny(tmp_path), 8)
+    b = _batch(config(tmp_path), 8)
     results = []
     for accum in (1, 4):
-        cfg = tiny(tmp_path, f'grad_accum={accum}')
+        cfg = config(tmp_path, f'grad_accum={accum}')
         mesh, state, step = _state_and_step(cfg)
         with jax.set_mesh(mesh):
             for _ in range(3):
@@ -86,13 +73,12 @@ def test_grad_accumulation_is_exact(tmp_path):
 def test_clipping_clips(tmp_path):
     """The gradient reaching AdamW has norm grad_clip; grad_norm reports the norm before clipping."""
     for clip in (1e-3, 0.0):
-        cfg = tiny(tmp_path, f'grad_clip={clip}')
+        cfg = config(tmp_path, f'grad_clip={clip}')
         mesh, state, step = _state_and_step(cfg)
         with jax.set_mesh(mesh):
             state, out = step(state, {k: v[None] for k, v in _batch(cfg, 4).items()})
-        adam_state = state['opt_state'][1][0] if clip else state['opt_state'][0]
-        mu = adam_state.mu  # after one step mu = (1 - b1) * (gradient given to AdamW)
-        seen = float(train.optax.tree.norm(mu)) / (1 - cfg.adam_b1)
+        mu = state['opt_state'][0].mu  # after one step mu = (1 - b1) * (gradient given to AdamW)
+        seen = float(optax.tree.norm(mu)) / (1 - cfg.adam_b1)
         assert float(out['grad_norm']) > 0.1
         if clip:
             np.testing.assert_allclose(seen, clip, rtol=1e-4)
@@ -100,19 +86,31 @@ def test_clipping_clips(tmp_path):
             np.testing.assert_allclose(seen, float(out['grad_norm']), rtol=1e-4)
 
 
-def test_remat_policies_do_not_change_the_math(tmp_path):
-    b = {k: v[None] for k, v in _batch(tiny(tmp_path), 4).items()}
-    outs = {}
+def test_remat_saves_memory_without_changing_the_math(tmp_path):
+    """remat=full keeps only each layer's input for the backward pass: the compiled step needs less
+    temporary memory than remat=none, while the loss, the gradients and the update stay the same."""
+    b = {k: v[None] for k, v in _batch(config(tmp_path, 'max_target_length=64'), 8).items()}
+    temp, outs, params, grads = {}, {}, {}, {}
     for remat in ('none', 'full', 'save_dots'):
-        mesh, state, step = _state_and_step(tiny(tmp_path, f'remat={remat}', 'scan_layers=true'))
+        cfg = config(tmp_path, f'remat={remat}', 'scan_layers=true', 'max_target_length=64', 'num_layers=4')
+        mesh, state, step = _state_and_step(cfg)
+        model = model_lib.Transformer(cfg)
+        loss = lambda p: model_lib.lm_loss(cfg, model, p, {k: v[0] for k, v in b.items()}, None, None)[0]
         with jax.set_mesh(mesh):
-            outs[remat] = step(state, b)[1]
+            grads[remat] = jax.jit(jax.grad(loss))(state['params'])
+            compiled = step.lower(state, b).compile()
+            temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+            new_state, outs[remat] = compiled(state, b)
+        params[remat] = new_state['params']
+    assert temp['full'] < temp['none'] and temp['full'] <= temp['save_dots'], temp
     for remat in ('full', 'save_dots'):
+        np.testing.assert_allclose(outs[remat]['loss'], outs['none']['loss'], rtol=1e-6)
         np.testing.assert_allclose(outs[remat]['grad_norm'], outs['none']['grad_norm'], rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads[remat], grads['none'])
 
 
 def test_learning_rate_schedule(tmp_path):
-    cfg = tiny(tmp_path, 'learning_rate=1e-3', 'warmup_steps=10', 'steps=110', 'min_lr_ratio=0.1')
+    cfg = config(tmp_path, 'learning_rate=1e-3', 'warmup_steps=10', 'steps=110', 'min_lr_ratio=0.1')
     _, schedule = train.make_optimizer(cfg)
     assert float(schedule(0)) == 0.0
     np.testing.assert_allclose(float(schedule(5)), 5e-4, rtol=1e-6)
@@ -132,7 +130,7 @@ def _init(cfg, L=16, seed=0):
 
 
 def test_causality(tmp_path):
-    cfg = tiny(tmp_path)
+    cfg = config(tmp_path)
     m, params, toks, pos = _init(cfg)
     seg = jnp.ones_like(toks)
     base = m.apply({'params': params}, toks, pos, seg)
@@ -144,7 +142,7 @@ def test_causality(tmp_path):
 
 def test_packed_segments_do_not_attend_across(tmp_path):
     """Two documents packed in one row give the same logits as each alone (positions restart)."""
-    cfg = tiny(tmp_path)
+    cfg = config(tmp_path)
     m, params, toks, _ = _init(cfg)
     seg = jnp.array([[1] * 10 + [2] * 6] * 2)
     pos = jnp.array([list(range(10)) + list(range(6))] * 2)
@@ -185,7 +183,7 @@ def _reference_mha(cfg, params, toks, pos):
 
 
 def test_gqa_with_all_kv_heads_is_plain_mha(tmp_path):
-    cfg = tiny(tmp_path, 'num_kv_heads=4', 'scan_layers=false')
+    cfg = config(tmp_path, 'num_kv_heads=4', 'scan_layers=false')
     m, params, toks, pos = _init(cfg)
     ours = m.apply({'params': params}, toks, pos, jnp.ones_like(toks))
     np.testing.assert_allclose(ours, _reference_mha(cfg, params, toks, pos), rtol=2e-4, atol=2e-4)
@@ -193,7 +191,7 @@ def test_gqa_with_all_kv_heads_is_plain_mha(tmp_path):
 
 def test_gqa_shares_kv_heads(tmp_path):
     """G=2 kv heads equals MHA whose 4 kv heads are the 2 repeated (head h uses kv head h // 2)."""
-    cfg = tiny(tmp_path, 'scan_layers=false')
+    cfg = config(tmp_path, 'scan_layers=false')
     m, params, toks, pos = _init(cfg)
     ours = m.apply({'params': params}, toks, pos, jnp.ones_like(toks))
     mha = jax.tree.map(lambda x: x, params)
@@ -201,13 +199,13 @@ def test_gqa_shares_kv_heads(tmp_path):
         attn = mha['trunk'][f'layers_{i}']['attn']
         for w in ('wk', 'wv'):
             attn[w] = jnp.repeat(attn[w], 2, axis=1)
-    cfg4 = tiny(tmp_path, 'num_kv_heads=4', 'scan_layers=false')
+    cfg4 = config(tmp_path, 'num_kv_heads=4', 'scan_layers=false')
     np.testing.assert_allclose(ours, _reference_mha(cfg4, mha, toks, pos), rtol=2e-4, atol=2e-4)
 
 
 # ---- mesh and sharding ----------------------------------------------------------------------------
 def test_big_parameters_are_sharded_on_4_4_2(tmp_path):
-    cfg = tiny(tmp_path, 'mesh=4,4,2', 'd_model=128', 'mlp_dim=256', 'vocab_size=256', 'scan_layers=true')
+    cfg = config(tmp_path, 'mesh=4,4,2', 'd_model=128', 'mlp_dim=256', 'vocab_size=256', 'scan_layers=true')
     mesh = train.make_mesh(cfg, jax.devices())
     tx, _ = train.make_optimizer(cfg)
     state, shardings = train.init_state(cfg, mesh, model_lib.Transformer(cfg), tx)
@@ -220,10 +218,10 @@ def test_big_parameters_are_sharded_on_4_4_2(tmp_path):
 
 
 def test_mesh_fill_and_mismatch(tmp_path):
-    cfg = tiny(tmp_path, 'mesh=2,-1,2')
+    cfg = config(tmp_path, 'mesh=2,-1,2')
     assert dict(train.make_mesh(cfg, jax.devices()).shape) == {'data': 2, 'fsdp': 8, 'tensor': 2}
     with pytest.raises(train.ConfigError, match='needs 32 devices but JAX sees 8'):
-        train.make_mesh(tiny(tmp_path, 'mesh=4,4,2'), jax.devices()[:8])
+        train.make_mesh(config(tmp_path, 'mesh=4,4,2'), jax.devices()[:8])
 
 
 # ---- the command line: user mistakes are one line, exit 2, no traceback ----------------------------
@@ -237,7 +235,7 @@ CLI_CASES = [
     (['steps'], "argument 'steps' is not key=value"),
     (['dataset=files', 'dataset_path=/nonexistent/*.txt'], "dataset_path='/nonexistent/*.txt' matches no files"),
 ]
-CLI_ENV = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'JAX_NUM_CPU_DEVICES': '1'}
+CLI_ENV = {**ENV, 'JAX_NUM_CPU_DEVICES': '1'}
 
 
 @pytest.fixture(scope='module')
@@ -279,25 +277,33 @@ def test_duplicate_key_in_yaml(tmp_path):
 
 
 def test_override_types(tmp_path):
-    cfg = tiny(tmp_path, 'mesh=4,4,2', 'learning_rate=1', 'scan_layers=false', 'logical_axis_rules=[[batch, data]]')
+    cfg = config(tmp_path, 'mesh=4,4,2', 'learning_rate=1', 'scan_layers=false', 'logical_axis_rules=[[batch, data]]')
     assert cfg.mesh == [4, 4, 2] and cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
     assert cfg.scan_layers is False and cfg.logical_axis_rules == [['batch', 'data']]
 
 
 def test_run_writes_config_metrics_and_tensorboard(tmp_path):
-    s = train.run(tiny(tmp_path, 'steps=3', 'run_name=files'), jax.devices()[:1])
-    names = os.listdir(s['run_dir'])
-    assert 'config.yml' in names and any(n.startswith('events.out.tfevents') for n in names)
-    rows = [json.loads(line) for line in open(os.path.join(s['run_dir'], 'metrics.jsonl'))]
+    """The resolved config reloads; every logged value is in metrics.jsonl and, read back by TensorBoard's
+    own event reader, in the event file with its step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    s = train.run(config(tmp_path, 'steps=3', 'run_name=files', 'eval_batches=1'), jax.devices()[:1])
+    rows = metrics(s['run_dir'])
     assert [r['step'] for r in rows] == [1, 2, 3]
-    for key in ('loss', 'learning_rate', 'grad_norm', 'tokens_per_sec', 'mfu'):
+    for key in ('loss', 'learning_rate', 'grad_norm', 'tokens_per_sec', 'mfu', 'eval_loss'):
         assert key in rows[-1]
     assert train.load_config(os.path.join(s['run_dir'], 'config.yml')).steps == 3
+    events = EventAccumulator(s['run_dir'])
+    events.Reload()
+    for key in ('loss', 'grad_norm', 'learning_rate', 'eval_loss', 'tokens_per_sec'):
+        logged = [(r['step'], r[key]) for r in rows if key in r]
+        got = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in got] == [s for s, _ in logged], key
+        np.testing.assert_allclose([v for _, v in got], [v for _, v in logged], rtol=1e-6, err_msg=key)  # float32
 
 
 def test_nonfinite_loss_stops_naming_the_step(tmp_path):
     with pytest.raises(FloatingPointError, match=r'at step \d+'):
-        train.run(tiny(tmp_path, 'steps=50', 'learning_rate=1e12', 'warmup_steps=0', 'grad_clip=0'),
+        train.run(config(tmp_path, 'steps=50', 'learning_rate=1e12', 'warmup_steps=0', 'grad_clip=0'),
                   jax.devices()[:1])
 
 

@@ -7,51 +7,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 import data
 import model as model_lib
 import train
-from test_train import BASE
-
-TINY = ['task=sudoku', 'd_model=32', 'num_layers=1', 'num_heads=2', 'num_kv_heads=2', 'mlp_dim=64', 'dtype=float32',
-        'trm.T=2', 'trm.n=1', 'trm.N_sup=2', 'log_every=1', 'eval_every=0', 'eval_batches=1', 'prefetch=0',
-        'tot.loss_weight=0', 'tot.value_step=1',  # the value head trains in the resume test only (extra passes)
-        'sudoku_train_puzzles=64', 'sudoku_eval_puzzles=32']  # generating the default 2,500 takes ~15 s a test
-
-
-def args_for(tmp_path, *overrides):
-    merged = dict(o.split('=', 1) for o in TINY + [f'output_dir={tmp_path}', f'cache_dir={tmp_path}/cache'] +
-                  list(overrides))  # later wins
-    return [f'{k}={v}' for k, v in merged.items()]
+from conftest import BASE, SUDOKU, args, config, init_trm, metrics, sudoku_batch
 
 
 def cfg_for(tmp_path, *overrides):
-    cfg = train.load_config(BASE, args_for(tmp_path, *overrides))
-    cfg.vocab_size = data.SUDOKU_VOCAB
-    return cfg
-
-
-def puzzles(n, seed=0):
-    q, a = data.generate_sudoku(n, 45, seed, stream='test')
-    b = data._sudoku_batch(q, a, n)
-    return {k: jnp.asarray(v) for k, v in b.items()}
-
-
-def init(cfg, b):
-    m = model_lib.TRM(cfg)
-    B = b['inputs'].shape[0]
-    yz = jax.random.normal(jax.random.key(1), (B, 81, cfg.d_model))
-    params = jax.jit(m.init)(jax.random.key(0), b['inputs'], b['positions'], b['segment_ids'], yz, yz,
-                             jnp.zeros(B, bool))['params']  # jitted: one compile, not one per op
-    return m, jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x, params,
-                           is_leaf=lambda x: hasattr(x, 'names')), yz
+    return config(tmp_path, *overrides, preset=SUDOKU)
 
 
 def test_gradient_flows_only_through_the_last_cycle(tmp_path):
-    b = puzzles(2)
+    b = sudoku_batch(2)
     cfg = cfg_for(tmp_path, 'trm.T=3', 'trm.n=1')
-    m, params, yz = init(cfg, b)
+    m, params, yz = init_trm(cfg, b)
     fresh = jnp.zeros(2, bool)
 
     def loss(p, y, z, model=m):
@@ -85,7 +55,7 @@ class FakeModel:
 
 def test_carry_refills_halted_slots_and_halting_targets(tmp_path):
     cfg = cfg_for(tmp_path, 'trm.N_sup=3', 'trm.halt_explore_prob=0', 'trm.halt_loss_weight=0.5', 'tot.loss_weight=0')
-    new, old = puzzles(4, seed=1), puzzles(4, seed=2)
+    new, old = sudoku_batch(4, seed=1), sudoku_batch(4, seed=2)
     carry = {'y': jnp.full((4, 81, 32), 5.0), 'z': jnp.zeros((4, 81, 32)), 'inputs': old['inputs'],
              'targets': old['targets'], 'steps': jnp.array([7, 1, 2, 1]),
              'halted': jnp.array([True, False, False, False])}
@@ -93,7 +63,7 @@ def test_carry_refills_halted_slots_and_halting_targets(tmp_path):
     targets = jnp.concatenate([new['targets'][:1], old['targets'][1:]])
     logits = 20.0 * jax.nn.one_hot(targets.at[2:, 0].set(targets[2:, 0] % 10 + 1), 11)
     q = jnp.array([0.5, -1.0, -1.0, 2.0])
-    loss, (sums, c) = train.trm_loss(cfg, FakeModel(logits, q), None, new, carry, jax.random.key(0))
+    loss, (sums, c) = model_lib.trm_loss(cfg, FakeModel(logits, q), None, new, carry, jax.random.key(0))
     np.testing.assert_array_equal(c['inputs'][0], new['inputs'][0])  # halted slot: fresh puzzle
     np.testing.assert_array_equal(c['inputs'][1:], old['inputs'][1:])  # the others keep theirs
     np.testing.assert_array_equal(c['targets'][1:], old['targets'][1:])
@@ -110,8 +80,8 @@ def test_carry_refills_halted_slots_and_halting_targets(tmp_path):
 
 def test_ema_update():
     ema, p = {'w': jnp.full(3, 2.0)}, {'w': jnp.full(3, 4.0)}
-    np.testing.assert_allclose(train.ema_update(0.9, 100, ema, p)['w'], 0.9 * 2 + 0.1 * 4)
-    np.testing.assert_allclose(train.ema_update(0.999, 0, ema, p)['w'], 0.1 * 2 + 0.9 * 4)  # warmup: (1+0)/(10+0)
+    np.testing.assert_allclose(model_lib.ema_update(0.9, 100, ema, p)['w'], 0.9 * 2 + 0.1 * 4)
+    np.testing.assert_allclose(model_lib.ema_update(0.999, 0, ema, p)['w'], 0.1 * 2 + 0.9 * 4)  # warmup: (1+0)/(10+0)
 
 
 def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys):
@@ -123,27 +93,36 @@ def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys):
               'log_every=50', 'trm.halt_explore_prob=1']  # every puzzle trains both supervision steps
     s = train.run(cfg_for(tmp_path, *common, 'steps=400', 'checkpoint_every=0', 'eval_every=400'), jax.devices()[:1])
     assert s['eval_exact_accuracy'] == 1.0  # the TRM decoder (the in-training eval): all N_sup=2 steps
-    row = json.loads(open(os.path.join(s['run_dir'], 'metrics.jsonl')).read().splitlines()[-1])
+    row = metrics(s['run_dir'])[-1]
     assert row['eval_decoder'] == 'trm' and row['eval_forward_passes'] == 2
     assert len(row['eval_exact_accuracy_per_step']) == 2 and 0 < row['eval_cell_accuracy'] <= 1
-    # mode=eval with the ToT search on the same checkpoint: its JSON line, with the forward passes spent.
-    capsys.readouterr()
-    decoder = 'tot'
-    assert train.main(['train.py', BASE, *args_for(tmp_path, *common, 'mode=eval', f'run_name=ev-{decoder}',
-                                                    f'load_params={s["run_dir"]}', f'decoder={decoder}')]) == 0
-    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert r['decoder'] == decoder and r['num_puzzles'] == 4 and 0 <= r['value_auroc'] <= 1
-    assert r == json.load(open(os.path.join(tmp_path, f'ev-{decoder}', 'eval.json')))
-    # The policy's answer at the root already obeys the rules (the net memorised these four), so the
-    # search stops there: one pass of one supervision step (tot.policy_steps = tot.value_step = 1).
-    assert r['exact_accuracy'] == 1.0 and r['forward_passes'] == 1
-    got_q, got_grid = data.read_sudoku_csv(os.path.join(tmp_path, f'ev-{decoder}', 'predictions.csv'))
-    np.testing.assert_array_equal(got_q, q)
-    assert ((got_grid == q) | (q == 0)).all()
+
+    # mode=eval on the same checkpoint with every decoder: its JSON line (the same as eval.json), the forward
+    # passes it spent, and predictions.csv keeping the givens.
+    def evaluate(decoder):
+        capsys.readouterr()
+        assert train.main(['train.py', BASE, *eval_args, f'run_name=ev-{decoder}', f'decoder={decoder}']) == 0
+        r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert r == json.load(open(os.path.join(tmp_path, f'ev-{decoder}', 'eval.json')))
+        assert r['decoder'] == decoder and r['num_puzzles'] == 4 and r['step'] == 400 and 0 <= r['value_auroc'] <= 1
+        got_q, got_grid = data.read_sudoku_csv(os.path.join(tmp_path, f'ev-{decoder}', 'predictions.csv'))
+        np.testing.assert_array_equal(got_q, q)
+        assert ((got_grid == q) | (q == 0)).all()
+        return r
+
+    eval_args = args(tmp_path, *common, 'mode=eval', f'load_params={s["run_dir"]}', preset=SUDOKU)
+    trm, oneshot = evaluate('trm'), evaluate('oneshot')
+    assert trm['exact_accuracy'] == 1.0 and trm['forward_passes'] == 2 and len(trm['exact_accuracy_per_step']) == 2
+    assert oneshot['forward_passes'] == 1 and abs(oneshot['exact_accuracy'] - trm['exact_accuracy_per_step'][0]) < 1e-4
+    # The policy's answer at the root already obeys the rules (the net memorised these four), so greedy and
+    # every search stop there: one pass of one supervision step (tot.policy_steps = tot.value_step = 1).
+    for decoder in ('greedy', 'beam_logp', 'tot', 'tot_shuffled'):
+        r = evaluate(decoder)
+        assert r['exact_accuracy'] == 1.0 and r['forward_passes'] == 1 and 'exact_accuracy_per_step' not in r
     # mode=generate solves one puzzle given on the command line, keeping its givens.
     puzzle = ''.join('.' if d == 0 else str(d) for d in q[0])
-    assert train.main(['train.py', BASE, *args_for(tmp_path, *common, 'mode=generate', 'run_name=gen',
-                                                    f'load_params={s["run_dir"]}', f'prompt={puzzle}')]) == 0
+    assert train.main(['train.py', BASE, *args(tmp_path, *common, 'mode=generate', 'run_name=gen',
+                                               f'load_params={s["run_dir"]}', f'prompt={puzzle}', preset=SUDOKU)]) == 0
     assert 'a valid solution' in capsys.readouterr().out
     assert open(os.path.join(tmp_path, 'gen', 'solution.txt')).read().strip() == ''.join(map(str, a[0]))
 
@@ -154,7 +133,7 @@ def test_scoring_overwrites_givens_and_checks_rules():
     preds = np.array(b['targets'])[None].repeat(2, 0)  # [S=2, B, L]: every blank right ...
     preds[:, 0, q[0] != 0] = 2  # ... but row 0's givens predicted wrong: overwritten, still solved
     preds[1, 1, :81][q[1] == 0] = 2  # step 2: row 1's blanks all "1": wrong and against the rules
-    exact_S, cells_S, blanks, n, grids = train.sudoku_scores(preds, b)
+    exact_S, cells_S, blanks, n, grids = model_lib.sudoku_scores(preds, b)
     assert n == 3 and blanks == (q == 0).sum()
     np.testing.assert_array_equal(exact_S, [3, 2])
     np.testing.assert_array_equal(grids[0], a[0])
@@ -167,8 +146,7 @@ def test_carry_is_checkpointed_and_resume_is_exact(tmp_path):
     ref = train.run(cfg_for(tmp_path, *args, 'run_name=ref'), jax.devices()[:1])
     train.run(cfg_for(tmp_path, *args, 'steps=3'), jax.devices()[:1])
     train.run(cfg_for(tmp_path, *args), jax.devices()[:1])
-    rows = lambda d: [json.loads(r) for r in open(os.path.join(d, 'metrics.jsonl'))]
-    want, got = rows(ref['run_dir']), rows(tmp_path / 'default')
+    want, got = metrics(ref['run_dir']), metrics(tmp_path / 'default')
     assert [(r['loss'], r['halt_rate']) for r in got] == [(r['loss'], r['halt_rate']) for r in want]
     # value_acc is logged once the value pass runs: state step 2 (tot.start_step) is logged as step 3.
     assert ['value_acc' in r for r in want] == [False, False, True, True, True, True]
