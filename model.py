@@ -543,6 +543,26 @@ def shrinking_loop(body, c, shared=()):
     return run(c, 0)
 
 
+def propose_thoughts(g_L, logp_LC, E, cells):
+    """One state -> its E candidate grids (the surest blank cell at each of its E likeliest legal digits,
+    plus the cells-1 next surest blanks at their argmax), their log-prob gain, and whether they exist."""
+    NEG = -jnp.inf
+    lp_LC = legal_moves(g_L, logp_LC)
+    conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
+    cell = jnp.argmax(conf_L)
+    top_E, digit_E = jax.lax.top_k(lp_LC[cell], E)
+
+    def one(digit, gain):
+        g = g_L.at[cell].set(digit)
+        if cells > 1:  # the rest of the thought: the most confident other blanks, at their argmax
+            more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(NEG), cells - 1)
+            g = g.at[more_i].set(jnp.where(more_v > NEG, best_L[more_i], g[more_i]))
+            gain = gain + jnp.sum(jnp.where(more_v > NEG, more_v, 0.0))
+        return g, gain
+    g_EL, gain_E = jax.vmap(one)(digit_E + 1, top_E)
+    return g_EL, gain_E, top_E > NEG
+
+
 def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts, score='value',
                 logp_weight=0.0, key=None, frontier=0):
     """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled function.
@@ -574,22 +594,6 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
     M = max(frontier, W)
     key = jax.random.key(0) if key is None else key
 
-    def expand(g_L, logp_LC):  # one state -> E candidate grids, their log-prob gain, and whether they exist
-        lp_LC = legal_moves(g_L, logp_LC)
-        conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
-        cell = jnp.argmax(conf_L)
-        top_E, digit_E = jax.lax.top_k(lp_LC[cell], E)
-
-        def one(digit, gain):
-            g = g_L.at[cell].set(digit)
-            if cells > 1:  # the rest of the thought: the most confident other blanks, at their argmax
-                more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(NEG), cells - 1)
-                g = g.at[more_i].set(jnp.where(more_v > NEG, best_L[more_i], g[more_i]))
-                gain = gain + jnp.sum(jnp.where(more_v > NEG, more_v, 0.0))
-            return g, gain
-        g_EL, gain_E = jax.vmap(one)(digit_E + 1, top_E)
-        return g_EL, gain_E, top_E > NEG
-
     def evaluate_BN(g_BNL):
         logp, logv = evaluate(g_BNL.reshape(-1, L))
         return logp.reshape(*g_BNL.shape, 9), logv.reshape(g_BNL.shape[:2])
@@ -608,6 +612,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         take = lambda x, i_BK: jnp.take_along_axis(x, i_BK.reshape(*i_BK.shape, *[1] * (x.ndim - 2)), axis=1)
         bm = jax.tree.map(lambda x: take(x, pop_BW), c['held'])
         rest = dict(c['held'], score=c['held']['score'].at[jnp.arange(B)[:, None], pop_BW].set(NEG))
+        expand = lambda g, lp: propose_thoughts(g, lp, E, cells)
         g, gain, ok = jax.vmap(jax.vmap(expand))(bm['grid'], bm['logp'])  # [B, W, E, ...]
         g_BNL, N = g.reshape(B, W * E, L), W * E
         alive_BN = (ok & (bm['score'][..., None] > NEG)).reshape(B, N)
