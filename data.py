@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import io
 import itertools
+import logging
 import os
 import queue
 import random
@@ -172,6 +173,30 @@ def _locked(cache_dir):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _announced(log, what):
+    """One line before and one after a slow preparation step (done once, then cached); log=None is silent."""
+    start = time.perf_counter()
+    if log:
+        log(f'{what} (once; cached for later runs) ...')
+    yield
+    if log:
+        log(f'{what}: done in {time.perf_counter() - start:.1f}s')
+
+
+@contextlib.contextmanager
+def _quiet_tfds():
+    """tfds warns through absl about our per-glob builder config (and narrates a local build as a download on
+    stdout, which the build redirects): noise around the trainer's own lines."""
+    absl = logging.getLogger('absl')
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
 # ---- synthetic tokens --------------------------------------------------------------------------
 
 class SyntheticData(_Data):
@@ -306,18 +331,21 @@ def _text_files_builder(name, train_files, eval_files, data_dir):
     return TextFiles(config=config, data_dir=data_dir, file_format='array_record')
 
 
-def _file_sources(cfg):
+def _file_sources(cfg, log=None):
     """(train texts, eval texts, identity) for dataset=files|stdlib, prepared once into cache_dir."""
     import tensorflow_datasets as tfds
     train_files, eval_files = _split_files(cfg)
     name = 'files_' + _fingerprint(train_files, eval_files)
-    builder = _text_files_builder(name, train_files, eval_files, cfg.cache_dir)
-    with _locked(cfg.cache_dir):
-        if not builder.is_prepared():
-            tfds.disable_progress_bar()
-            builder.download_and_prepare(file_format='array_record', download_config=tfds.download.DownloadConfig(
-                compute_stats=tfds.download.ComputeStatsMode.SKIP))
-    source = builder.as_data_source()
+    with _quiet_tfds():
+        builder = _text_files_builder(name, train_files, eval_files, cfg.cache_dir)
+        with _locked(cfg.cache_dir):
+            if not builder.is_prepared():
+                tfds.disable_progress_bar()
+                with _announced(log, f'building the text dataset from {len(train_files)} + {len(eval_files)} '
+                                     f'files into {cfg.cache_dir}'), contextlib.redirect_stdout(io.StringIO()):
+                    builder.download_and_prepare(file_format='array_record', download_config=tfds.download.DownloadConfig(
+                        compute_stats=tfds.download.ComputeStatsMode.SKIP))
+        source = builder.as_data_source()
     return _Texts(source['train'], 'text'), _Texts(source['eval'], 'text'), name
 
 
@@ -393,7 +421,7 @@ def _train_tokenizer(texts, vocab_size, path):
     os.replace(tmp, path)  # atomic, so a crash never leaves half a model behind
 
 
-def _tokenizer(cfg, train_texts, identity):
+def _tokenizer(cfg, train_texts, identity, log=None):
     import sentencepiece as spm
     path = cfg.tokenizer_path
     if path and not os.path.isfile(path):
@@ -403,7 +431,8 @@ def _tokenizer(cfg, train_texts, identity):
         path = os.path.join(cfg.cache_dir, f'tokenizer_{identity}_bpe{cfg.vocab_size}.model')
         with _locked(cfg.cache_dir):
             if not os.path.exists(path):
-                _train_tokenizer(train_texts, cfg.vocab_size, path)
+                with _announced(log, f'training a {cfg.vocab_size}-piece BPE tokenizer on the training text'):
+                    _train_tokenizer(train_texts, cfg.vocab_size, path)
     sp = spm.SentencePieceProcessor(model_file=path)
     size = sp.get_piece_size()
     if size != cfg.vocab_size:
@@ -449,12 +478,12 @@ class TextData(_Data):
     """Documents from a random-access text source, tokenized on the fly and packed into rows."""
     _start = {'epoch': 0, 'index': 0, 'offset': 0}
 
-    def __init__(self, cfg, train_texts, eval_texts, identity, process_index, process_count):
+    def __init__(self, cfg, train_texts, eval_texts, identity, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count)
         self.train_texts, self.eval_texts = train_texts, eval_texts
         self.train_records = _host_records(len(train_texts), process_index, process_count, 'the train split')
         self.eval_records = _host_records(len(eval_texts), process_index, process_count, 'the eval split')
-        self.tokenizer = _tokenizer(cfg, train_texts, identity)
+        self.tokenizer = _tokenizer(cfg, train_texts, identity, log)
         self.vocab_size, self.length = self.tokenizer.get_piece_size(), cfg.max_target_length
         self.eos_id = self.tokenizer.eos_id()
         self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
@@ -624,24 +653,41 @@ def _digit_rows(strings):
     return (np.frombuffer(''.join(strings).encode('ascii'), np.uint8) - ord('0')).reshape(-1, 81)
 
 
+_CSV_HEADERS = (('q', 'a'), ('question', 'answer'), ('puzzle', 'solution'))  # spellings in use
+
+
+def _csv_columns(path, first):
+    """(puzzle column, solution column, whether `first` is a data row). A header names its columns with
+    one of _CSV_HEADERS; without one, columns are read by position as the TRM reference does: the public
+    layout source,question,answer,rating (or a bare puzzle,solution pair)."""
+    names = [c.strip().lower() for c in first]
+    for q, a in _CSV_HEADERS:
+        if q in names and a in names:
+            return names.index(q), names.index(a), False
+    if not any(len(c.strip()) == 81 for c in first):
+        raise DataError(f'{path}:1: the header names no puzzle and solution columns (use q,a or question,answer; '
+                        'public layout: source,question,answer,rating)')
+    return (1, 2, True) if len(first) >= 3 else (0, 1, True)
+
+
 def read_sudoku_csv(path, key='dataset_path'):
-    """(puzzles uint8[N, 81], solutions uint8[N, 81]) from a CSV; any bad row is a DataError naming its line."""
+    """(puzzles uint8[N, 81], solutions uint8[N, 81]) from a CSV, with or without a header, '.' or '0' for
+    blanks; any bad row is a DataError naming its line."""
     if not os.path.isfile(path):
         raise DataError(f'{key}={path!r}: file not found (a CSV with header source,q,a,rating; '
                         'make one with `python data.py make-sudoku OUT.csv`)')
     puzzles, solutions, lines = [], [], []
     with open(path, newline='') as f:
         reader = csv.reader(f)
-        header = next(reader, [])
-        if 'q' not in header or 'a' not in header:
-            raise DataError(f'{path}:1: header must name columns q and a (public layout: source,q,a,rating)')
-        iq, ia = header.index('q'), header.index('a')
-        for row in reader:
+        first = next(reader, [])
+        iq, ia, first_is_data = _csv_columns(path, first) if first else (0, 1, False)
+        rows = itertools.chain([first] if first_is_data else [], reader)
+        for row in rows:
             if not row:
                 continue
             where = f'{path}:{reader.line_num}'
             if len(row) <= max(iq, ia):
-                raise DataError(f'{where}: {len(row)} columns, expected {len(header)} ({",".join(header)})')
+                raise DataError(f'{where}: {len(row)} columns, expected at least {max(iq, ia) + 1}')
             q, a = row[iq].strip(), row[ia].strip()
             for name, text, allowed in (('q', q, '.0123456789'), ('a', a, '123456789')):
                 if len(text) != 81:
@@ -675,11 +721,12 @@ def write_sudoku_csv(path, q, a):
                              ''.join(str(d) for d in solution), 0])  # rating 0 = unrated
 
 
-def _cached_sudoku(cache_dir, n, blanks, seed, split):
+def _cached_sudoku(cache_dir, n, blanks, seed, split, log=None):
     path = os.path.join(cache_dir, 'sudoku', f'{split}_seed{seed}_blanks{blanks}_n{n}_v{_SUDOKU_GEN_VERSION}.npz')
     with _locked(cache_dir):
         if not os.path.exists(path):
-            q, a = generate_sudoku(n, blanks, seed, stream=split)
+            with _announced(log, f'generating {n} {split} puzzles with {blanks} blanks'):
+                q, a = generate_sudoku(n, blanks, seed, stream=split)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f'{path}.tmp{os.getpid()}'
             with open(tmp, 'wb') as f:
@@ -706,7 +753,7 @@ class SudokuData(_Data):
     vocab_size, length = SUDOKU_VOCAB, SUDOKU_LEN
     _start = {'epoch': 0, 'index': 0}
 
-    def __init__(self, cfg, process_index, process_count):
+    def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count)
         if not 0 <= cfg.sudoku_blanks <= 81:
             raise DataError(f'sudoku_blanks={cfg.sudoku_blanks}: must be 0..81 (81 = as many as uniqueness allows)')
@@ -714,11 +761,11 @@ class SudokuData(_Data):
             self.train_q, self.train_a = read_sudoku_csv(cfg.dataset_path, 'dataset_path')
         else:
             self.train_q, self.train_a = _cached_sudoku(
-                cfg.cache_dir, cfg.sudoku_train_puzzles, cfg.sudoku_blanks, cfg.seed, 'train')
+                cfg.cache_dir, cfg.sudoku_train_puzzles, cfg.sudoku_blanks, cfg.seed, 'train', log)
         if cfg.eval_path:
             self.eval_q, self.eval_a = read_sudoku_csv(cfg.eval_path, 'eval_path')
         else:
-            q, a = _cached_sudoku(cfg.cache_dir, cfg.sudoku_eval_puzzles, cfg.sudoku_blanks, cfg.seed, 'eval')
+            q, a = _cached_sudoku(cfg.cache_dir, cfg.sudoku_eval_puzzles, cfg.sudoku_blanks, cfg.seed, 'eval', log)
             # A separate seed stream makes overlap unlikely; this makes it impossible.
             seen = {s.tobytes() for s in self.train_a}
             keep = np.array([s.tobytes() not in seen for s in a], bool)
@@ -746,21 +793,22 @@ class SudokuData(_Data):
 
 # ---- entry points -----------------------------------------------------------------------------
 
-def make_dataset(cfg, process_index=0, process_count=1):
-    """The dataset this process reads: its share of the records, in a seed-determined order."""
+def make_dataset(cfg, process_index=0, process_count=1, log=None):
+    """The dataset this process reads: its share of the records, in a seed-determined order. `log` (a print
+    function, or None for silence) hears about the slow one-time preparations."""
     if cfg.task == 'sudoku':
-        return SudokuData(cfg, process_index, process_count)
+        return SudokuData(cfg, process_index, process_count, log)
     if cfg.task != 'lm':
         raise DataError(f'task={cfg.task!r}: expected lm or sudoku')
     if cfg.dataset == 'synthetic':
         return SyntheticData(cfg, process_index, process_count)
     if cfg.dataset in ('files', 'stdlib'):
-        train_texts, eval_texts, identity = _file_sources(cfg)
+        train_texts, eval_texts, identity = _file_sources(cfg, log)
     elif cfg.dataset == 'tfds':
         train_texts, eval_texts, identity = _tfds_sources(cfg)
     else:
         raise DataError(f'dataset={cfg.dataset!r}: expected stdlib, files, tfds or synthetic')
-    return TextData(cfg, train_texts, eval_texts, identity, process_index, process_count)
+    return TextData(cfg, train_texts, eval_texts, identity, process_index, process_count, log)
 
 
 def main(argv):

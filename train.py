@@ -10,8 +10,10 @@ import dataclasses
 import difflib
 import functools
 import json
+import logging
 import math
 import os
+import pkgutil
 import resource
 import signal
 import sys
@@ -156,15 +158,43 @@ CHOICES = {'task': ('lm', 'sudoku'), 'mode': ('train', 'eval', 'export', 'genera
            'platform': ('', 'cpu', 'gpu', 'tpu'), 'decoder': model_lib.DECODERS}
 
 
+# The valid range of every numeric key, checked at load time ('>= 1': counts; '>= 0': counts where 0 means
+# off or none; intervals for fractions). A value outside is a one-line error naming the key.
+RANGES = {
+    'seed': '>= 0', 'steps': '>= 1', 'log_every': '>= 1', 'eval_every': '>= 0', 'eval_batches': '>= 0',
+    'checkpoint_every': '>= 0', 'keep_checkpoints': '>= 0', 'skip_nonfinite_steps': '>= 0',
+    'max_new_tokens': '>= 1', 'temperature': '>= 0', 'top_k': '>= 0',
+    'vocab_size': '>= 1', 'd_model': '>= 1', 'num_layers': '>= 1', 'num_heads': '>= 1', 'num_kv_heads': '>= 1',
+    'head_dim': '>= 0', 'mlp_dim': '>= 1', 'max_target_length': '>= 1', 'rope_theta': '> 0', 'norm_eps': '> 0',
+    'per_device_batch': '>= 1', 'grad_accum': '>= 1', 'batch_ramp_start': '>= 0', 'batch_ramp_every': '>= 1',
+    'learning_rate': '> 0', 'warmup_steps': '>= 0', 'min_lr_ratio': '[0, 1]', 'weight_decay': '>= 0',
+    'adam_b1': '[0, 1)', 'adam_b2': '[0, 1)', 'adam_eps': '> 0', 'grad_clip': '>= 0', 'prefetch': '>= 0',
+    'sudoku_blanks': '[0, 81]', 'sudoku_train_puzzles': '>= 1', 'sudoku_eval_puzzles': '>= 1',
+    'trm.T': '>= 1', 'trm.n': '>= 1', 'trm.N_sup': '>= 1', 'trm.halt_explore_prob': '[0, 1]',
+    'trm.halt_loss_weight': '>= 0', 'trm.ema_decay': '[0, 1)',
+    'beam_width': '>= 1', 'thoughts_per_step': '[1, 9]', 'max_depth': '>= 1', 'max_thoughts': '>= 1',
+    'thought_cells': '[1, 81]', 'tot.loss_weight': '>= 0', 'tot.start_step': '>= 0', 'tot.logp_weight': '>= 0',
+    'tot.policy_steps': '>= 1', 'tot.value_step': '>= 1', 'tot.frontier': '>= 0',
+}
+
+
+def in_range(value, rule):
+    """rule: '>= x', '> x', or an interval such as '[0, 1)'."""
+    if rule[0] in '[(':
+        lo, hi = (float(b) for b in rule[1:-1].split(','))
+        return (lo <= value if rule[0] == '[' else lo < value) and (value <= hi if rule[-1] == ']' else value < hi)
+    op, bound = rule.split()
+    return value >= float(bound) if op == '>=' else value > float(bound)
+
+
 def validate(cfg):
-    """Checks that need no devices; each message says what to change."""
+    """Checks that need no devices; each message names the key and says what to change."""
     for key, allowed in CHOICES.items():
         if cfg[key] not in allowed:
             raise ConfigError(f'{key}={cfg[key]!r}: choose one of {", ".join(repr(a) for a in allowed)}')
-    for key in ('steps', 'log_every', 'per_device_batch', 'grad_accum', 'num_layers', 'd_model',
-                'num_heads', 'num_kv_heads', 'mlp_dim', 'max_target_length', 'vocab_size'):
-        if cfg[key] <= 0:
-            raise ConfigError(f'{key}={cfg[key]}: must be positive')
+    for key, rule in RANGES.items():
+        if not in_range(cfg[key], rule):
+            raise ConfigError(f'{key}={cfg[key]}: must be {rule}')
     if cfg.num_heads % cfg.num_kv_heads:
         raise ConfigError(f'num_heads={cfg.num_heads} must be a multiple of num_kv_heads={cfg.num_kv_heads}')
     if not cfg.head_dim and cfg.d_model % cfg.num_heads:
@@ -181,33 +211,53 @@ def validate(cfg):
     if len(cfg.profile_steps) != 2 or [a, b] != [0, 0] and not 1 <= a <= b <= cfg.steps:
         raise ConfigError(f'profile_steps={",".join(map(str, cfg.profile_steps))}: give two steps a,b with '
                           f'1 <= a <= b <= steps={cfg.steps} (0,0 = off)')
-    t = cfg.trm
-    if t.mixer not in ('attention', 'mlp'):
-        raise ConfigError(f"trm.mixer={t.mixer!r}: choose one of 'attention', 'mlp'")
-    if min(t.T, t.n, t.N_sup) < 1 or not 0 <= t.ema_decay < 1 or not 0 <= t.halt_explore_prob <= 1:
-        raise ConfigError(f'trm: T={t.T}, n={t.n}, N_sup={t.N_sup} must be >= 1, ema_decay={t.ema_decay} in [0, 1), '
-                          f'halt_explore_prob={t.halt_explore_prob} in [0, 1]')
-    for key in ('beam_width', 'thoughts_per_step', 'max_depth', 'max_thoughts', 'thought_cells', 'tot.policy_steps',
-                'tot.value_step'):
-        if cfg[key] < 1:
-            raise ConfigError(f'{key}={cfg[key]}: must be >= 1')
-    if cfg.tot.frontier < 0:
-        raise ConfigError(f'tot.frontier={cfg.tot.frontier}: must be >= 0 (0 = beam_width)')
-    if cfg.thought_cells > 81 or cfg.thoughts_per_step > 9:
-        raise ConfigError(f'thought_cells={cfg.thought_cells} must be <= 81 and thoughts_per_step='
-                          f'{cfg.thoughts_per_step} <= 9 (the digits a cell can take)')
+    if cfg.trm.mixer not in ('attention', 'mlp'):
+        raise ConfigError(f"trm.mixer={cfg.trm.mixer!r}: choose one of 'attention', 'mlp'")
     if cfg.compile_topology and cfg.compile_topology not in TPU_SLICES:
         raise ConfigError(f'compile_topology={cfg.compile_topology}: choose one of {", ".join(TPU_SLICES)}')
     if cfg.batch_ramp_start and cfg.task != 'lm':
         raise ConfigError('batch_ramp_start: the ramp is for task=lm (the TRM carry holds grad_accum microbatches)')
-    if not 0 <= cfg.batch_ramp_start <= cfg.grad_accum or (cfg.batch_ramp_start and cfg.batch_ramp_every <= 0):
-        raise ConfigError(f'batch_ramp_start={cfg.batch_ramp_start} batch_ramp_every={cfg.batch_ramp_every}: the '
-                          f'ramp starts at 1..grad_accum={cfg.grad_accum} microbatches and doubles every >0 steps')
+    if cfg.batch_ramp_start > cfg.grad_accum:
+        raise ConfigError(f'batch_ramp_start={cfg.batch_ramp_start}: the ramp starts at 1..grad_accum='
+                          f'{cfg.grad_accum} microbatches (0 = off)')
+    if cfg.load_params and cfg.load_hf:
+        raise ConfigError('load_params and load_hf are both set; keep one')
+    check_paths(cfg)
+
+
+def check_paths(cfg):
+    """Every path the user typed must exist, whatever else the run does (a resumable run directory would
+    otherwise hide a mistyped load_params)."""
+    import glob
+    wanted = {'load_params': os.path.isdir, 'load_hf': os.path.isdir, 'tokenizer_path': os.path.isfile,
+              'data_dir': os.path.isdir}
+    if cfg.task == 'sudoku':
+        wanted.update(dataset_path=os.path.isfile, eval_path=os.path.isfile)
+    elif cfg.dataset == 'files':
+        glob_any = lambda pattern: any(os.path.isfile(f) for f in glob.iglob(os.path.expanduser(pattern), recursive=True))
+        wanted.update(dataset_path=glob_any, eval_path=glob_any)
+    for key, exists in wanted.items():
+        if cfg[key] and not exists(cfg[key]):
+            what = {os.path.isdir: 'no such directory', os.path.isfile: 'no such file'}.get(exists, 'matches no files')
+            raise ConfigError(f'{key}={cfg[key]}: {what}; fix the path (or set {key}= to leave it out)')
 
 
 # ==================================================================================================
 # Devices and mesh. Only this file builds the mesh.
 # ==================================================================================================
+def quiet_platforms():
+    """An installed libtpu (tests/requirements.txt brings it, for the TPU fit check) loads itself into every
+    JAX process and prints five lines of errors on a host without TPU chips. There, unless the user chose
+    platforms (JAX_PLATFORMS), JAX starts only the platforms the host has. The fit check loads libtpu itself."""
+    from jax._src import hardware_utils  # what JAX itself reads at start-up: PCI vendor and device ids
+    if jax.config.jax_platforms or hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+        return
+    plugin = lambda prefix: any(m.name.startswith(prefix) for m in pkgutil.iter_modules())
+    gpus = [name for name, has in (('cuda', hardware_utils.has_visible_nvidia_gpu() and plugin('jax_cuda')),
+                                   ('rocm', hardware_utils.num_available_amd_gpus() and plugin('jax_rocm'))) if has]
+    jax.config.update('jax_platforms', ','.join(gpus + ['cpu']))
+
+
 def init_distributed():
     """Join a multi-process JAX system before any device is touched. Explicit JAX_* variables win;
     otherwise only where JAX can detect the cluster itself (SLURM with several tasks, a Cloud TPU VM),
@@ -442,7 +492,12 @@ def evaluate(cfg, s, eval_step, state, n_batches, write_predictions=False):
     batches, t0 = s.ds.eval_batches(s.micro_rows // jax.process_count(), n_batches), time.perf_counter()
     with jax.set_mesh(s.mesh), nn.logical_axis_rules(axis_rules(cfg)):
         params = state['ema'] if cfg.task == 'sudoku' else state['params']
-        outs = [eval_step(params, global_batch(b, s.eval_sh, s.micro_rows)) for b in batches]
+        outs = []
+        for i, b in enumerate(batches):
+            outs.append(eval_step(params, global_batch(b, s.eval_sh, s.micro_rows)))
+            if cfg.task == 'sudoku' and n_batches > 1:  # a search can take minutes a batch: say where it is
+                jax.block_until_ready(outs[-1])
+                log(f'eval: {i + 1}/{n_batches} batches decoded ({cfg.decoder}, {time.perf_counter() - t0:.0f}s)')
     if cfg.task == 'sudoku':
         return sudoku_eval_result(cfg, s, outs, batches, t0, write_predictions)
     loss = float(sum(o[0] for o in outs)) / max(float(sum(o[1] for o in outs)), 1.0)
@@ -517,10 +572,20 @@ def _flat_shapes(tree):
     return {tuple(map(name, path)): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+class Damaged(Exception):
+    """A checkpoint step that cannot be read back: truncated, garbled or missing files, bad metadata."""
+
+
 def _check_shapes(mngr, step, abstract, part):
-    """A checkpoint written by a different model config fails here with a message, not deep in orbax."""
-    saved = mngr.item_metadata(step)['train_state']
-    saved = _flat_shapes(saved[part] if part else saved)
+    """A checkpoint written by a different model config fails here with a message, not deep in orbax;
+    metadata that cannot be read (or holds no parameters) is damage, not a config mistake."""
+    try:
+        saved = mngr.item_metadata(step)['train_state']
+        saved = _flat_shapes(saved[part] if part else saved)
+    except Exception as e:  # orbax raises ValueError, KeyError, tensorstore errors ... for unreadable metadata
+        raise Damaged(f'its metadata is unreadable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ""}')
+    if not any(path[0] == 'params' for path in saved) and not part:
+        raise Damaged('its metadata lists no parameters')
     for path, want in sorted(_flat_shapes(abstract).items(), key=lambda kv: kv[0][0] != 'params'):
         if saved.get(path) != want:
             raise ConfigError(f'checkpoint {mngr.directory}/{step} has {"/".join(path)} of shape {saved.get(path)}, '
@@ -528,28 +593,76 @@ def _check_shapes(mngr, step, abstract, part):
                               'or a new run_name / resume=false')
 
 
-def restore_checkpoint(mngr, abstract, mesh, steps=None, part=None):
+@contextlib.contextmanager
+def _orbax_quiet():
+    """Reading a damaged step, orbax logs through absl and tensorstore's reads still in flight print a
+    traceback each from their threads (into a closed event loop): tens of lines on stderr for what the
+    trainer reports in one. File descriptor 2 goes to /dev/null meanwhile; after a failure the late reads
+    get a moment to land there too, and any later still are dropped. Exceptions still propagate."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    except Exception:
+        hook = sys.unraisablehook  # late reads may land after the moment below: drop those alone, for good
+        sys.unraisablehook = lambda u: None if str(u.exc_value) == 'Event loop is closed' else hook(u)
+        time.sleep(1.0)
+        raise
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _restore_step(mngr, step, abstract, mesh, part):
+    """(state or its `part`, this process's data state) of one step; Damaged if it cannot be read."""
+    with _orbax_quiet():
+        return _read_step(mngr, step, abstract, mesh, part)
+
+
+def _read_step(mngr, step, abstract, mesh, part):
+    target = abstract[part] if part else abstract
+    _check_shapes(mngr, step, target, part)
+    restore = lambda item, **kw: ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), **kw)
+    try:
+        if part:  # another run's optimizer may differ: read the params subtree alone
+            got = mngr.restore(step, args=ocp.args.Composite(train_state=restore({part: target}, partial_restore=True)))
+            return got['train_state'][part], None
+        rows = jax.ShapeDtypeStruct((mesh.size, DATA_STATE_BYTES), np.uint8,
+                                    sharding=NamedSharding(mesh, PartitionSpec(mesh.axis_names)))
+        got = mngr.restore(step, args=ocp.args.Composite(
+            train_state=restore(abstract), data_state=ocp.args.StandardRestore({'rows': rows})))
+        mine = np.asarray(got['data_state']['rows'].addressable_shards[0].data)[0]
+        return got['train_state'], json.loads(mine.tobytes().decode().strip())
+    except Exception as e:  # orbax/tensorstore raise bare Exception for unreadable data
+        raise Damaged(f'{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else "unreadable"}') from None
+
+
+def restore_checkpoint(mngr, abstract, mesh, steps=None, part=None, move_aside=False):
     """Newest readable checkpoint -> (step, state or its `part` ('params', 'ema'), this process's data
-    state). An unreadable (truncated, corrupted) checkpoint is reported and skipped for the one before it."""
+    state), or None. A damaged step is reported in one line and skipped for the one before it; with
+    move_aside (the run's own checkpoints) it is renamed STEP.damaged-TIME once a readable one is found,
+    never deleted, so the next save of that step has room and nothing is lost."""
+    damaged = []
     for step in sorted(steps or mngr.all_steps(), reverse=True):
-        target = abstract[part] if part else abstract
-        _check_shapes(mngr, step, target, part)
-        restore = lambda item, **kw: ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), **kw)
         try:
-            if part:  # another run's optimizer may differ: read the params subtree alone
-                got = mngr.restore(step, args=ocp.args.Composite(
-                    train_state=restore({part: target}, partial_restore=True)))
-                return step, got['train_state'][part], None
-            rows = jax.ShapeDtypeStruct((mesh.size, DATA_STATE_BYTES), np.uint8,
-                                        sharding=NamedSharding(mesh, PartitionSpec(mesh.axis_names)))
-            got = mngr.restore(step, args=ocp.args.Composite(
-                train_state=restore(abstract), data_state=ocp.args.StandardRestore({'rows': rows})))
-            mine = np.asarray(got['data_state']['rows'].addressable_shards[0].data)[0]
-            return step, got['train_state'], json.loads(mine.tobytes().decode().strip())
-        except Exception as e:  # orbax/tensorstore raise bare Exception for unreadable data
-            log(f'WARNING: checkpoint {mngr.directory}/{step} is unreadable ({str(e).splitlines()[0][:200]}); '
-                'trying the one before it')
+            state, data_state = _restore_step(mngr, step, abstract, mesh, part)
+        except Damaged as e:
+            damaged.append(step)
+            log(f'WARNING: checkpoint {mngr.directory}/{step} is damaged ({e}); trying the one before it')
+            continue
+        if move_aside and damaged:
+            stamp = time.strftime('%Y%m%d-%H%M%S')
+            if jax.process_index() == 0:
+                for bad in damaged:
+                    os.rename(os.path.join(mngr.directory, str(bad)), os.path.join(mngr.directory, f'{bad}.damaged-{stamp}'))
+                log(f'moved the damaged step(s) {", ".join(map(str, damaged))} aside to STEP.damaged-{stamp}')
+            multihost_utils.sync_global_devices('damaged checkpoints moved aside')
+            mngr.reload()
+        return step, state, data_state
     return None
 
 
@@ -615,6 +728,19 @@ def device_peak_memory_gb(device):
     return stats.get('peak_bytes_in_use', 0) / 2 ** 30 if stats else None
 
 
+def short_line(m, steps):
+    """The line a person reads: progress, loss, speed, time left, and the eval when there is one. The whole
+    row (grad norm, learning rate, memory, data wait, ...) is in metrics.jsonl and TensorBoard."""
+    parts = [f'step {m["step"]}/{steps}', f'loss {m["loss"]:.4f}']
+    if 'tokens_per_sec' in m:
+        eta = int(m['step_seconds'] * (steps - m['step']))
+        parts += [f'{m["tokens_per_sec"]:,.0f} tokens/s', f'MFU {m["mfu"]:.1%}',
+                  f'ETA {eta // 3600}h{eta // 60 % 60:02d}m' if eta >= 3600 else f'ETA {eta // 60}m{eta % 60:02d}s']
+    shown = (('train_exact', 'solved {:.1%}'), ('eval_loss', 'eval loss {:.4f}'),
+             ('eval_exact_accuracy', 'eval solved {:.1%}'), ('eval_cell_accuracy', 'cells {:.1%}'))
+    return '  '.join(parts + [fmt.format(m[k]) for k, fmt in shown if k in m])
+
+
 class MetricsWriter:
     """One row of metrics to stdout, and on process 0 to metrics.jsonl and TensorBoard event files
     (tensorboardX writes them without TensorFlow: tensorboard --logdir RUN_DIR)."""
@@ -624,8 +750,8 @@ class MetricsWriter:
         self.file = open(os.path.join(run_dir, 'metrics.jsonl'), 'a') if self.main else None
         self.tb = SummaryWriter(run_dir) if self.main else None
 
-    def write(self, m):
-        log(' '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in m.items()))
+    def write(self, m, steps):
+        log(short_line(m, steps))
         if self.main:
             self.file.write(json.dumps(m) + '\n')
             self.file.flush()
@@ -734,12 +860,15 @@ class StepLog:
 @contextlib.contextmanager
 def preemption_signals():
     """SIGTERM (preemption, schedulers) and SIGINT are noted, not obeyed at once: the loop finishes the
-    step, checkpoints and exits. Multi-process runs leave SIGTERM to JAX's preemption sync point, so every
-    host saves the same step. Yields the list of caught signal names."""
-    caught, sigs = [], (signal.SIGINT,) if jax.process_count() > 1 else (signal.SIGTERM, signal.SIGINT)
-    main_thread = threading.current_thread() is threading.main_thread()
-    handlers = {sig: signal.signal(sig, lambda signum, _: caught.append(signal.Signals(signum).name))
-                for sig in sigs if main_thread}
+    step, checkpoints and exits. With several processes a signal reaching one host must stop them all at
+    the same step: JAX's preemption sync point listens for SIGTERM, so SIGINT is passed on to it as one.
+    Yields the list of signals the loop must act on alone (single process)."""
+    caught, several = [], jax.process_count() > 1
+    note = lambda signum, _: caught.append(signal.Signals(signum).name)
+    to_sync_point = lambda signum, _: os.kill(os.getpid(), signal.SIGTERM)
+    wanted = {signal.SIGINT: to_sync_point} if several else {signal.SIGTERM: note, signal.SIGINT: note}
+    handlers = ({sig: signal.signal(sig, handler) for sig, handler in wanted.items()}
+                if threading.current_thread() is threading.main_thread() else {})
     try:
         yield caught
     finally:
@@ -783,7 +912,7 @@ def train_loop(cfg, s, state, data_state, mngr, train_step, eval_step):
                     if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
                         m.update({k if k.startswith('eval') else f'eval_{k}': v
                                   for k, v in evaluate(cfg, s, eval_step, state, cfg.eval_batches).items()})
-                    writer.write(m)
+                    writer.write(m, cfg.steps)
                     summary.update(m)
                     book.new_window()
                 preempted = caught or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
@@ -920,8 +1049,6 @@ def export_hf(cfg, params, ds, out_dir):
 
 def load_hf(path, abstract_params, cfg):
     """load_hf=DIR: a Hugging Face Llama checkpoint -> our params in the run's shardings (fine-tuning)."""
-    if cfg.load_params:
-        raise ConfigError('load_params and load_hf are both set; keep one')
     try:
         with open(os.path.join(path, 'config.json')) as f:
             conf = json.load(f)
@@ -1209,7 +1336,7 @@ def setup(cfg, devices):
     if cfg.batch_ramp_start:
         log(f'batch ramp: {cfg.batch_ramp_start} accum at step 0, x2 every {cfg.batch_ramp_every} steps up to '
             f'{cfg.grad_accum}')
-    ds = data.make_dataset(cfg, jax.process_index(), jax.process_count())
+    ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log)
     if ds.vocab_size != cfg.vocab_size and cfg.task == 'lm':
         raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
                           f'set vocab_size={ds.vocab_size}')
@@ -1224,7 +1351,12 @@ def restore_or_init(cfg, s, mngr):
     """The train state: the newest readable checkpoint of this run (resume), else a fresh init in place,
     optionally with load_params / load_hf weights. Returns (state, data-iterator state, whether the state
     holds trained parameters)."""
-    restored = restore_checkpoint(mngr, s.abstract, s.mesh) if cfg.resume and mngr.all_steps() else None
+    restored = None
+    if cfg.resume and mngr.all_steps():
+        restored = restore_checkpoint(mngr, s.abstract, s.mesh, move_aside=True)
+        if not restored:
+            raise ConfigError(f'no readable checkpoint in {mngr.directory} (steps {", ".join(map(str, mngr.all_steps()))} '
+                              'are damaged, see the warnings): move them away to start over, or set resume=false')
     if restored:
         start, state, data_state = restored
         log(f'resuming from checkpoint {mngr.directory}/{start}')
@@ -1292,6 +1424,8 @@ def main(argv):
         return 0 if len(argv) >= 2 else 2
     try:
         cfg = load_config(argv[1], argv[2:])
+        logging.getLogger('absl').setLevel(logging.ERROR)  # orbax and tfds narrate through absl warnings
+        quiet_platforms()
         init_distributed()
         if run(cfg).get('fits') is False:
             return DOES_NOT_FIT

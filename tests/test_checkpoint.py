@@ -82,20 +82,53 @@ def test_interrupted_run_resumes_exactly(corpus, reference, tmp_path, sig):
     assert run_losses(tmp_path) == reference  # bit-for-bit, steps before and after the resume point
 
 
-def test_unfinished_and_corrupted_checkpoints_are_skipped(tmp_path):
-    cfg = config(tmp_path, 'steps=6', 'checkpoint_every=3', 'prefetch=2')
-    ref = train.run(config(tmp_path, 'steps=9', 'run_name=ref'), jax.devices()[:1])
-    train.run(cfg, jax.devices()[:1])
-    ckpts = tmp_path / 'default' / 'checkpoints'
-    # What a kill -9 in the middle of a write leaves behind: a temporary directory, never a step.
-    os.makedirs(ckpts / '9.orbax-checkpoint-tmp-1234' / 'train_state')
-    # And a finished checkpoint whose biggest file was later truncated (disk full, bad copy).
-    biggest = max((p for p in (ckpts / '6').rglob('*') if p.is_file()), key=lambda p: p.stat().st_size)
+def _truncate_biggest(step_dir):  # a finished checkpoint later cut short (disk full, bad copy)
+    biggest = max((p for p in step_dir.rglob('*') if p.is_file()), key=lambda p: p.stat().st_size)
     with open(biggest, 'r+b') as f:
         f.truncate(biggest.stat().st_size // 2)
-    s = train.run(config(tmp_path, 'steps=9', 'checkpoint_every=3', 'prefetch=2'), jax.devices()[:1])
-    assert s['step'] == 9
-    assert losses(tmp_path / 'default') == losses(ref['run_dir'])  # resumed from step 3, continued exactly
+
+
+def _garble(step_dir):  # the index of the arrays and two data files overwritten with garbage
+    (step_dir / 'train_state' / '_sharding').write_text('garbage')
+    for f in sorted((step_dir / 'train_state' / 'ocdbt.process_0' / 'd').iterdir())[:2]:
+        f.write_bytes(os.urandom(100))
+
+
+DAMAGE = {'truncated': _truncate_biggest, 'garbled': _garble,
+          'manifest': lambda d: (d / 'train_state' / 'manifest.ocdbt').write_bytes(b'junk'),
+          'no params': lambda d: shutil.rmtree(d / 'train_state'),
+          'metadata': lambda d: (d / 'train_state' / '_METADATA').unlink()}
+
+
+def test_damaged_newest_checkpoint_is_moved_aside_and_the_run_resumes(tmp_path, capfd):
+    """Whatever the damage to the newest step (and a kill -9 mid-write's temporary directory beside it),
+    the run warns in one line, renames that step STEP.damaged-TIME (never deleted), resumes from the step
+    before and continues exactly as an uninterrupted run; stderr stays empty."""
+    ref = train.run(config(tmp_path, 'steps=9', 'run_name=ref'), jax.devices()[:1])
+    train.run(config(tmp_path, 'steps=6', 'checkpoint_every=3', 'run_name=base'), jax.devices()[:1])
+    for kind, damage in DAMAGE.items():
+        shutil.copytree(tmp_path / 'base', tmp_path / kind)
+        ckpts = tmp_path / kind / 'checkpoints'
+        os.makedirs(ckpts / '9.orbax-checkpoint-tmp-1234' / 'train_state')  # never a step
+        damage(ckpts / '6')
+        capfd.readouterr()
+        s = train.run(config(tmp_path, 'steps=9', 'checkpoint_every=3', f'run_name={kind}'), jax.devices()[:1])
+        out, err = capfd.readouterr()
+        assert s['step'] == 9 and err == '', (kind, err[-2000:])
+        assert out.count('is damaged') == 1 and f'{ckpts}/6 is damaged' in out, (kind, out)
+        assert 'resuming from checkpoint ' + str(ckpts / '3') in out, kind
+        assert len([d for d in os.listdir(ckpts) if d.startswith('6.damaged-')]) == 1, kind
+        assert losses(tmp_path / kind) == losses(ref['run_dir']), kind  # resumed from step 3, continued exactly
+
+
+def test_no_readable_checkpoint_is_an_error_and_moves_nothing(tmp_path):
+    train.run(config(tmp_path, 'steps=4', 'checkpoint_every=2'), jax.devices()[:1])
+    ckpts = tmp_path / 'default' / 'checkpoints'
+    for step in ('2', '4'):
+        _garble(ckpts / step)
+    with pytest.raises(train.ConfigError, match='no readable checkpoint in .*steps 2, 4 are damaged'):
+        train.run(config(tmp_path, 'steps=6'), jax.devices()[:1])
+    assert sorted(os.listdir(ckpts)) == ['2', '4']
 
 
 def test_restore_onto_a_different_mesh(tmp_path):

@@ -1,41 +1,17 @@
 """data.py: text sources and packing, per-host shares, exact resume, Sudoku generation and CSV checks."""
 import json
 import os
-import random
 import subprocess
 import sys
-import types
+import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import yaml
 
 import data
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 320  # smallest comfortable byte-fallback BPE for the tiny corpus (256 bytes + chars + merges)
-
-
-def make_cfg(tmp_path, **overrides):
-    with open(os.path.join(ROOT, 'base.yml')) as f:
-        cfg = types.SimpleNamespace(**yaml.safe_load(f))
-    cfg.cache_dir = str(tmp_path / 'cache')
-    for key, value in overrides.items():
-        assert hasattr(cfg, key), key
-        setattr(cfg, key, value)
-    return cfg
-
-
-def write_corpus(root, n, tag, seed):
-    """n documents of made-up words, first line names the document; lengths span a few rows."""
-    rng = random.Random(seed)
-    words = [''.join(rng.choice('abcdefghijklmnoprstuvw') for _ in range(rng.randint(2, 7))) for _ in range(60)]
-    os.makedirs(root, exist_ok=True)
-    for k in range(n):
-        lines = [f'{tag} {k}'] + [' '.join(rng.choice(words) for _ in range(rng.randint(1, 9)))
-                                  for _ in range(rng.randint(1, 12))]
-        with open(os.path.join(root, f'{tag}{k:02d}.txt'), 'w') as f:
-            f.write('\n'.join(lines) + '\n')
+from conftest import ROOT, VOCAB, config, write_corpus
 
 
 @pytest.fixture(scope='module')
@@ -46,10 +22,10 @@ def corpus(tmp_path_factory):
     return root
 
 
-def files_cfg(tmp_path, corpus, **overrides):
-    base = dict(dataset='files', dataset_path=str(corpus / 'train' / '*.txt'), eval_path=str(corpus / 'eval' / '*.txt'),
-                vocab_size=VOCAB, max_target_length=32, prefetch=2)
-    return make_cfg(tmp_path, **{**base, **overrides})
+def files_cfg(tmp_path, corpus, *overrides):
+    """base.yml reading the module's corpus with dataset=files; key=value overrides, a later key wins."""
+    return config(tmp_path, 'dataset=files', f'dataset_path={corpus}/train/*.txt', f'eval_path={corpus}/eval/*.txt',
+                  f'vocab_size={VOCAB}', 'max_target_length=32', 'prefetch=2', *overrides, preset=())
 
 
 def documents(batches, eos):
@@ -113,13 +89,13 @@ def test_files_build_tokenizer_and_cache_reuse(tmp_path, corpus, monkeypatch):
     assert after == {p: t for p, t in stamps.items() if not p.endswith('.lock')}  # nothing rebuilt
 
     # Another glob is another dataset: it gets its own prepared copy.
-    other = data.make_dataset(files_cfg(tmp_path, corpus, dataset_path=str(corpus / 'train' / 'train0*.txt'),
-                                        tokenizer_path=[p for p in stamps if p.endswith('.model')][0]))
+    other = data.make_dataset(files_cfg(tmp_path, corpus, f'dataset_path={corpus}/train/train0*.txt',
+                                        f'tokenizer_path={[p for p in stamps if p.endswith(".model")][0]}'))
     assert len(other.train_texts) == 10
 
 
 def test_held_out_split_without_eval_path(tmp_path, corpus):
-    ds = data.make_dataset(files_cfg(tmp_path, corpus, eval_path=''))
+    ds = data.make_dataset(files_cfg(tmp_path, corpus, 'eval_path='))
     train = {ds.train_texts[i] for i in range(len(ds.train_texts))}
     held = {ds.eval_texts[i] for i in range(len(ds.eval_texts))}
     assert held and not train & held and len(train) + len(held) == 12
@@ -170,13 +146,12 @@ def test_two_hosts_read_disjoint_records_covering_all(tmp_path, corpus):
 
 @pytest.mark.parametrize('prefetch', [0, 3])
 def test_text_resume_is_exact(tmp_path, corpus, prefetch):
-    ds = data.make_dataset(files_cfg(tmp_path, corpus, prefetch=prefetch))
+    ds = data.make_dataset(files_cfg(tmp_path, corpus, f'prefetch={prefetch}'))
     it = ds.train_iter(3)
     for _ in range(5):
         next(it)
     state = json.loads(json.dumps(it.state()))
     reference = rest_of_epoch(it) + [next(it) for _ in range(3)]  # on into the next epoch
-    assert it.wait_seconds >= 0
     it.close()
     resumed = ds.train_iter(3, state=state)
     for want in reference:
@@ -189,8 +164,9 @@ def test_tfds_data_source_with_mock_data(tmp_path, corpus):
     import tensorflow_datasets as tfds
     tokenizer = data.make_dataset(files_cfg(tmp_path, corpus)).tokenizer.serialized_model_proto()
     (tmp_path / 'tok.model').write_bytes(tokenizer)
-    cfg = make_cfg(tmp_path, dataset='tfds', tfds_name='imdb_reviews', eval_split='test', text_key='text',
-                   tokenizer_path=str(tmp_path / 'tok.model'), vocab_size=VOCAB, max_target_length=16, prefetch=1)
+    tfds_args = ['dataset=tfds', 'tfds_name=imdb_reviews', 'eval_split=test', 'text_key=text',
+                 f'tokenizer_path={tmp_path}/tok.model', f'vocab_size={VOCAB}', 'max_target_length=16', 'prefetch=1']
+    cfg = config(tmp_path, *tfds_args, preset=())
     with tfds.testing.mock_data(num_examples=6):
         ds = data.make_dataset(cfg)
         it = ds.train_iter(2)
@@ -198,11 +174,11 @@ def test_tfds_data_source_with_mock_data(tmp_path, corpus):
         it.close()
     assert len(ds.train_texts) == 6 and documents(batches, ds.eos_id)
     with tfds.testing.mock_data(num_examples=6), pytest.raises(data.DataError, match='text_key'):
-        next(data.make_dataset(make_cfg(tmp_path, **{**vars(cfg), 'text_key': 'nope'})).train_iter(2))
+        next(data.make_dataset(config(tmp_path, *tfds_args, 'text_key=nope', preset=())).train_iter(2))
 
 
 def test_default_stdlib_dataset(tmp_path):
-    ds = data.make_dataset(make_cfg(tmp_path))
+    ds = data.make_dataset(config(tmp_path, preset=()))
     assert ds.vocab_size == 1024 and len(ds.train_texts) > 100 and len(ds.eval_texts) > 5
     it = ds.train_iter(2)
     batch = next(it)
@@ -211,7 +187,7 @@ def test_default_stdlib_dataset(tmp_path):
 
 
 def test_synthetic_global_batch_does_not_depend_on_process_count(tmp_path):
-    cfg = make_cfg(tmp_path, dataset='synthetic', vocab_size=50, max_target_length=16)
+    cfg = config(tmp_path, 'dataset=synthetic', 'vocab_size=50', 'max_target_length=16', preset=())
     one = data.make_dataset(cfg).train_iter(8)
     two = [data.make_dataset(cfg, p, 2).train_iter(4) for p in range(2)]
     for _ in range(3):
@@ -223,25 +199,25 @@ def test_synthetic_global_batch_does_not_depend_on_process_count(tmp_path):
 
 
 def test_user_errors_name_the_key(tmp_path, corpus):
-    cases = [(dict(dataset_path=str(tmp_path / 'nothing' / '*.txt')), 'dataset_path='),
-             (dict(eval_path=str(tmp_path / 'none*.txt')), 'eval_path='),
-             (dict(tokenizer_path=str(tmp_path / 'missing.model')), 'tokenizer_path='),
-             (dict(vocab_size=100000), 'vocab_size=100000'),
-             (dict(dataset='nope'), 'dataset=')]
-    for overrides, key in cases:
+    cases = [(f'dataset_path={tmp_path}/nothing/*.txt', 'dataset_path='),
+             (f'eval_path={tmp_path}/none*.txt', 'eval_path='),
+             (f'tokenizer_path={tmp_path}/missing.model', 'tokenizer_path='),
+             ('vocab_size=100000', 'vocab_size=100000'),
+             ('dataset=nope', 'dataset=')]
+    for override, key in cases:
         with pytest.raises(data.DataError, match=key):
-            data.make_dataset(files_cfg(tmp_path, corpus, **overrides))
+            data.make_dataset(files_cfg(tmp_path, corpus, override))
     with pytest.raises(data.DataError, match='tfds_name='):
-        data.make_dataset(make_cfg(tmp_path, dataset='tfds', tfds_name='no_such_dataset_xyz'))
+        data.make_dataset(config(tmp_path, 'dataset=tfds', 'tfds_name=no_such_dataset_xyz', preset=()))
     with pytest.raises(data.DataError, match='dataset_path='):
-        data.make_dataset(make_cfg(tmp_path, task='sudoku', dataset_path=str(tmp_path / 'missing.csv')))
+        data.make_dataset(config(tmp_path, 'task=sudoku', f'dataset_path={tmp_path}/missing.csv', preset=()))
 
 
 def test_vocab_mismatch(tmp_path, corpus):
     model = data.make_dataset(files_cfg(tmp_path, corpus)).tokenizer.serialized_model_proto()
     (tmp_path / 'tok.model').write_bytes(model)
     with pytest.raises(data.DataError, match=f'vocab_size=512 .*tok.model.* set vocab_size={VOCAB}'):
-        data.make_dataset(files_cfg(tmp_path, corpus, vocab_size=512, tokenizer_path=str(tmp_path / 'tok.model')))
+        data.make_dataset(files_cfg(tmp_path, corpus, 'vocab_size=512', f'tokenizer_path={tmp_path}/tok.model'))
 
 
 def test_prefetch_thread_errors_reraise_and_close_stops():
@@ -257,6 +233,36 @@ def test_prefetch_thread_errors_reraise_and_close_stops():
     next(forever)
     forever.close()
     assert not forever._thread.is_alive()
+
+
+def test_wait_seconds_is_time_blocked_on_data():
+    """wait_seconds (the trainer logs it as data wait) is the time next() spent blocked on the producer:
+    all of the production without prefetch; with prefetch ahead of a slower consumer, next to nothing after
+    the first batch, and none of the consumer's own time. Lower bounds are exact; the one upper bound
+    leaves 0.1 s of scheduling noise for three gets from a filled queue."""
+    produced = []
+
+    def batches(n, seconds):
+        for i in range(n):
+            start = time.perf_counter()
+            time.sleep(seconds)
+            produced.append(time.perf_counter() - start)
+            yield {'i': i}, {'i': i + 1}
+
+    it = data.BatchIterator(batches(4, 0.05), {'i': 0}, prefetch=0)
+    for _ in range(4):
+        next(it)
+    assert it.wait_seconds >= sum(produced) >= 4 * 0.05  # each next() ran the producer
+
+    it = data.BatchIterator(batches(4, 0.05), {'i': 0}, prefetch=2)
+    next(it)
+    first = it.wait_seconds
+    for _ in range(3):
+        time.sleep(0.12)  # the "train step", longer than a batch takes: the queue is full again by the next()
+        next(it)
+    it.close()
+    # Unhidden, these three batches would cost 0.15 s of waiting; the consumer's own 0.36 s must not count.
+    assert it.state() == {'i': 4} and it.wait_seconds - first < 0.1, (first, it.wait_seconds)
 
 
 # ---- Sudoku -------------------------------------------------------------------------------------
@@ -290,6 +296,42 @@ def grid_ok(a):
     return all(sorted(u) == list(range(1, 10)) for u in rows + cols + boxes)
 
 
+def peers_of(i):
+    """Independent of data.py: the 20 other cells sharing cell i's row, column or box."""
+    r, c = divmod(i, 9)
+    return {j for j in range(81)
+            if j != i and (j // 9 == r or j % 9 == c or (j // 27, j % 9 // 3) == (r // 3, c // 3))}
+
+
+def test_sudoku_rules_match_plain_python():
+    """data.py's rule tables and checks (the solver, CSV checks, eval scoring and ToT search read them)
+    agree with the plain-Python helpers above, on numpy arrays and on jax arrays under jit."""
+    assert [set(np.flatnonzero(data.PEERS[i])) for i in range(81)] == [peers_of(i) for i in range(81)]
+    assert (data.PEERS.sum(axis=1) == 20).all()
+
+    q, a = data.generate_sudoku(4, 45, seed=3)
+    swapped = a.copy()
+    swapped[:, [0, 1]] = swapped[:, [1, 0]]  # two different digits of row 0 swap: their columns repeat
+    blank = a.copy()
+    blank[:, 40] = 0
+    wall = np.zeros((1, 81), a.dtype)  # cell 0 sees 1..8 in its row and 9 in its column: no digit left,
+    wall[0, 1:9], wall[0, 27] = range(1, 9), 9  # though no given repeats
+    grids = np.concatenate([a, swapped, blank, q, wall])
+    assert brute_force_count(wall[0].tolist()) == 0 and all(brute_force_count(g) == 1 for g in q.tolist())
+
+    # peers' digits, scanned in plain Python: digit d+1 is seen at cell i when a peer holds it
+    seen = np.array([[[d + 1 in {g[j] for j in peers_of(i)} for d in range(9)] for i in range(81)]
+                     for g in grids.tolist()])
+    expect = {'solved': [grid_ok(g) for g in grids.tolist()],
+              'dead_end': [False] * 4 + [True] * 4 + [False] * 4 + [False] * 4 + [True],
+              'digits_seen': seen}
+    assert expect['solved'] == [True] * 4 + [False] * 13  # the helpers see what the cases were built for
+    checks = lambda g: {'solved': data.solved(g), 'dead_end': data.dead_end(g), 'digits_seen': data.digits_seen(g)}
+    for got in (checks(grids), jax.jit(checks)(jnp.asarray(grids))):
+        for key, want in expect.items():
+            assert np.array_equal(np.asarray(got[key]), want), key
+
+
 def test_generated_puzzles_have_exactly_one_solution():
     q, a = data.generate_sudoku(12, 45, seed=7)
     assert np.array_equal(q, data.generate_sudoku(12, 45, seed=7)[0])  # reproducible
@@ -317,7 +359,8 @@ def test_sudoku_dataset_train_eval_disjoint(tmp_path, monkeypatch):
             q, a = np.concatenate([tq, q]), np.concatenate([ta, a])
         return q, a
     monkeypatch.setattr(data, 'generate_sudoku', overlapping)
-    cfg = make_cfg(tmp_path, task='sudoku', sudoku_train_puzzles=20, sudoku_eval_puzzles=8, sudoku_blanks=40)
+    cfg = config(tmp_path, 'task=sudoku', 'sudoku_train_puzzles=20', 'sudoku_eval_puzzles=8', 'sudoku_blanks=40',
+                 preset=())
     ds = data.make_dataset(cfg)
     assert ds.vocab_size == 11 and len(ds.train_q) == 20 and len(ds.eval_q) == 8  # the 3 repeats dropped
     train = {s.tobytes() for s in ds.train_a}
@@ -343,8 +386,8 @@ def test_augment_keeps_puzzles_valid():
 
 @pytest.mark.parametrize('prefetch', [0, 2])
 def test_sudoku_resume_is_exact(tmp_path, prefetch):
-    cfg = make_cfg(tmp_path, task='sudoku', sudoku_train_puzzles=10, sudoku_eval_puzzles=4, sudoku_blanks=30,
-                   prefetch=prefetch)
+    cfg = config(tmp_path, 'task=sudoku', 'sudoku_train_puzzles=10', 'sudoku_eval_puzzles=4', 'sudoku_blanks=30',
+                 f'prefetch={prefetch}', preset=())
     ds = data.make_dataset(cfg)
     it = ds.train_iter(4)
     for _ in range(3):
@@ -369,7 +412,7 @@ def test_sudoku_csv_roundtrip_and_cli(tmp_path):
     data.write_sudoku_csv(str(tmp_path / 'copy.csv'), q, a)
     q2, a2 = data.read_sudoku_csv(str(tmp_path / 'copy.csv'))
     assert np.array_equal(q, q2) and np.array_equal(a, a2)
-    cfg = make_cfg(tmp_path, task='sudoku', dataset_path=str(out), eval_path=str(tmp_path / 'copy.csv'))
+    cfg = config(tmp_path, 'task=sudoku', f'dataset_path={out}', f'eval_path={tmp_path}/copy.csv', preset=())
     assert len(data.make_dataset(cfg).eval_q) == 3
 
 
