@@ -222,6 +222,19 @@ def validate(cfg):
                           f'{cfg.grad_accum} microbatches (0 = off)')
     if cfg.load_params and cfg.load_hf:
         raise ConfigError('load_params and load_hf are both set; keep one')
+    if not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in ('.', '..'):
+        raise ConfigError(f'run_name={cfg.run_name!r}: give a plain directory name (the run goes to output_dir/run_name)')
+    rules = cfg.logical_axis_rules
+    if not isinstance(rules, list) or not all(isinstance(r, list) and len(r) == 2 for r in rules):
+        raise ConfigError(f'logical_axis_rules={rules!r}: give a list of [logical axis, mesh axis or list of them '
+                          'or null] pairs, e.g. [[batch, [data, fsdp]], [embed, fsdp]]')
+    for name, axes in rules:
+        unknown = [a for a in (axes if isinstance(axes, list) else [axes]) if a is not None and a not in cfg.mesh_axes]
+        if unknown:
+            raise ConfigError(f'logical_axis_rules maps {name!r} to mesh axis {unknown[0]!r}, which mesh_axes='
+                              f'{",".join(cfg.mesh_axes)} does not name')
+    if cfg.task == 'sudoku' and cfg.mode == 'generate':
+        sudoku_prompt(cfg)
     check_paths(cfg)
 
 
@@ -240,6 +253,20 @@ def check_paths(cfg):
         if cfg[key] and not exists(cfg[key]):
             what = {os.path.isdir: 'no such directory', os.path.isfile: 'no such file'}.get(exists, 'matches no files')
             raise ConfigError(f'{key}={cfg[key]}: {what}; fix the path (or set {key}= to leave it out)')
+    if cfg.load_params and not checkpoint_steps(cfg.load_params)[1]:
+        raise ConfigError(f'load_params={cfg.load_params}: no checkpoint there; give a run directory, its '
+                          'checkpoints/ directory or one checkpoints/STEP directory')
+
+
+def checkpoint_steps(path):
+    """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
+    (the checkpoints directory, the steps found there)."""
+    path = path.rstrip('/')
+    if os.path.isdir(os.path.join(path, 'checkpoints')):
+        path = os.path.join(path, 'checkpoints')
+    if os.path.basename(path).isdigit() and os.path.isdir(path):
+        return os.path.dirname(path), [int(os.path.basename(path))]
+    return path, sorted(int(d) for d in (os.listdir(path) if os.path.isdir(path) else []) if d.isdigit())
 
 
 # ==================================================================================================
@@ -668,17 +695,11 @@ def restore_checkpoint(mngr, abstract, mesh, steps=None, part=None, move_aside=F
 
 def load_params(path, abstract, mesh, cfg, part='params'):
     """load_params=PATH: a run directory, its checkpoints/ directory, or one step directory in it."""
-    path = path.rstrip('/')
-    if os.path.isdir(os.path.join(path, 'checkpoints')):
-        path = os.path.join(path, 'checkpoints')
-    steps = None
-    if os.path.basename(path).isdigit() and os.path.isdir(path):
-        path, steps = os.path.dirname(path), [int(os.path.basename(path))]
-    mngr = checkpoint_manager(path, cfg, read_only=True) if os.path.isdir(path) else None
-    found = mngr and restore_checkpoint(mngr, abstract, mesh, steps or mngr.all_steps(), part=part)
+    path, steps = checkpoint_steps(path)
+    found = steps and restore_checkpoint(checkpoint_manager(path, cfg, read_only=True), abstract, mesh, steps, part=part)
     if not found:
-        raise ConfigError(f'load_params={path}: no readable checkpoint there; give a run directory or '
-                          'its checkpoints/STEP directory')
+        raise ConfigError(f'load_params={path}: no readable checkpoint there (see the warnings); give a run '
+                          'directory or its checkpoints/STEP directory')
     log(f'loaded {part} from {path}/{found[0]}')
     return found[:2]
 
@@ -1118,14 +1139,19 @@ def generate(cfg, params, prompt_BP, key):
     return jax.jit(run_all)(params, jnp.asarray(prompt_BP, jnp.int32), key)
 
 
-def solve_puzzle(cfg, s, params):
-    """task=sudoku mode=generate: the TRM's grid for one puzzle given as prompt= (81 characters, '.' or '0'
-    for blanks), givens kept, checked against the rules; printed and written to solution.txt."""
+def sudoku_prompt(cfg):
+    """task=sudoku mode=generate: prompt= as a digit grid (81 characters row by row, '.' or '0' = blank)."""
     text = cfg.prompt.replace('\n', '').replace(' ', '')
     if len(text) != data.SUDOKU_LEN or any(c not in '.0123456789' for c in text):
         raise ConfigError(f'prompt={cfg.prompt!r}: give the puzzle as 81 characters, digits 1-9 and . or 0 '
                           'for blanks, row by row')
-    q_L = np.array([0 if c == '.' else int(c) for c in text], np.int32)
+    return np.array([0 if c == '.' else int(c) for c in text], np.int32)
+
+
+def solve_puzzle(cfg, s, params):
+    """task=sudoku mode=generate: the TRM's grid for one puzzle given as prompt= (81 characters, '.' or '0'
+    for blanks), givens kept, checked against the rules; printed and written to solution.txt."""
+    q_L = sudoku_prompt(cfg)
     rows = s.mesh.size  # the same puzzle on every device keeps the batch divisible by the mesh
     tile = lambda x: np.tile(x, (rows, 1)).astype(np.int32)
     batch = {'inputs': tile(q_L + 1), 'targets': tile(q_L + 1)}  # targets: unknown (only the value AUROC reads them)

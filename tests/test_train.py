@@ -1,9 +1,6 @@
 """Core trainer: config strictness, mesh/sharding, the accumulate/clip/update step, the model's math,
 and what a run writes (config, metrics, TensorBoard events)."""
-import json
 import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -14,7 +11,7 @@ import pytest
 
 import model as model_lib
 import train
-from conftest import BASE, ENV, ROOT, config, losses, metrics
+from conftest import BASE, ROOT, config, losses, metrics
 
 
 # ---- the step's math ------------------------------------------------------------------------------
@@ -106,7 +103,7 @@ def test_remat_saves_memory_without_changing_the_math(tmp_path):
     for remat in ('full', 'save_dots'):
         np.testing.assert_allclose(outs[remat]['loss'], outs['none']['loss'], rtol=1e-6)
         np.testing.assert_allclose(outs[remat]['grad_norm'], outs['none']['grad_norm'], rtol=1e-5)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads[remat], grads['none'])
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads[remat], grads['none'])
 
 
 def test_learning_rate_schedule(tmp_path):
@@ -224,51 +221,7 @@ def test_mesh_fill_and_mismatch(tmp_path):
         train.make_mesh(config(tmp_path, 'mesh=4,4,2'), jax.devices()[:8])
 
 
-# ---- the command line: user mistakes are one line, exit 2, no traceback ----------------------------
-CLI_CASES = [
-    (['stepz=5'], "unknown key 'stepz'; did you mean steps?"),
-    (['steps=many'], 'steps=many: expected an integer'),
-    (['steps=5', 'steps=6'], 'steps is given twice'),
-    (['mesh=3,1,1'], 'mesh=3,1,1 (data,fsdp,tensor) needs 3 devices but JAX sees 1'),
-    (['num_kv_heads=3'], 'num_heads=8 must be a multiple of num_kv_heads=3'),
-    (['remat=some'], "remat='some': choose one of"),
-    (['steps'], "argument 'steps' is not key=value"),
-    (['dataset=files', 'dataset_path=/nonexistent/*.txt'], "dataset_path='/nonexistent/*.txt' matches no files"),
-]
-CLI_ENV = {**ENV, 'JAX_NUM_CPU_DEVICES': '1'}
-
-
-@pytest.fixture(scope='module')
-def cli_results():
-    """Every case through `train.main` in one fresh one-device process, each with its own stderr (a
-    process per case spent ~2 s a case importing JAX); the real command line is checked once below."""
-    driver = ('import contextlib, io, json, sys, train\n'
-              'out = []\n'
-              'for args in json.loads(sys.argv[1]):\n'
-              '    err = io.StringIO()\n'
-              '    with contextlib.redirect_stderr(err):\n'
-              '        out.append([train.main(["train.py", "base.yml", *args]), err.getvalue()])\n'
-              'print(json.dumps(out))\n')
-    r = subprocess.run([sys.executable, '-c', driver, json.dumps([a for a, _ in CLI_CASES])], cwd=ROOT,
-                       capture_output=True, text=True, env=CLI_ENV, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize('case', range(len(CLI_CASES)), ids=[' '.join(a) for a, _ in CLI_CASES])
-def test_cli_errors(cli_results, case):
-    code, stderr = cli_results[case]
-    assert code == 2, stderr
-    assert CLI_CASES[case][1] in stderr and 'Traceback' not in stderr
-    assert len(stderr.strip().splitlines()) == 1, stderr
-
-
-def test_cli_error_exits_2_with_one_line():
-    r = subprocess.run([sys.executable, 'train.py', 'base.yml', 'stepz=5'], cwd=ROOT, capture_output=True,
-                       text=True, env=CLI_ENV, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip() == "error: unknown key 'stepz'; did you mean steps?", r.stderr
-
-
+# ---- config files ---------------------------------------------------------------------------------
 def test_duplicate_key_in_yaml(tmp_path):
     path = tmp_path / 'dup.yml'
     path.write_text(open(BASE).read() + '\nsteps: 7\n')

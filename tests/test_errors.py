@@ -1,0 +1,134 @@
+"""Bad input, as a user meets it: every case of README's bad-input table runs through the command line
+and must exit non-zero with one line on stderr (file descriptor 2, so C++ libraries count too) and no
+traceback. The README's table and this list are the same cases."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import train
+from conftest import ENV, ROOT, config
+
+# (arguments after `python train.py`, the line stderr shows); {tmp} is a scratch directory the fixture
+# fills with the files some cases need. A first argument ending in .yml replaces base.yml.
+CASES = [
+    (['stepz=5'], "error: unknown key 'stepz'; did you mean steps?"),
+    (['steps=many'], 'error: steps=many: expected an integer (the default is 200)'),
+    (['steps=5', 'steps=6'], 'error: steps is given twice on the command line; keep one'),
+    (['steps'], "error: argument 'steps' is not key=value"),
+    (['remat=some'], "error: remat='some': choose one of 'none', 'full', 'save_dots'"),
+    (['steps=0'], 'error: steps=0: must be >= 1'),
+    (['learning_rate=-1'], 'error: learning_rate=-1.0: must be > 0'),
+    (['min_lr_ratio=1.5'], 'error: min_lr_ratio=1.5: must be [0, 1]'),
+    (['adam_b2=1'], 'error: adam_b2=1.0: must be [0, 1)'),
+    (['grad_clip=-1'], 'error: grad_clip=-1.0: must be >= 0'),
+    (['per_device_batch=0'], 'error: per_device_batch=0: must be >= 1'),
+    (['trm.halt_explore_prob=2'], 'error: trm.halt_explore_prob=2.0: must be [0, 1]'),
+    (['thoughts_per_step=10'], 'error: thoughts_per_step=10: must be [1, 9]'),
+    (['num_kv_heads=3'], 'error: num_heads=8 must be a multiple of num_kv_heads=3'),
+    (['head_dim=7'], 'error: head dim 7 must be even for RoPE; set head_dim'),
+    (['mesh=0,1,1'], 'error: mesh=0,1,1: use positive sizes and at most one -1'),
+    (['mesh=3,1,1'], 'error: mesh=3,1,1 (data,fsdp,tensor) needs 3 devices but JAX sees 1 cpu device(s); '
+                     'use e.g. mesh=1,1,1 or mesh=1,-1,1'),
+    (['profile_steps=3,2'], 'error: profile_steps=3,2: give two steps a,b with 1 <= a <= b <= steps=200 (0,0 = off)'),
+    (['compile_topology=v9-8'], 'error: compile_topology=v9-8: choose one of v2-8, v3-8, v4-8, v4-32, v4-64, '
+                                'v5e-8, v5p-8, v6e-8'),
+    (['task=sudoku', 'grad_accum=2', 'batch_ramp_start=1'], 'error: batch_ramp_start: the ramp is for task=lm '
+                                                            '(the TRM carry holds grad_accum microbatches)'),
+    (['load_params={tmp}/no-run'], 'error: load_params={tmp}/no-run: no such directory; fix the path '
+                                   '(or set load_params= to leave it out)'),
+    (['load_hf={tmp}/no-hf'], 'error: load_hf={tmp}/no-hf: no such directory; fix the path (or set load_hf= '
+                              'to leave it out)'),
+    (['load_params={tmp}', 'load_hf={tmp}'], 'error: load_params and load_hf are both set; keep one'),
+    (['tokenizer_path={tmp}/no.model'], 'error: tokenizer_path={tmp}/no.model: no such file; fix the path '
+                                        '(or set tokenizer_path= to leave it out)'),
+    (['dataset=files', 'dataset_path={tmp}/none/*.txt'], 'error: dataset_path={tmp}/none/*.txt: matches no files; '
+                                                         'fix the path (or set dataset_path= to leave it out)'),
+    (['task=sudoku', 'dataset_path={tmp}/no.csv'], 'error: dataset_path={tmp}/no.csv: no such file; fix the path '
+                                                   '(or set dataset_path= to leave it out)'),
+    (['task=sudoku', 'sudoku_train_puzzles=8', 'eval_path={tmp}/bad.csv'],
+     'error: {tmp}/bad.csv:3: q has 80 characters, expected 81'),
+    (['mode=eval', 'dataset=synthetic', 'run_name=never-trained'],
+     'error: mode=eval needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, or run_name= a run with '
+     'checkpoints (none in {tmp}/runs/never-trained/checkpoints)'),
+    (['output_dir={tmp}/a-file/runs'], 'error: output_dir={tmp}/a-file/runs: cannot write {tmp}/a-file/runs/default '
+                                       '(Not a directory); choose a writable output_dir'),
+    (['{tmp}/no.yml'], 'error: cannot read config file {tmp}/no.yml: No such file or directory'),
+    (['{tmp}/broken.yml'], 'error: {tmp}/broken.yml is not valid YAML: while parsing a flow sequence'),
+    (['run_name='], "error: run_name='': give a plain directory name (the run goes to output_dir/run_name)"),
+    (['logical_axis_rules=[[batch]]'], "error: logical_axis_rules=[['batch']]: give a list of [logical axis, mesh axis "
+                                       "or list of them or null] pairs, e.g. [[batch, [data, fsdp]], [embed, fsdp]]"),
+    (['mesh_axes=data,fsdp,model'], "error: logical_axis_rules maps 'heads' to mesh axis 'tensor', which "
+                                    "mesh_axes=data,fsdp,model does not name"),
+    (['load_params={tmp}'], 'error: load_params={tmp}: no checkpoint there; give a run directory, its checkpoints/ '
+                            'directory or one checkpoints/STEP directory'),
+    (['task=sudoku', 'mode=generate', 'prompt=123'], "error: prompt='123': give the puzzle as 81 characters, digits "
+                                                     "1-9 and . or 0 for blanks, row by row"),
+    (['platform=tpu', 'platform_strict=true'], 'error: platform=tpu: no tpu devices here (JAX found cpu); drop '
+                                               'platform= or set platform_strict=false'),
+    (['output_dir={tmp}/damaged', 'dataset=synthetic', 'd_model=64', 'num_layers=2', 'num_heads=4', 'mlp_dim=128',
+      'vocab_size=128', 'max_target_length=32'],
+     'error: no readable checkpoint in {tmp}/damaged/default/checkpoints (steps 2, 4 are damaged, see the '
+     'warnings): move them away to start over, or set resume=false'),
+]
+
+
+@pytest.fixture(scope='module')
+def results(tmp_path_factory):
+    """Every case through `train.main` in one fresh one-device process (a process per case spent ~2 s a
+    case importing JAX), each case's file descriptor 2 in its own file."""
+    tmp = tmp_path_factory.mktemp('bad')
+    (tmp / 'a-file').write_text('')
+    (tmp / 'broken.yml').write_text('steps: [1, 2\n')
+    good = '534678912672195348198342567859761423426853791713924856961537284287419635345286179'
+    (tmp / 'bad.csv').write_text(f'source,q,a,rating\nok,{good[:40] + "." * 41},{good},1\nbad,{"." * 80},{good},1\n')
+    train.run(config(tmp / 'damaged', 'steps=4', 'checkpoint_every=2'), jax.devices()[:1])  # then both steps garbled
+    for step in ('2', '4'):
+        (tmp / 'damaged' / 'default' / 'checkpoints' / step / 'train_state' / '_sharding').write_text('garbage')
+    cases = [[a.replace('{tmp}', str(tmp)) for a in args] for args, _ in CASES]
+    driver = ('import json, os, sys, tempfile, train\n'
+              'out = []\n'
+              'for args in json.loads(sys.argv[1]):\n'
+              '    config = args.pop(0) if args[0].endswith(".yml") else "base.yml"\n'
+              '    if not any(a.startswith("output_dir=") for a in args):\n'
+              '        args.append("output_dir=" + sys.argv[2] + "/runs")\n'
+              '    args.append("cache_dir=" + sys.argv[2] + "/cache")\n'
+              '    with tempfile.TemporaryFile("w+") as err:\n'
+              '        saved = os.dup(2)\n'
+              '        os.dup2(err.fileno(), 2)\n'
+              '        code = train.main(["train.py", config, *args])\n'
+              '        sys.stderr.flush()\n'
+              '        os.dup2(saved, 2)\n'
+              '        err.seek(0)\n'
+              '        out.append([code, err.read()])\n'
+              'print(json.dumps(out))\n')
+    r = subprocess.run([sys.executable, '-c', driver, json.dumps(cases), str(tmp)], cwd=ROOT, capture_output=True,
+                       text=True, env={**ENV, 'JAX_NUM_CPU_DEVICES': '1'}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp, json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize('case', range(len(CASES)), ids=[' '.join(a) for a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2(results, case):
+    tmp, got = results
+    code, stderr = got[case]
+    assert code == 2 and 'Traceback' not in stderr, stderr
+    assert stderr.strip().splitlines() == [CASES[case][1].replace('{tmp}', str(tmp))]
+
+
+def test_readme_lists_every_case():
+    """The README's bad-input table shows these cases, each with the message it gives."""
+    readme = open(os.path.join(ROOT, 'README.md')).read()
+    for args, message in CASES:
+        shown = args if args[0].endswith('.yml') else ['base.yml', *args]
+        row = f'| `{" ".join(shown)}` | `{message.removeprefix("error: ")}` |'
+        assert row.replace('{tmp}', '/data') in readme, row
+
+
+def test_the_real_command_line():
+    r = subprocess.run([sys.executable, 'train.py', 'base.yml', 'stepz=5'], cwd=ROOT, capture_output=True,
+                       text=True, env={**ENV, 'JAX_NUM_CPU_DEVICES': '1'}, timeout=120)
+    assert r.returncode == 2 and r.stderr == "error: unknown key 'stepz'; did you mean steps?\n", r.stderr
