@@ -8,6 +8,7 @@ puzzle heads' task code are in model.py, the data pipelines in data.py. Shape le
 import contextlib
 import dataclasses
 import difflib
+import glob
 import functools
 import json
 import logging
@@ -241,7 +242,6 @@ def validate(cfg):
 def check_paths(cfg):
     """Every path the user typed must exist, whatever else the run does (a resumable run directory would
     otherwise hide a mistyped load_params)."""
-    import glob
     wanted = {'load_params': os.path.isdir, 'load_hf': os.path.isdir, 'tokenizer_path': os.path.isfile,
               'data_dir': os.path.isdir}
     if cfg.task == 'sudoku':

@@ -85,11 +85,11 @@ def test_clipping_clips(tmp_path):
 
 def test_remat_saves_memory_without_changing_the_math(tmp_path):
     """remat=full keeps only each layer's input for the backward pass: the compiled step needs less
-    temporary memory than remat=none, while the loss, the gradients and the update stay the same."""
+    temporary memory than remat=none, while the loss and the gradients stay the same."""
     b = {k: v[None] for k, v in _batch(config(tmp_path, 'max_target_length=64'), 8).items()}
-    temp, outs, params, grads = {}, {}, {}, {}
-    for remat in ('none', 'full', 'save_dots'):
-        cfg = config(tmp_path, f'remat={remat}', 'scan_layers=true', 'max_target_length=64', 'num_layers=4')
+    temp, outs, grads = {}, {}, {}
+    for remat in ('none', 'full'):
+        cfg = config(tmp_path, f'remat={remat}', 'scan_layers=true', 'max_target_length=64')
         mesh, state, step = _state_and_step(cfg)
         model = model_lib.Transformer(cfg)
         loss = lambda p: model_lib.lm_loss(cfg, model, p, {k: v[0] for k, v in b.items()}, None, None)[0]
@@ -97,13 +97,11 @@ def test_remat_saves_memory_without_changing_the_math(tmp_path):
             grads[remat] = jax.jit(jax.grad(loss))(state['params'])
             compiled = step.lower(state, b).compile()
             temp[remat] = compiled.memory_analysis().temp_size_in_bytes
-            new_state, outs[remat] = compiled(state, b)
-        params[remat] = new_state['params']
-    assert temp['full'] < temp['none'] and temp['full'] <= temp['save_dots'], temp
-    for remat in ('full', 'save_dots'):
-        np.testing.assert_allclose(outs[remat]['loss'], outs['none']['loss'], rtol=1e-6)
-        np.testing.assert_allclose(outs[remat]['grad_norm'], outs['none']['grad_norm'], rtol=1e-5)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads[remat], grads['none'])
+            outs[remat] = compiled(state, b)[1]
+    assert temp['full'] < temp['none'], temp
+    np.testing.assert_allclose(outs['full']['loss'], outs['none']['loss'], rtol=1e-6)
+    np.testing.assert_allclose(outs['full']['grad_norm'], outs['none']['grad_norm'], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads['full'], grads['none'])
 
 
 def test_learning_rate_schedule(tmp_path):
@@ -122,7 +120,7 @@ def _init(cfg, L=16, seed=0):
     m.apply = jax.jit(m.apply)  # eager op-by-op dispatch would dominate these tests' time
     toks = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, L)), jnp.int32)
     pos = jnp.tile(jnp.arange(L), (2, 1))
-    params = nn.unbox(m.init(jax.random.key(seed), toks, pos, jnp.ones_like(toks))['params'])
+    params = nn.unbox(jax.jit(m.init)(jax.random.key(seed), toks, pos, jnp.ones_like(toks))['params'])
     return m, params, toks, pos
 
 
