@@ -416,6 +416,22 @@ def test_sudoku_csv_roundtrip_and_cli(tmp_path):
     assert len(data.make_dataset(cfg).eval_q) == 3
 
 
+@pytest.mark.parametrize('layout', ['public q,a', 'question,answer', 'no header', 'bare pairs, 0 for blanks'])
+def test_sudoku_csv_layouts_in_use(tmp_path, layout):
+    """The published Sudoku-Extreme files (source,question,answer,rating), copies without a header (read by
+    position, as the TRM reference does) or as bare puzzle,solution pairs, and our own q,a files."""
+    q, a = data.generate_sudoku(3, 40, 1)
+    data.write_sudoku_csv(str(tmp_path / 'ours.csv'), q, a)
+    lines = (tmp_path / 'ours.csv').read_text().splitlines()
+    text = {'public q,a': lines, 'question,answer': ['source,question,answer,rating'] + lines[1:],
+            'no header': lines[1:],
+            'bare pairs, 0 for blanks': [''.join(map(str, x)) + ',' + ''.join(map(str, y)) for x, y in zip(q, a)]}
+    (tmp_path / 'in.csv').write_text('\n'.join(text[layout]) + '\n')
+    q2, a2 = data.read_sudoku_csv(str(tmp_path / 'in.csv'))
+    np.testing.assert_array_equal(q2, q)
+    np.testing.assert_array_equal(a2, a)
+
+
 GOOD_A = '534678912672195348198342567859761423426853791713924856961537284287419635345286179'
 GOOD_Q = GOOD_A[:40].replace('5', '.').replace('3', '0') + '.' * 41
 

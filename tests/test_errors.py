@@ -10,7 +10,8 @@ import jax
 import pytest
 
 import train
-from conftest import ENV, ROOT, config
+from conftest import ENV, ROOT, VOCAB, config, write_corpus
+from conftest import args as run_args
 
 # (arguments after `python train.py`, the line stderr shows); {tmp} is a scratch directory the fixture
 # fills with the files some cases need. A first argument ending in .yml replaces base.yml.
@@ -132,3 +133,18 @@ def test_the_real_command_line():
     r = subprocess.run([sys.executable, 'train.py', 'base.yml', 'stepz=5'], cwd=ROOT, capture_output=True,
                        text=True, env={**ENV, 'JAX_NUM_CPU_DEVICES': '1'}, timeout=120)
     assert r.returncode == 2 and r.stderr == "error: unknown key 'stepz'; did you mean steps?\n", r.stderr
+
+
+def test_a_cpu_run_prints_nothing_on_stderr(tmp_path):
+    """A successful run on this machine, libtpu installed by tests/requirements.txt and JAX_PLATFORMS not
+    set: libtpu stays out of a host without TPU chips, and tfds (a files dataset built here) and orbax
+    (checkpoints written and resumed) say nothing on stderr."""
+    write_corpus(tmp_path / 'corpus', 6, 'doc', 0)
+    env = {k: v for k, v in ENV.items() if k != 'JAX_PLATFORMS'}
+    argv = [sys.executable, 'train.py', 'base.yml', *run_args(tmp_path, 'dataset=files', f'dataset_path={tmp_path}/corpus/*.txt',
+                                                              f'vocab_size={VOCAB}', 'eval_batches=1')]
+    for steps in ('steps=2', 'steps=3'):  # the second run resumes
+        r = subprocess.run(argv + [steps], cwd=ROOT, capture_output=True, text=True, env={**env, 'JAX_NUM_CPU_DEVICES': '1'},
+                           timeout=300)
+        assert r.returncode == 0 and r.stderr == '', r.stderr[-3000:]
+    assert 'building the text dataset' in r.stdout or 'resuming from checkpoint' in r.stdout

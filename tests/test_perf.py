@@ -1,6 +1,7 @@
 """Performance tools: the profiler window, the persistent compilation cache, the memory report and the
 benchmark summary. Behaviour only; speed itself is measured by the benchmark (README, Performance)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -24,6 +25,8 @@ def test_profile_cache_memory_and_benchmark_line(tmp_path):
     assert traces, run.stdout
     for expect in ('estimate per device: params', 'compiled per device: arguments', 'benchmark: 2 timed steps'):
         assert expect in run.stdout, run.stdout
+    # The line a person reads each log_every steps: progress, loss, speed, MFU and the time left.
+    assert re.search(r'^step 3/3  loss \d+\.\d{4}  [\d,]+ tokens/s  MFU [\d.]+%  ETA 0m00s$', run.stdout, re.M), run.stdout
     assert os.listdir(cache)
 
 
