@@ -224,7 +224,8 @@ def validate(cfg):
     if cfg.load_params and cfg.load_hf:
         raise ConfigError('load_params and load_hf are both set; keep one')
     if not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in ('.', '..'):
-        raise ConfigError(f'run_name={cfg.run_name!r}: give a plain directory name (the run goes to output_dir/run_name)')
+        raise ConfigError(f'run_name={cfg.run_name!r}: give a plain directory name (the run goes to '
+                          'output_dir/run_name)')
     rules = cfg.logical_axis_rules
     if not isinstance(rules, list) or not all(isinstance(r, list) and len(r) == 2 for r in rules):
         raise ConfigError(f'logical_axis_rules={rules!r}: give a list of [logical axis, mesh axis or list of them '
@@ -247,7 +248,8 @@ def check_paths(cfg):
     if cfg.task == 'sudoku':
         wanted.update(dataset_path=os.path.isfile, eval_path=os.path.isfile)
     elif cfg.dataset == 'files':
-        glob_any = lambda pattern: any(os.path.isfile(f) for f in glob.iglob(os.path.expanduser(pattern), recursive=True))
+        glob_any = lambda pattern: any(os.path.isfile(f)
+                                       for f in glob.iglob(os.path.expanduser(pattern), recursive=True))
         wanted.update(dataset_path=glob_any, eval_path=glob_any)
     for key, exists in wanted.items():
         if cfg[key] and not exists(cfg[key]):
@@ -610,7 +612,8 @@ def _check_shapes(mngr, step, abstract, part):
         saved = mngr.item_metadata(step)['train_state']
         saved = _flat_shapes(saved[part] if part else saved)
     except Exception as e:  # orbax raises ValueError, KeyError, tensorstore errors ... for unreadable metadata
-        raise Damaged(f'its metadata is unreadable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ""}')
+        first = str(e).splitlines()[0][:120] if str(e) else ''
+        raise Damaged(f'its metadata is unreadable: {type(e).__name__}: {first}')
     if not any(path[0] == 'params' for path in saved) and not part:
         raise Damaged('its metadata lists no parameters')
     for path, want in sorted(_flat_shapes(abstract).items(), key=lambda kv: kv[0][0] != 'params'):
@@ -685,7 +688,8 @@ def restore_checkpoint(mngr, abstract, mesh, steps=None, part=None, move_aside=F
             stamp = time.strftime('%Y%m%d-%H%M%S')
             if jax.process_index() == 0:
                 for bad in damaged:
-                    os.rename(os.path.join(mngr.directory, str(bad)), os.path.join(mngr.directory, f'{bad}.damaged-{stamp}'))
+                    where = os.path.join(mngr.directory, str(bad))
+                    os.rename(where, f'{where}.damaged-{stamp}')
                 log(f'moved the damaged step(s) {", ".join(map(str, damaged))} aside to STEP.damaged-{stamp}')
             multihost_utils.sync_global_devices('damaged checkpoints moved aside')
             mngr.reload()
@@ -696,7 +700,8 @@ def restore_checkpoint(mngr, abstract, mesh, steps=None, part=None, move_aside=F
 def load_params(path, abstract, mesh, cfg, part='params'):
     """load_params=PATH: a run directory, its checkpoints/ directory, or one step directory in it."""
     path, steps = checkpoint_steps(path)
-    found = steps and restore_checkpoint(checkpoint_manager(path, cfg, read_only=True), abstract, mesh, steps, part=part)
+    mngr = checkpoint_manager(path, cfg, read_only=True) if steps else None
+    found = steps and restore_checkpoint(mngr, abstract, mesh, steps, part=part)
     if not found:
         raise ConfigError(f'load_params={path}: no readable checkpoint there (see the warnings); give a run '
                           'directory or its checkpoints/STEP directory')
@@ -849,7 +854,8 @@ class StepLog:
              'learning_rate': lr, 'grad_norm': float(out['grad_norm'])}
         if self.tokens:  # a window holding only the compiling first step has no rate to report
             m.update(tokens_per_sec=tps, tokens_per_sec_per_device=tps / n_dev,
-                     tflops_per_device=tps * flops['per_token'] / n_dev / 1e12, mfu=tps * flops['per_token'] / flops['peak'],
+                     tflops_per_device=tps * flops['per_token'] / n_dev / 1e12,
+                     mfu=tps * flops['per_token'] / flops['peak'],
                      step_seconds=dt / max(self.timed, 1))
         m.update(tokens_per_step=float(out['tokens']), data_wait_fraction=(self.it.wait_seconds - self.wait0) / dt,
                  host_rss_gb=host_rss_gb())
@@ -1049,20 +1055,24 @@ def export_hf(cfg, params, ds, out_dir):
             'torch_dtype': cfg.weight_dtype, 'bos_token_id': bos, 'eos_token_id': eos,
             **{hf: model_lib.dims(cfg) if ours == 'head_dim' else cfg[ours] for ours, hf in _HF_KEYS.items()}}
     if jax.process_index() == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        # transformers wants the metadata format=pt.
-        safetensors.numpy.save_file(tensors, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
-        with open(os.path.join(out_dir, 'config.json'), 'w') as f:
-            json.dump(conf, f, indent=2)
-        if ds.tokenizer:
-            with open(os.path.join(out_dir, 'tokenizer.model'), 'wb') as f:
-                f.write(ds.tokenizer.serialized_model_proto())
-            piece = ds.tokenizer.id_to_piece
-            with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
-                json.dump({'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(bos), 'eos_token': piece(eos),
-                           'unk_token': piece(ds.tokenizer.unk_id()), 'add_bos_token': True, 'add_eos_token': False,
-                           'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
-                           'model_max_length': cfg.max_target_length}, f, indent=2)
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            # transformers wants the metadata format=pt.
+            safetensors.numpy.save_file(tensors, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
+            with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+                json.dump(conf, f, indent=2)
+            if ds.tokenizer:
+                with open(os.path.join(out_dir, 'tokenizer.model'), 'wb') as f:
+                    f.write(ds.tokenizer.serialized_model_proto())
+                piece = ds.tokenizer.id_to_piece
+                with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
+                    json.dump({'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(bos), 'eos_token': piece(eos),
+                               'unk_token': piece(ds.tokenizer.unk_id()), 'add_bos_token': True, 'add_eos_token': False,
+                               'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
+                               'model_max_length': cfg.max_target_length}, f, indent=2)
+        except OSError as e:
+            raise ConfigError(f'export_dir={out_dir}: cannot write there ({e.strerror}); choose a writable '
+                              'directory') from None
     log(f'exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face Llama checkpoint to {out_dir}'
         + ('' if ds.tokenizer else ' (no tokenizer: dataset=synthetic has none)'))
     return tensors
@@ -1344,6 +1354,11 @@ def prepare_run_dir(cfg):
     except OSError as e:
         raise ConfigError(f'output_dir={cfg.output_dir}: cannot write {run_dir} ({e.strerror}); '
                           'choose a writable output_dir') from None
+    try:
+        os.makedirs(cfg.cache_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); '
+                          'choose a writable cache_dir') from None
     return run_dir
 
 
@@ -1381,7 +1396,8 @@ def restore_or_init(cfg, s, mngr):
     if cfg.resume and mngr.all_steps():
         restored = restore_checkpoint(mngr, s.abstract, s.mesh, move_aside=True)
         if not restored:
-            raise ConfigError(f'no readable checkpoint in {mngr.directory} (steps {", ".join(map(str, mngr.all_steps()))} '
+            steps = ', '.join(map(str, mngr.all_steps()))
+            raise ConfigError(f'no readable checkpoint in {mngr.directory} (steps {steps} '
                               'are damaged, see the warnings): move them away to start over, or set resume=false')
     if restored:
         start, state, data_state = restored

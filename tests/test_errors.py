@@ -57,6 +57,8 @@ CASES = [
      'checkpoints (none in {tmp}/runs/never-trained/checkpoints)'),
     (['output_dir={tmp}/a-file/runs'], 'error: output_dir={tmp}/a-file/runs: cannot write {tmp}/a-file/runs/default '
                                        '(Not a directory); choose a writable output_dir'),
+    (['cache_dir={tmp}/a-file/cache'], 'error: cache_dir={tmp}/a-file/cache: cannot create it (Not a directory); '
+                                       'choose a writable cache_dir'),
     (['{tmp}/no.yml'], 'error: cannot read config file {tmp}/no.yml: No such file or directory'),
     (['{tmp}/broken.yml'], 'error: {tmp}/broken.yml is not valid YAML: while parsing a flow sequence'),
     (['run_name='], "error: run_name='': give a plain directory name (the run goes to output_dir/run_name)"),
@@ -96,7 +98,8 @@ def results(tmp_path_factory):
               '    config = args.pop(0) if args[0].endswith(".yml") else "base.yml"\n'
               '    if not any(a.startswith("output_dir=") for a in args):\n'
               '        args.append("output_dir=" + sys.argv[2] + "/runs")\n'
-              '    args.append("cache_dir=" + sys.argv[2] + "/cache")\n'
+              '    if not any(a.startswith("cache_dir=") for a in args):\n'
+              '        args.append("cache_dir=" + sys.argv[2] + "/cache")\n'
               '    with tempfile.TemporaryFile("w+") as err:\n'
               '        saved = os.dup(2)\n'
               '        os.dup2(err.fileno(), 2)\n'
