@@ -1,6 +1,6 @@
 """Data for the trainer: text (tfds + sentencepiece) and Sudoku puzzles, as resumable per-host iterators.
 
-    ds = make_dataset(cfg, process_index, process_count)
+    ds = make_dataset(cfg, process_index, process_count, log=print)   # log hears the slow one-time steps
     it = ds.train_iter(local_rows, state=None)   # next(it) -> batch dict; it.state() -> tiny JSON dict
     ds.eval_batches(local_rows, n)               # the same n batches on every call
 
@@ -10,7 +10,9 @@ Every batch is a dict of numpy arrays shaped [rows, L]:
     positions        int32    position inside the document piece, restarting at 0 for every segment
     loss_mask        float32  1 where the target counts
 This module is numpy-only on purpose: train.py owns devices and turns these into global jax arrays.
-TensorFlow is optional: tfds builds and reads array_record files without it.
+TensorFlow is optional: tfds builds and reads array_record files without it. The Sudoku rules are defined
+here once (UNITS, PEERS, digits_seen, dead_end, solved) and take numpy or jax arrays: model.py's search
+uses them too.
 """
 
 import contextlib
