@@ -915,6 +915,11 @@ def next_batch(cfg, s, it, step):
 
 def train_loop(cfg, s, state, data_state, mngr, train_step, eval_step):
     """Train from state['step'] to cfg.steps; returns the summary of the last metrics row and the benchmark."""
+    if int(state['step']) >= cfg.steps:
+        mngr.close()
+        log(f'{s.run_dir} is already at step {int(state["step"])} of steps={cfg.steps}: nothing to train '
+            '(raise steps= to go on)')
+        return {'step': int(state['step']), 'run_dir': s.run_dir}
     flops = step_flops(cfg, s)
     t_xla, compiled_gb = report_compiled_step(cfg, s, train_step, state) if cfg.task == 'lm' else (0.0, None)
     step = int(state['step'])
