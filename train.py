@@ -278,7 +278,10 @@ def quiet_platforms():
     """An installed libtpu (tests/requirements.txt brings it, for the TPU fit check) loads itself into every
     JAX process and prints five lines of errors on a host without TPU chips. There, unless the user chose
     platforms (JAX_PLATFORMS), JAX starts only the platforms the host has. The fit check loads libtpu itself."""
-    from jax._src import hardware_utils  # what JAX itself reads at start-up: PCI vendor and device ids
+    try:
+        from jax._src import hardware_utils  # what JAX itself reads at start-up: PCI vendor and device ids
+    except ImportError:  # a private module: if a later JAX moves it, leave JAX's own choice alone
+        return
     if jax.config.jax_platforms or hardware_utils.num_available_tpu_chips_and_device_id()[0]:
         return
     plugin = lambda prefix: any(m.name.startswith(prefix) for m in pkgutil.iter_modules())
