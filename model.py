@@ -1,4 +1,4 @@
-"""A Llama-style GQA transformer in Flax Linen, and two puzzle heads on it, written to be read.
+"""A Llama-style GQA transformer in Flax NNX, and two puzzle heads on it, written to be read.
 
   Transformer    token ids -> logits; exactly Llama's math (rotate-half RoPE, RMSNorm with eps inside the
                  rsqrt, SwiGLU, no biases), so the weights export to Hugging Face's LlamaForCausalLM.
@@ -7,9 +7,12 @@
   ToT            a value head on the TRM's answer state and a step-level beam search over thoughts
                  (tree_search), plus greedy decoding and the Sudoku scoring they are measured with.
 
-Parameters carry *logical* axis names only ('embed', 'heads', 'mlp', ...). train.py maps them to mesh
-axes with the one table `logical_axis_rules` in base.yml; nothing here knows the mesh. The puzzle heads
-read the Sudoku rules and token layout from data.py, where they are defined once.
+Modules are NNX; the trainer keeps no module objects. `init` splits a model into its graph (structure
+and settings, static) and its parameters (a plain nested dict of arrays: what optax, orbax and the HF
+export see); a loss merges them back, `nnx.merge(graph, params)(...)`, inside the jitted step, so the
+step is a pure function of arrays. Parameters carry *logical* axis names only ('embed', 'heads',
+'mlp', ...); train.py maps them to mesh axes with the one table `logical_axis_rules` in base.yml, and
+nothing here knows the mesh. The puzzle heads read the Sudoku rules and token layout from data.py.
 
 Shape letters, for the whole repository (x_BLD is a [batch, length, d_model] array):
   B batch rows   L length       D d_model      H query heads   G kv heads      K head dim
@@ -19,13 +22,14 @@ Shape letters, for the whole repository (x_BLD is a [batch, length, d_model] arr
   E thoughts per state          M states held between search steps (the frontier)
 """
 import math
-from typing import Any
 
-import flax.linen as nn
+import flax.core.spmd
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
+from jax.sharding import PartitionSpec
 
 from data import SUDOKU_LEN, dead_end, digits_seen, solved
 
@@ -42,10 +46,20 @@ def dims(cfg):
     return cfg.head_dim or cfg.d_model // cfg.num_heads
 
 
-def param(module, name, shape, axes, std, dtype):
-    """A parameter initialised N(0, std) in `dtype`, annotated with its logical axes."""
-    init = nn.with_logical_partitioning(nn.initializers.normal(std), axes)
-    return module.param(name, init, shape, dtype)
+def param(rngs, shape, axes, std, dtype, fill=None):
+    """A parameter drawn N(0, std) in `dtype` (or filled with `fill`), annotated with its logical axes.
+    train.py places the whole state in one jit, so variables are not sharded one by one as they are made."""
+    value = jnp.full(shape, fill, dtype) if fill is not None else std * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def constrain(x, axes):
+    """with_sharding_constraint by logical axis names, through the rules train.py installs with
+    nnx.logical_axis_rules; a no-op where none are installed (tests calling the model bare)."""
+    rules = dict(flax.core.spmd.get_logical_axis_rules())
+    if not rules:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*(rules.get(a) if a else None for a in axes)))
 
 
 def dot(eq, x, w, dtype, out_dtype=None):
@@ -68,18 +82,15 @@ def dot(eq, x, w, dtype, out_dtype=None):
     return y.reshape(x.shape[:-n] + w.shape[n:]).astype(out_dtype or dtype)
 
 
-class RMSNorm(nn.Module):
-    eps: float
-    dtype: Any
-    weight_dtype: Any
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg):
+        self.scale = param(None, (cfg.d_model,), ('embed',), None, jnp.dtype(cfg.weight_dtype), fill=1.0)
+        self.eps, self.dtype = cfg.norm_eps, jnp.dtype(cfg.dtype)
 
-    @nn.compact
     def __call__(self, x_BLD):
-        scale_D = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
-                             (x_BLD.shape[-1],), self.weight_dtype)
         x = x_BLD.astype(jnp.float32)  # statistics in float32 whatever the compute dtype
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x.astype(self.dtype) * scale_D.astype(self.dtype))
+        return x.astype(self.dtype) * self.scale[...].astype(self.dtype)
 
 
 def rope(x_BLHK, positions_BL, theta):
@@ -93,19 +104,22 @@ def rope(x_BLHK, positions_BL, theta):
     return (x * jnp.cos(angles_BL1K) + rotated * jnp.sin(angles_BL1K)).astype(x_BLHK.dtype)
 
 
-def kv_cache(module, k_BLGK, v_BLGK, positions_BL, T):
-    """Generation: write this call's keys/values into a [B, T, G, K] cache at their positions (all rows
-    share positions) and let each query see every cached slot at or before its own position. A prompt
-    fills many slots at once (prefill); a decode step fills one, so a new token costs one position.
-    Under nn.scan the 'cache' collection is stacked like the params: [layers, B, T, G, K]."""
-    B, _, G, K = k_BLGK.shape
+def init_cache(cfg, B, T):
+    """An empty KV cache for generation: keys and values [layers, B, T, G, K] in the compute dtype."""
+    zeros = jnp.zeros((cfg.num_layers, B, T, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype))
+    return {'k': zeros, 'v': zeros}
+
+
+def kv_cache(cache, k_BLGK, v_BLGK, positions_BL):
+    """Generation: write this call's keys/values into the layer's [B, T, G, K] cache at their positions
+    (all rows share positions) and let each query see every cached slot at or before its own position.
+    A prompt fills many slots at once (prefill); a decode step fills one, so a new token costs one
+    position. Returns the whole cache's keys, values, the mask, and the updated cache."""
     start = (0, positions_BL[0, 0], 0, 0)
-    ck = module.variable('cache', 'k', jnp.zeros, (B, T, G, K), k_BLGK.dtype)
-    cv = module.variable('cache', 'v', jnp.zeros, (B, T, G, K), v_BLGK.dtype)
-    ck.value = jax.lax.dynamic_update_slice(ck.value, k_BLGK, start)
-    cv.value = jax.lax.dynamic_update_slice(cv.value, v_BLGK, start)
-    mask_B1LT = (jnp.arange(T)[None, None, :] <= positions_BL[:, :, None])[:, None]
-    return ck.value, cv.value, mask_B1LT
+    k_BTGK = jax.lax.dynamic_update_slice(cache['k'], k_BLGK.astype(cache['k'].dtype), start)
+    v_BTGK = jax.lax.dynamic_update_slice(cache['v'], v_BLGK.astype(cache['v'].dtype), start)
+    mask_B1LT = (jnp.arange(k_BTGK.shape[1])[None, None, :] <= positions_BL[:, :, None])[:, None]
+    return k_BTGK, v_BTGK, mask_B1LT, {'k': k_BTGK, 'v': v_BTGK}
 
 
 def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
@@ -128,140 +142,172 @@ def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
     return o_BGQK.astype(dtype).reshape(B, G, R, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
 
 
-class Attention(nn.Module):
-    cfg: Any
+class Attention(nnx.Module):
+    def __init__(self, cfg, rngs):
+        D, H, G, K, wdt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, dims(cfg), jnp.dtype(cfg.weight_dtype)
+        self.cfg = cfg
+        self.wq = param(rngs, (D, H, K), ('embed', 'heads', 'head_dim'), D ** -0.5, wdt)
+        self.wk = param(rngs, (D, G, K), ('embed', 'kv_heads', 'head_dim'), D ** -0.5, wdt)
+        self.wv = param(rngs, (D, G, K), ('embed', 'kv_heads', 'head_dim'), D ** -0.5, wdt)
+        self.wo = param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), (H * K) ** -0.5, wdt)
 
-    @nn.compact
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL, causal):
-        cfg, dt, wdt = self.cfg, jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.weight_dtype)
-        D, H, G, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, dims(cfg)
-        std = D ** -0.5
-        w_DHK = param(self, 'wq', (D, H, K), ('embed', 'heads', 'head_dim'), std, wdt)
-        w_DGK_k = param(self, 'wk', (D, G, K), ('embed', 'kv_heads', 'head_dim'), std, wdt)
-        w_DGK_v = param(self, 'wv', (D, G, K), ('embed', 'kv_heads', 'head_dim'), std, wdt)
-        w_HKD = param(self, 'wo', (H, K, D), ('heads', 'head_dim', 'embed'), (H * K) ** -0.5, wdt)
-        q_BLHK = rope(dot('bld,dhk->blhk', x_BLD, w_DHK, dt), positions_BL, cfg.rope_theta)
-        k_BLGK = rope(dot('bld,dgk->blgk', x_BLD, w_DGK_k, dt), positions_BL, cfg.rope_theta)
-        v_BLGK = dot('bld,dgk->blgk', x_BLD, w_DGK_v, dt)
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, causal, cache=None):
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        q_BLHK = rope(dot('bld,dhk->blhk', x_BLD, self.wq[...], dt), positions_BL, cfg.rope_theta)
+        k_BLGK = rope(dot('bld,dgk->blgk', x_BLD, self.wk[...], dt), positions_BL, cfg.rope_theta)
+        v_BLGK = dot('bld,dgk->blgk', x_BLD, self.wv[...], dt)
         # Tokens attend only within their own packed document (segment); padding is segment 0.
         mask_B1LL = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
-        if getattr(cfg, 'decode_len', 0):  # generation only (train.generate); training never sets it
-            k_BLGK, v_BLGK, mask_B1LL = kv_cache(self, k_BLGK, v_BLGK, positions_BL, cfg.decode_len)
-            causal = False  # the cache mask already holds causality
-        if cfg.attention == 'einsum':
+        if cache is not None:  # generation (train.generate): the cache mask holds causality
+            k_BLGK, v_BLGK, mask_B1LL, cache = kv_cache(cache, k_BLGK, v_BLGK, positions_BL)
+            causal = False
+        if cfg.attention == 'einsum' or cache is not None:  # a decode step has one query: no kernel needed
             out_BLHK = gqa_attention(q_BLHK, k_BLGK, v_BLGK, mask_B1LL, causal, dt)
         else:  # GQA: dot_product_attention shares each kv head across H/G query heads itself.
             out_BLHK = jax.nn.dot_product_attention(
                 q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=causal, implementation=cfg.attention)
-        return dot('blhk,hkd->bld', out_BLHK, w_HKD, dt)
+        return dot('blhk,hkd->bld', out_BLHK, self.wo[...], dt), cache
 
 
-class MLP(nn.Module):
-    cfg: Any
+class MLP(nnx.Module):
+    def __init__(self, cfg, rngs):
+        D, F, wdt = cfg.d_model, cfg.mlp_dim, jnp.dtype(cfg.weight_dtype)
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.w_gate = param(rngs, (D, F), ('embed', 'mlp'), D ** -0.5, wdt)
+        self.w_up = param(rngs, (D, F), ('embed', 'mlp'), D ** -0.5, wdt)
+        self.w_down = param(rngs, (F, D), ('mlp', 'embed'), F ** -0.5, wdt)
 
-    @nn.compact
     def __call__(self, x_BLD):
-        cfg, dt, wdt = self.cfg, jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.weight_dtype)
-        D, F = cfg.d_model, cfg.mlp_dim
-        gate_DF = param(self, 'w_gate', (D, F), ('embed', 'mlp'), D ** -0.5, wdt)
-        up_DF = param(self, 'w_up', (D, F), ('embed', 'mlp'), D ** -0.5, wdt)
-        down_FD = param(self, 'w_down', (F, D), ('mlp', 'embed'), F ** -0.5, wdt)
-        h_BLF = nn.silu(dot('bld,df->blf', x_BLD, gate_DF, dt)) * dot('bld,df->blf', x_BLD, up_DF, dt)
-        return dot('blf,fd->bld', h_BLF, down_FD, dt)
+        dt = self.dtype
+        h_BLF = jax.nn.silu(dot('bld,df->blf', x_BLD, self.w_gate[...], dt)) * dot('bld,df->blf', x_BLD, self.w_up[...], dt)
+        return dot('blf,fd->bld', h_BLF, self.w_down[...], dt)
 
 
-class TokenMLP(nn.Module):
+class TokenMLP(nnx.Module):
     """SwiGLU across the L positions instead of attention (TRM-MLP): for a fixed-size grid the mixing
     pattern can be learned outright, which the TRM paper found best on Sudoku. Hidden width L x
     mlp_dim / d_model, the same expansion as the channel MLP."""
-    cfg: Any
 
-    @nn.compact
+    def __init__(self, cfg, L, rngs):
+        F, wdt = L * cfg.mlp_dim // cfg.d_model, jnp.dtype(cfg.weight_dtype)
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.w_gate = param(rngs, (L, F), ('length', 'mlp'), L ** -0.5, wdt)
+        self.w_up = param(rngs, (L, F), ('length', 'mlp'), L ** -0.5, wdt)
+        self.w_down = param(rngs, (F, L), ('mlp', 'length'), F ** -0.5, wdt)
+
     def __call__(self, x_BLD):
-        cfg, dt, wdt = self.cfg, jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.weight_dtype)
-        L = x_BLD.shape[1]
-        F = L * cfg.mlp_dim // cfg.d_model
-        gate_LF = param(self, 'w_gate', (L, F), ('length', 'mlp'), L ** -0.5, wdt)
-        up_LF = param(self, 'w_up', (L, F), ('length', 'mlp'), L ** -0.5, wdt)
-        down_FL = param(self, 'w_down', (F, L), ('mlp', 'length'), F ** -0.5, wdt)
+        dt = self.dtype
         # Contract over L as the last axis of x: XLA's CPU dot has no bf16 x bf16 -> f32 kernel for the
         # other layout.
         x_BDL = jnp.swapaxes(x_BLD, 1, 2)
-        h_BDF = nn.silu(dot('bdl,lf->bdf', x_BDL, gate_LF, dt)) * dot('bdl,lf->bdf', x_BDL, up_LF, dt)
-        return jnp.swapaxes(dot('bdf,fl->bdl', h_BDF, down_FL, dt), 1, 2)
+        h_BDF = jax.nn.silu(dot('bdl,lf->bdf', x_BDL, self.w_gate[...], dt)) * dot('bdl,lf->bdf', x_BDL, self.w_up[...], dt)
+        return jnp.swapaxes(dot('bdf,fl->bdl', h_BDF, self.w_down[...], dt), 1, 2)
 
 
-class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). Signature fits nn.scan (carry, _).
-    mixer='mlp' swaps attention for TokenMLP (fixed-length puzzles only)."""
-    cfg: Any
-    causal: bool = True
-    mixer: str = 'attention'
+class Block(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). mixer='mlp' swaps attention for TokenMLP
+    (fixed-length puzzles only: `length` positions)."""
 
-    @nn.compact
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        cfg = self.cfg
-        norm = lambda name: RMSNorm(cfg.norm_eps, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype), name=name)
-        x_BLD = nn.with_logical_constraint(x_BLD, ('batch', 'length', None))
-        if self.mixer == 'mlp':
-            x_BLD = x_BLD + TokenMLP(cfg, name='token_mlp')(norm('attn_norm')(x_BLD))
+    def __init__(self, cfg, rngs, causal=True, mixer='attention', length=None):
+        self.causal = causal
+        self.attn_norm, self.mlp_norm = RMSNorm(cfg), RMSNorm(cfg)
+        if mixer == 'mlp':
+            self.token_mlp = TokenMLP(cfg, length, rngs)
         else:
-            x_BLD = x_BLD + Attention(cfg, name='attn')(norm('attn_norm')(x_BLD), positions_BL, segment_ids_BL,
-                                                        self.causal)
-        x_BLD = x_BLD + MLP(cfg, name='mlp')(norm('mlp_norm')(x_BLD))
-        return nn.with_logical_constraint(x_BLD, ('batch', 'length', None)), None
+            self.attn = Attention(cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None):
+        x_BLD = constrain(x_BLD, ('batch', 'length', None))
+        if hasattr(self, 'token_mlp'):
+            x_BLD = x_BLD + self.token_mlp(self.attn_norm(x_BLD))
+        else:
+            h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, self.causal, cache)
+            x_BLD = x_BLD + h_BLD
+        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        return constrain(x_BLD, ('batch', 'length', None)), cache
 
 
-class Trunk(nn.Module):
-    """The stack of blocks, scanned (one compiled layer, stacked params) or unrolled."""
-    cfg: Any
-    causal: bool = True
-    mixer: str = 'attention'
+class Trunk(nnx.Module):
+    """The stack of blocks. scan_layers: one Block whose parameters are stacked on a leading 'layers' axis
+    (made by nnx.vmap), run by jax.lax.scan: one compiled layer, whatever the depth. Otherwise a list of
+    blocks, unrolled. remat wraps each layer in jax.checkpoint with the chosen policy."""
 
-    @nn.compact
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        cfg = self.cfg
-        block = Block
-        if cfg.remat != 'none':
-            block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    def __init__(self, cfg, rngs, causal=True, mixer='attention', length=None):
+        self.cfg = cfg
+        make = lambda rngs: Block(cfg, rngs, causal, mixer, length)
         if cfg.scan_layers:
-            stack = nn.scan(block, variable_axes={'params': 0, 'cache': 0}, split_rngs={'params': True},
-                            in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
-                            metadata_params={nn.PARTITION_NAME: 'layers'})
-            x_BLD, _ = stack(cfg, self.causal, self.mixer, name='layers')(x_BLD, positions_BL, segment_ids_BL)
+            stacked = nnx.vmap(make, in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+            self.layers = nnx.split_rngs(splits=cfg.num_layers)(stacked)(rngs)
         else:
-            for i in range(cfg.num_layers):
-                x_BLD, _ = block(cfg, self.causal, self.mixer, name=f'layers_{i}')(x_BLD, positions_BL, segment_ids_BL)
-        return x_BLD
+            self.layers = nnx.List([make(rngs) for _ in range(cfg.num_layers)])
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None):
+        cfg = self.cfg
+
+        def layer(x_BLD, block, cache):  # blocks are pytrees: jax transforms take them as arguments
+            return block(x_BLD, positions_BL, segment_ids_BL, cache)
+        if cfg.remat != 'none':
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:  # the cache (if any) is stacked like the parameters: scanned along with them
+            return jax.lax.scan(lambda x_BLD, xs: layer(x_BLD, *xs), x_BLD, (self.layers, cache))
+        caches = []
+        for i, block in enumerate(self.layers):
+            x_BLD, c = layer(x_BLD, block, jax.tree.map(lambda a: a[i], cache))
+            caches.append(c)
+        return x_BLD, (None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *caches))
 
 
-class Transformer(nn.Module):
-    """Token ids -> float32 logits over the vocabulary."""
-    cfg: Any
+class Transformer(nnx.Module):
+    """Token ids -> float32 logits over the vocabulary; with a KV cache (generation), (logits, cache)."""
 
-    @nn.compact
-    def __call__(self, tokens_BL, positions_BL, segment_ids_BL):
-        cfg, dt, wdt = self.cfg, jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.weight_dtype)
-        embed_VD = param(self, 'embed', (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), 1.0, wdt)
+    def __init__(self, cfg, rngs):
+        D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
+        self.cfg = cfg
+        self.embed = param(rngs, (V, D), ('vocab', 'embed'), 1.0, wdt)
+        self.trunk = Trunk(cfg, rngs)
+        self.final_norm = RMSNorm(cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
+
+    def __call__(self, tokens_BL, positions_BL, segment_ids_BL, cache=None):
+        dt = jnp.dtype(self.cfg.dtype)
         # Gather from a whole (all-gathered) table: a gather whose table is sharded over vocab and embed
         # while its indices are sharded over batch makes XLA replicate everything anyway, less cleanly.
-        x_BLD = jnp.take(nn.with_logical_constraint(embed_VD, (None, None)), tokens_BL, axis=0).astype(dt)
-        x_BLD = nn.with_logical_constraint(x_BLD, ('batch', 'length', None))
-        x_BLD = Trunk(cfg, name='trunk')(x_BLD, positions_BL, segment_ids_BL)
-        x_BLD = RMSNorm(cfg.norm_eps, dt, wdt, name='final_norm')(x_BLD)
-        if cfg.tie_embeddings:
-            head_DV = embed_VD.T
-        else:
-            head_DV = param(self, 'lm_head', (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'),
-                            cfg.d_model ** -0.5, wdt)
+        x_BLD = jnp.take(constrain(self.embed[...], (None, None)), tokens_BL, axis=0).astype(dt)
+        x_BLD = constrain(x_BLD, ('batch', 'length', None))
+        x_BLD, new_cache = self.trunk(x_BLD, positions_BL, segment_ids_BL, cache)
+        x_BLD = self.final_norm(x_BLD)
+        head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         # Logits in float32: the softmax over a large vocabulary is where bf16 loses most.
-        return dot('bld,dv->blv', x_BLD, head_DV, dt, jnp.float32)
+        logits_BLV = dot('bld,dv->blv', x_BLD, head_DV, dt, jnp.float32)
+        return logits_BLV if cache is None else (logits_BLV, new_cache)
+
+
+def model_class(cfg):
+    return TRM if cfg.task == 'sudoku' else Transformer
+
+
+def init(cfg, key):
+    """(graph, params): a new model split into its static graph and its parameters as a plain nested
+    dict of arrays. train.py calls it under jit with the state's shardings as out_shardings."""
+    graph, params = nnx.split(model_class(cfg)(cfg, nnx.Rngs(params=key)))
+    return graph, nnx.to_pure_dict(params)
+
+
+def abstract(cfg):
+    """(graph, logical axes): the model's graph and a PartitionSpec of logical names for every
+    parameter (the same nested dict as the params), with nothing allocated. Call it outside a mesh
+    context: inside one, eval_shape would try to place the logical names on the mesh."""
+    graph, state = nnx.split(nnx.eval_shape(lambda: model_class(cfg)(cfg, nnx.Rngs(0))))
+    return graph, nnx.to_pure_dict(nnx.get_partition_spec(state))
 
 
 def lm_loss(cfg, model, params, mb, carry, key, step=0):
     """The LM's loss in the train step's shape: (summed cross-entropy over real target tokens, (sums, carry)).
-    The step divides by sums['weight'] (the token count of the whole step), so accumulation is exact."""
-    logits_BLV = model.apply({'params': params}, mb['inputs'], mb['positions'], mb['segment_ids'])
+    The step divides by sums['weight'] (the token count of the whole step), so accumulation is exact.
+    `model` is the graph from init/abstract."""
+    logits_BLV = nnx.merge(model, params)(mb['inputs'], mb['positions'], mb['segment_ids'])
     ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, mb['targets'])
     tokens = jnp.sum(mb['loss_mask'])
     return jnp.sum(ce_BL * mb['loss_mask']), ({'weight': tokens, 'tokens': tokens}, carry)
@@ -284,7 +330,7 @@ def flops_per_token(cfg):
 # ==================================================================================================
 # TRM: the recursive head, its deep-supervision loss, and decoding by recursion.
 # ==================================================================================================
-class TRM(nn.Module):
+class TRM(nnx.Module):
     """Tiny Recursive Model (Jolicoeur-Martineau 2025): one small bidirectional trunk `net` refines an
     answer state y and a latent z, given the puzzle embedding x. One call is one supervision step:
 
@@ -292,25 +338,37 @@ class TRM(nn.Module):
 
     The first T-1 cycles run under stop_gradient (cheap deep recursion, no backprop memory); only the
     last one learns. Returns the new (y, z) for the caller to carry (detached) into the next supervision
-    step, the logits read from y, and the halting logit q (q > 0: "this answer is right, stop")."""
-    cfg: Any
+    step, the logits read from y, the halting logit q (q > 0: "this answer is right, stop") and the ToT
+    value head's log value."""
 
-    @nn.compact
-    def __call__(self, inputs_BL, positions_BL, segment_ids_BL, y_BLD, z_BLD, fresh_B):
-        cfg, dt, wdt = self.cfg, jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.weight_dtype)
-        D, V = cfg.d_model, cfg.vocab_size
-        embed_VD = param(self, 'embed', (V, D), ('vocab', 'embed'), 1.0, wdt)
-        x_BLD = jnp.take(nn.with_logical_constraint(embed_VD, (None, None)), inputs_BL, axis=0).astype(dt)
+    def __init__(self, cfg, rngs):
+        D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
+        self.cfg = cfg
+        self.embed = param(rngs, (V, D), ('vocab', 'embed'), 1.0, wdt)
         # Fresh slots (new puzzles) start from learned initial states; others continue their carry.
-        y0_D = param(self, 'y_init', (D,), ('embed',), 1.0, wdt)
-        z0_D = param(self, 'z_init', (D,), ('embed',), 1.0, wdt)
-        y_BLD = jnp.where(fresh_B[:, None, None], y0_D.astype(dt), y_BLD.astype(dt))
-        z_BLD = jnp.where(fresh_B[:, None, None], z0_D.astype(dt), z_BLD.astype(dt))
-        trunk = Trunk(cfg, causal=False, mixer=cfg.trm.mixer, name='net')
+        self.y_init = param(rngs, (D,), ('embed',), 1.0, wdt)
+        self.z_init = param(rngs, (D,), ('embed',), 1.0, wdt)
+        self.net = Trunk(cfg, rngs, causal=False, mixer=cfg.trm.mixer, length=SUDOKU_LEN)
         # The trunk is pre-norm, so its residual stream would grow with every recursion; normalising the
         # output keeps y and z at unit scale however deep the recursion goes (TRM uses post-norm for this).
-        out_norm = RMSNorm(cfg.norm_eps, dt, wdt, name='net_norm')
-        net = lambda h_BLD: out_norm(trunk(h_BLD, positions_BL, segment_ids_BL))
+        self.net_norm = RMSNorm(cfg)
+        self.head = param(rngs, (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
+        # Halting head on the mean of y (no prefix token here to read position 0 from); bias -5 makes the
+        # untrained model keep going (sigmoid(-5) ~ 0.007) instead of halting at random.
+        self.halt = param(rngs, (D,), ('embed',), D ** -0.5, wdt)
+        self.halt_bias = param(rngs, (), (), None, wdt, fill=-5.0)
+        # ToT value head: log P(every digit on the grid is right) = sum over cells of log sigmoid(a per-cell
+        # logit). One wrong cell is local evidence; a product over cells lets it veto the whole state,
+        # where a mean over cells would dilute it 81 times. Bias 5: an untrained head says "~0.6 likely fine".
+        self.value = param(rngs, (D,), ('embed',), D ** -0.5, wdt)
+        self.value_bias = param(rngs, (), (), None, wdt, fill=5.0)
+
+    def __call__(self, inputs_BL, positions_BL, segment_ids_BL, y_BLD, z_BLD, fresh_B):
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        x_BLD = jnp.take(constrain(self.embed[...], (None, None)), inputs_BL, axis=0).astype(dt)
+        y_BLD = jnp.where(fresh_B[:, None, None], self.y_init[...].astype(dt), y_BLD.astype(dt))
+        z_BLD = jnp.where(fresh_B[:, None, None], self.z_init[...].astype(dt), z_BLD.astype(dt))
+        net = lambda h_BLD: self.net_norm(self.net(h_BLD, positions_BL, segment_ids_BL)[0])
 
         def cycle(y_BLD, z_BLD):
             for _ in range(cfg.trm.n):
@@ -320,32 +378,28 @@ class TRM(nn.Module):
         for _ in range(cfg.trm.T - 1):
             y_BLD, z_BLD = cycle(y_BLD, z_BLD)
         y_BLD, z_BLD = cycle(*jax.lax.stop_gradient((y_BLD, z_BLD)))  # gradient through this cycle only
-        head_DV = param(self, 'head', (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
-        logits_BLV = jnp.einsum('bld,dv->blv', y_BLD, head_DV.astype(dt), preferred_element_type=jnp.float32)
-        # Halting head on the mean of y (no prefix token here to read position 0 from); bias -5 makes the
-        # untrained model keep going (sigmoid(-5) ~ 0.007) instead of halting at random.
-        halt_D = param(self, 'halt', (D,), ('embed',), D ** -0.5, wdt)
-        halt_bias = self.param('halt_bias', nn.with_logical_partitioning(nn.initializers.constant(-5.0), ()), (), wdt)
-        q_B = jnp.mean(y_BLD.astype(jnp.float32), axis=1) @ halt_D.astype(jnp.float32) + halt_bias
-        # ToT value head: log P(every digit on the grid is right) = sum over cells of log sigmoid(a per-cell
-        # logit). One wrong cell is local evidence; a product over cells lets it veto the whole state,
-        # where a mean over cells would dilute it 81 times. Bias 5: an untrained head says "~0.6 likely fine".
-        value_D = param(self, 'value', (D,), ('embed',), D ** -0.5, wdt)
-        value_bias = self.param('value_bias', nn.with_logical_partitioning(nn.initializers.constant(5.0), ()), (), wdt)
-        cell_BL = y_BLD.astype(jnp.float32) @ value_D.astype(jnp.float32) + value_bias
+        logits_BLV = jnp.einsum('bld,dv->blv', y_BLD, self.head[...].astype(dt), preferred_element_type=jnp.float32)
+        y32_BLD = y_BLD.astype(jnp.float32)
+        q_B = jnp.mean(y32_BLD, axis=1) @ self.halt[...].astype(jnp.float32) + self.halt_bias[...]
+        cell_BL = y32_BLD @ self.value[...].astype(jnp.float32) + self.value_bias[...]
         log_value_B = jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1)
         return y_BLD, z_BLD, logits_BLV, q_B, log_value_B
+
+
+# The deep-supervision carry's logical axes ([A microbatches, B rows, ...]): it shards over the batch like data.
+CARRY_AXES = {'y': (None, 'batch', 'length', 'embed'), 'z': (None, 'batch', 'length', 'embed'),
+              'inputs': (None, 'batch', 'length'), 'targets': (None, 'batch', 'length'),
+              'steps': (None, 'batch'), 'halted': (None, 'batch')}
 
 
 def trm_carry(cfg, A, B):
     """The deep-supervision carry, one slot per example row of a train step ([A, B, ...]): its puzzle,
     answer state y, latent z, supervision steps taken, and whether it halted (all start halted, so the
-    first step fills every slot). Boxed with logical axes so it shards over the batch like data."""
-    box = lambda x, *names: nn.LogicallyPartitioned(x, (None, 'batch', 'length', 'embed')[:len(names) + 2])
+    first step fills every slot). Its axes are CARRY_AXES."""
     yz = jnp.zeros((A, B, SUDOKU_LEN, cfg.d_model), jnp.float32)
     grid = jnp.zeros((A, B, SUDOKU_LEN), jnp.int32)
-    return {'y': box(yz, 1, 1), 'z': box(yz, 1, 1), 'inputs': box(grid, 1), 'targets': box(grid, 1),
-            'steps': box(jnp.zeros((A, B), jnp.int32)), 'halted': box(jnp.ones((A, B), bool))}
+    return {'y': yz, 'z': yz, 'inputs': grid, 'targets': grid,
+            'steps': jnp.zeros((A, B), jnp.int32), 'halted': jnp.ones((A, B), bool)}
 
 
 def trm_loss(cfg, model, params, mb, carry, key, step=0):
@@ -359,8 +413,8 @@ def trm_loss(cfg, model, params, mb, carry, key, step=0):
     pick = lambda new, old: jnp.where(fresh_B.reshape(-1, *[1] * (old.ndim - 1)), new, old)
     inputs_BL, targets_BL = pick(mb['inputs'], carry['inputs']), pick(mb['targets'], carry['targets'])
     steps_B = jnp.where(fresh_B, 0, carry['steps']) + 1
-    y_BLD, z_BLD, logits_BLV, q_B, _ = model.apply({'params': params}, inputs_BL, mb['positions'],
-                                                   mb['segment_ids'], carry['y'], carry['z'], fresh_B)
+    y_BLD, z_BLD, logits_BLV, q_B, _ = nnx.merge(model, params)(inputs_BL, mb['positions'], mb['segment_ids'],
+                                                           carry['y'], carry['z'], fresh_B)
     ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean(axis=1)
     correct_B = jnp.all(jnp.argmax(logits_BLV, axis=-1) == targets_BL, axis=1)
     halt_bce_B = optax.sigmoid_binary_cross_entropy(q_B, correct_B.astype(jnp.float32))
@@ -411,7 +465,7 @@ def trm_steps(cfg, model, params, grids_NL, steps):
 
     def sup(p):
         def one(carry, fresh_N):
-            y, z, logits_NLV, _, log_v_N = model.apply({'params': p}, tokens, pos, seg, *carry, fresh_N)
+            y, z, logits_NLV, _, log_v_N = nnx.merge(model, p)(tokens, pos, seg, *carry, fresh_N)
             carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
             return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N)
         return one

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -380,12 +380,10 @@ def mesh_spec(logical, shape, cfg, mesh):
     return PartitionSpec(*out)
 
 
-def shardings_for(abstract_boxed, cfg, mesh):
-    """NamedShardings for a tree whose parameters are flax LogicallyPartitioned boxes (others replicate)."""
-    logical = nn.get_partition_spec(abstract_boxed)
-    shapes = nn.unbox(abstract_boxed)
+def shardings_for(logical, abstract, cfg, mesh):
+    """NamedShardings for a tree of arrays from the same-shaped tree of logical PartitionSpecs."""
     return jax.tree.map(lambda spec, x: NamedSharding(mesh, mesh_spec(spec, x.shape, cfg, mesh)),
-                        logical, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+                        logical, abstract, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def sharding_table(params, shardings):
@@ -418,31 +416,35 @@ def make_optimizer(cfg):
     return tx, schedule
 
 
-def state_layout(cfg, mesh, model, tx):
-    """(init function, shardings, abstract state): the state's shapes and placement, nothing allocated."""
+def state_layout(cfg, mesh, tx):
+    """(init function, shardings, abstract state): the state's shapes and placement, nothing allocated.
+    The parameters' logical axes come from the model; the optimizer's moments and the EMA take their
+    parameter's axes, the TRM carry shards over the batch, the rest replicates."""
     def init(rng):
-        tokens = jnp.zeros((1, cfg.max_target_length), jnp.int32)
-        if cfg.task == 'lm':
-            params = model.init(rng, tokens, tokens, tokens + 1)['params']
-            return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params)}
-        tokens, yz = tokens[:, :data.SUDOKU_LEN], jnp.zeros((1, data.SUDOKU_LEN, cfg.d_model))
-        params = model.init(rng, tokens, tokens, tokens + 1, yz, yz, jnp.ones(1, bool))['params']
-        # The EMA and the carry are train state: checkpointed with it, so a resumed run continues exactly.
-        return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params), 'ema': params,
-                'carry': model_lib.trm_carry(cfg, cfg.grad_accum, cfg.per_device_batch * mesh.size)}
+        params = model_lib.init(cfg, rng)[1]
+        state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params)}
+        if cfg.task == 'sudoku':  # the EMA and the carry are train state: checkpointed, so resume is exact
+            state.update(ema=params, carry=model_lib.trm_carry(cfg, cfg.grad_accum, cfg.per_device_batch * mesh.size))
+        return state
 
-    boxed = jax.eval_shape(init, jax.random.key(cfg.seed))
-    shardings = shardings_for(boxed, cfg, mesh)
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            nn.unbox(boxed), shardings)
+    shapes = jax.eval_shape(init, jax.random.key(cfg.seed))
+    params = model_lib.abstract(cfg)[1]
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    logical = {'step': PartitionSpec(), 'params': params,
+               'opt_state': optax.tree_map_params(tx, lambda _, spec: spec, shapes['opt_state'], params,
+                                                  transform_non_params=lambda _: PartitionSpec(), is_leaf=is_spec)}
+    if cfg.task == 'sudoku':
+        logical.update(ema=params, carry={k: PartitionSpec(*v) for k, v in model_lib.CARRY_AXES.items()})
+    shardings = shardings_for(logical, shapes, cfg, mesh)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
     return init, shardings, abstract
 
 
-def init_state(cfg, mesh, model, tx):
+def init_state(cfg, mesh, tx):
     """Build the train state directly in its sharding: no full copy ever sits on one device."""
-    init, shardings, _ = state_layout(cfg, mesh, model, tx)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(cfg)):
-        state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(jax.random.key(cfg.seed))
+    init, shardings, _ = state_layout(cfg, mesh, tx)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(axis_rules(cfg)):
+        state = jax.jit(init, out_shardings=shardings)(jax.random.key(cfg.seed))
     return state, shardings
 
 
@@ -522,7 +524,7 @@ def evaluate(cfg, s, eval_step, state, n_batches, write_predictions=False):
     if not n_batches:
         return {}
     batches, t0 = s.ds.eval_batches(s.micro_rows // jax.process_count(), n_batches), time.perf_counter()
-    with jax.set_mesh(s.mesh), nn.logical_axis_rules(axis_rules(cfg)):
+    with jax.set_mesh(s.mesh), nnx.logical_axis_rules(axis_rules(cfg)):
         params = state['ema'] if cfg.task == 'sudoku' else state['params']
         outs = []
         for i, b in enumerate(batches):
@@ -929,7 +931,7 @@ def train_loop(cfg, s, state, data_state, mngr, train_step, eval_step):
     it = s.ds.train_iter(s.micro_rows // jax.process_count(), state=data_state)
     book, writer, summary = StepLog(cfg, it, step, precompiled=bool(t_xla)), MetricsWriter(s.run_dir), {}
     try:
-        with preemption_signals() as caught, jax.set_mesh(s.mesh), nn.logical_axis_rules(axis_rules(cfg)):
+        with preemption_signals() as caught, jax.set_mesh(s.mesh), nnx.logical_axis_rules(axis_rules(cfg)):
             while step < cfg.steps:
                 if step + 1 == cfg.profile_steps[0]:
                     book.drain(0)
@@ -991,7 +993,7 @@ def report_compiled_step(cfg, s, train_step, state):
     """Compiles the LM step before step 1 (the first call reuses it) to print the memory it will take
     beside the config's estimate. Returns (compile seconds, compiled bytes per device or None)."""
     t0 = time.perf_counter()
-    with jax.set_mesh(s.mesh), nn.logical_axis_rules(axis_rules(cfg)):
+    with jax.set_mesh(s.mesh), nnx.logical_axis_rules(axis_rules(cfg)):
         batch = abstract_batch(accum_at(cfg, int(state['step'])), s.micro_rows, s.L, s.step_sh)
         m = train_step.lower(state, batch).compile().memory_analysis()
     t_xla = time.perf_counter() - t0
@@ -1040,8 +1042,8 @@ def hf_names(cfg):
     if not cfg.tie_embeddings:
         out.append(('lm_head.weight', ('lm_head',), None, 'in'))
     for i in range(cfg.num_layers):
-        layer, idx = ('layers', i) if cfg.scan_layers else (f'layers_{i}', None)
-        out += [(f'model.layers.{i}.{hf}.weight', ('trunk', layer, *ours), idx, how) for hf, ours, how in _HF_LAYER]
+        layer, idx = (('layers',), i) if cfg.scan_layers else (('layers', i), None)
+        out += [(f'model.layers.{i}.{hf}.weight', ('trunk', *layer, *ours), idx, how) for hf, ours, how in _HF_LAYER]
     return out
 
 
@@ -1122,15 +1124,12 @@ def load_hf(path, abstract_params, cfg):
     return jax.tree_util.tree_map_with_path(place, abstract_params)
 
 
-def generate(cfg, params, prompt_BP, key):
+def generate(cfg, model, params, prompt_BP, key):
     """prompt [B, P] -> [B, max_new_tokens] sampled tokens. The prompt fills the KV cache in one pass
     (prefill); then a jitted scan of single-token steps: each new token costs one position, not the
     whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles once."""
     B, P = prompt_BP.shape
     N, V = cfg.max_new_tokens, cfg.vocab_size
-    # One query per step needs no recompute and no flash kernel: plain XLA attention over the cache.
-    model = model_lib.Transformer(Config(**{**cfg.__dict__, 'decode_len': P + N, 'remat': 'none',
-                                            'attention': 'xla'}))
 
     def sample(logits_BV, key):
         if cfg.temperature == 0:
@@ -1142,14 +1141,13 @@ def generate(cfg, params, prompt_BP, key):
 
     def run_all(params, prompt_BP, key):
         ones = lambda L: jnp.ones((B, L), jnp.int32)
-        logits_BPV, cache = model.apply({'params': params}, prompt_BP, jnp.arange(P) * ones(P), ones(P),
-                                        mutable=['cache'])
+        logits_BPV, cache = nnx.merge(model, params)(prompt_BP, jnp.arange(P) * ones(P), ones(P),
+                                                     model_lib.init_cache(cfg, B, P + N))
         keys = jax.random.split(key, N)
 
         def step(carry, key):  # feed the last sampled token, sample the next
             cache, tok_B, pos = carry
-            logits_B1V, cache = model.apply({'params': params, **cache}, tok_B[:, None], pos * ones(1), ones(1),
-                                            mutable=['cache'])
+            logits_B1V, cache = nnx.merge(model, params)(tok_B[:, None], pos * ones(1), ones(1), cache)
             return (cache, sample(logits_B1V[:, -1], key), pos + 1), tok_B
 
         (_, last_B, _), toks_NB = jax.lax.scan(step, (cache, sample(logits_BPV[:, -1], keys[0]), P), keys[1:])
@@ -1173,7 +1171,7 @@ def solve_puzzle(cfg, s, params):
     rows = s.mesh.size  # the same puzzle on every device keeps the batch divisible by the mesh
     tile = lambda x: np.tile(x, (rows, 1)).astype(np.int32)
     batch = {'inputs': tile(q_L + 1), 'targets': tile(q_L + 1)}  # targets: unknown (only the value AUROC reads them)
-    with jax.set_mesh(s.mesh), nn.logical_axis_rules(axis_rules(cfg)):
+    with jax.set_mesh(s.mesh), nnx.logical_axis_rules(axis_rules(cfg)):
         preds_L = np.asarray(jax.jit(make_eval_step(cfg, s.model))(params, batch)[0])[-1, 0] - 1
     grid_L = np.where(q_L == 0, np.clip(preds_L, 0, 9), q_L)
     valid = bool(data.solved(grid_L[None])[0])
@@ -1202,7 +1200,7 @@ def export_or_generate(cfg, s, params):
         log(f'WARNING: prompt + max_new_tokens = {prompt.shape[1] + cfg.max_new_tokens} tokens, more than the '
             f'max_target_length={cfg.max_target_length} the model was trained on')
     with jax.set_mesh(s.mesh):
-        tokens = np.asarray(generate(cfg, params, prompt, jax.random.key(cfg.seed)))[0].tolist()
+        tokens = np.asarray(generate(cfg, s.model, params, prompt, jax.random.key(cfg.seed)))[0].tolist()
     tokens = tokens[:tokens.index(s.ds.eos_id)] if s.ds.eos_id in tokens else tokens  # eos ends the document
     text = s.ds.tokenizer.decode(tokens)
     log(f'prompt: {cfg.prompt}\ncontinuation: {text}')
@@ -1284,8 +1282,8 @@ def compile_for_topology(cfg):
     log(f'AOT compile for {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {GB(hbm)} HBM each')
     warn_tpu_dims(cfg)
     mesh = make_mesh(cfg, devices)
-    model, (tx, _) = model_lib.Transformer(cfg), make_optimizer(cfg)
-    _, state_sh, abstract = state_layout(cfg, mesh, model, tx)
+    model, (tx, _) = model_lib.abstract(cfg)[0], make_optimizer(cfg)
+    _, state_sh, abstract = state_layout(cfg, mesh, tx)
     est = memory_estimate(cfg, abstract, mesh)
     n_params = sum(x.size for x in jax.tree.leaves(abstract['params']))
     log(f'model: {n_params / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}; ' + estimate_line(cfg, est))
@@ -1293,7 +1291,7 @@ def compile_for_topology(cfg):
     step_sh = NamedSharding(mesh, PartitionSpec(None, *mesh_spec(('batch', 'length'), (rows, L), cfg, mesh)))
     batch = abstract_batch(cfg.grad_accum, rows, L, step_sh)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(cfg)):
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(axis_rules(cfg)):
         lowered = jax.jit(make_train_step(cfg, model, tx), in_shardings=(state_sh, step_sh),
                           out_shardings=(state_sh, None), donate_argnums=0).lower(abstract, batch)
     try:
@@ -1389,8 +1387,8 @@ def setup(cfg, devices):
     if ds.vocab_size != cfg.vocab_size and cfg.task == 'lm':
         raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
                           f'set vocab_size={ds.vocab_size}')
-    model, (tx, schedule) = make_model(cfg), make_optimizer(cfg)
-    _, state_sh, abstract = state_layout(cfg, mesh, model, tx)
+    model, (tx, schedule) = model_lib.abstract(cfg)[0], make_optimizer(cfg)  # the model's graph: no arrays
+    _, state_sh, abstract = state_layout(cfg, mesh, tx)
     batch_spec = mesh_spec(('batch', 'length'), (micro_rows, L), cfg, mesh)
     return Setup(devices, mesh, run_dir, ds, model, tx, schedule, state_sh, abstract, micro_rows, L,
                  NamedSharding(mesh, PartitionSpec(None, *batch_spec)), NamedSharding(mesh, batch_spec))
@@ -1417,7 +1415,7 @@ def restore_or_init(cfg, s, mngr):
             with open(path, 'w') as f:
                 f.writelines(rows)
         return state, data_state, True
-    state = init_state(cfg, s.mesh, s.model, s.tx)[0]
+    state = init_state(cfg, s.mesh, s.tx)[0]
     trm = cfg.task == 'sudoku'
     if cfg.load_params and trm and cfg.mode in ('eval', 'generate'):  # TRM evaluates its EMA weights
         loaded_step, state['ema'] = load_params(cfg.load_params, s.abstract, s.mesh, cfg, 'ema')
@@ -1429,10 +1427,6 @@ def restore_or_init(cfg, s, mngr):
     if cfg.load_hf:
         state['params'] = load_hf(cfg.load_hf, s.abstract['params'], cfg)
     return state, None, bool(cfg.load_params or cfg.load_hf)
-
-
-def make_model(cfg):
-    return model_lib.TRM(cfg) if cfg.task == 'sudoku' else model_lib.Transformer(cfg)
 
 
 def run(cfg, devices=None):
@@ -1458,7 +1452,7 @@ def run(cfg, devices=None):
     if cfg.mode in ('export', 'generate'):
         mngr.close()
         return export_or_generate(cfg, s, state['ema'] if cfg.task == 'sudoku' else state['params'])
-    with jax.set_mesh(s.mesh), nn.logical_axis_rules(axis_rules(cfg)):
+    with jax.set_mesh(s.mesh), nnx.logical_axis_rules(axis_rules(cfg)):
         train_step = jax.jit(make_train_step(cfg, s.model, s.tx), in_shardings=(s.state_sh, s.step_sh),
                              out_shardings=(s.state_sh, None), donate_argnums=0)
         eval_step = jax.jit(make_eval_step(cfg, s.model), in_shardings=(s.state_sh['params'], s.eval_sh))

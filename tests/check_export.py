@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import sentencepiece as spm
 import torch
+from flax import nnx
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,13 +23,13 @@ def main(run, hf, *keys):
     cfg = train.load_config(os.path.join(os.path.dirname(train.__file__), 'base.yml'),
                             ['dtype=float32', 'mesh=1,1,1', *keys])
     mesh = train.make_mesh(cfg, jax.devices()[:1])
-    _, _, abstract = train.state_layout(cfg, mesh, model.Transformer(cfg), train.make_optimizer(cfg)[0])
+    _, _, abstract = train.state_layout(cfg, mesh, train.make_optimizer(cfg)[0])
     params = train.load_params(run, abstract, mesh, cfg)[1]
     sp = spm.SentencePieceProcessor(model_file=os.path.join(hf, 'tokenizer.model'))
     text = open(train.__file__).read()  # any text: the trainer's own source
     ids = np.array([[sp.bos_id()] + sp.encode(text)[:cfg.max_target_length - 1]], np.int32)
     positions = np.arange(ids.shape[1])[None]
-    ours = np.asarray(model.Transformer(cfg).apply({'params': params}, ids, positions, np.ones_like(ids)))
+    ours = np.asarray(nnx.merge(model.abstract(cfg)[0], params)(ids, positions, np.ones_like(ids)))
     theirs = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     theirs = theirs(torch.tensor(ids, dtype=torch.long)).logits.detach().numpy()
     diff = np.abs(ours - theirs)

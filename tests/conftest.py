@@ -91,10 +91,12 @@ def sudoku_batch(n, seed=0, blanks=45):
     return {k: jax.numpy.asarray(v) for k, v in train.data._sudoku_batch(q, a, n).items()}
 
 
+def init_model(cfg, seed=0):
+    """(graph, params) of cfg's model (model.init, jitted: one compile); call it as nnx.merge(graph, params)(...)."""
+    return train.model_lib.abstract(cfg)[0], jax.jit(lambda k: train.model_lib.init(cfg, k)[1])(jax.random.key(seed))
+
+
 def init_trm(cfg, batch):
-    """(TRM module, unboxed params, a random (y, z) state) for the batch's shape; init jitted (one compile)."""
-    m, B = train.model_lib.TRM(cfg), batch['inputs'].shape[0]
-    yz = jax.random.normal(jax.random.key(1), (B, 81, cfg.d_model))
-    boxed = jax.jit(m.init)(jax.random.key(0), batch['inputs'], batch['positions'], batch['segment_ids'], yz, yz,
-                            jax.numpy.zeros(B, bool))['params']
-    return m, train.nn.unbox(boxed), yz
+    """(TRM graph, params, a random (y, z) state) for the batch's shape."""
+    yz = jax.random.normal(jax.random.key(1), (batch['inputs'].shape[0], 81, cfg.d_model))
+    return (*init_model(cfg), yz)

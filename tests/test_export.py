@@ -3,15 +3,14 @@ import json
 import os
 import struct
 
-import flax.linen as nn
+from flax import nnx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import model as model_lib
 import train
-from conftest import VOCAB, config, write_corpus
+from conftest import VOCAB, config, init_model, write_corpus
 
 DEVICES = 4  # fsdp=4: export gathers sharded parameters, import places them back sharded
 
@@ -23,7 +22,8 @@ def _greedy_full_recompute(cfg, params, prompt_BP, n):
     seq = np.zeros((B, P + n), np.int32)
     seq[:, :P] = prompt_BP
     pos = np.broadcast_to(np.arange(P + n), seq.shape)
-    logits = jax.jit(lambda p, s: model_lib.Transformer(cfg).apply({'params': p}, s, pos, np.ones_like(seq)))
+    graph = model_lib.abstract(cfg)[0]
+    logits = jax.jit(lambda p, s: nnx.merge(graph, p)(s, pos, np.ones_like(seq)))
     for t in range(P, P + n):
         seq[:, t] = np.argmax(np.asarray(logits(params, seq))[:, t - 1], -1)
     return seq[:, P:]
@@ -35,8 +35,8 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
     keys = [f'scan_layers={scan}', f'tie_embeddings={tie}', 'seed=3']
     cfg = config(tmp_path, *keys)
     mesh = train.make_mesh(cfg, jax.devices()[:DEVICES])
-    model, tx = model_lib.Transformer(cfg), train.make_optimizer(cfg)[0]
-    ours = train.init_state(cfg, mesh, model, tx)[0]['params']  # sharded over fsdp=4
+    tx = train.make_optimizer(cfg)[0]
+    ours = train.init_state(cfg, mesh, tx)[0]['params']  # sharded over fsdp=4
     hf = str(tmp_path / 'hf')
     train.export_hf(cfg, ours, train.data.make_dataset(cfg), hf)
 
@@ -68,13 +68,14 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
     assert conf['tie_word_embeddings'] == (tie == 'true')
 
     # Round trip: the same parameters in the same placement, so the same logits.
-    abstract = train.state_layout(cfg, mesh, model, tx)[2]
+    abstract = train.state_layout(cfg, mesh, tx)[2]
     back = train.load_hf(hf, abstract['params'], cfg)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), ours, back)
     assert jax.tree.map(lambda a: a.sharding.spec, ours) == jax.tree.map(lambda a: a.sharding.spec, back)
     tokens = np.random.default_rng(0).integers(0, V, (2, 32)).astype(np.int32)
     pos = np.broadcast_to(np.arange(32), tokens.shape)
-    apply = jax.jit(lambda p: model_lib.Transformer(cfg).apply({'params': p}, tokens, pos, np.ones_like(tokens)))
+    graph = model_lib.abstract(cfg)[0]
+    apply = jax.jit(lambda p: nnx.merge(graph, p)(tokens, pos, np.ones_like(tokens)))
     np.testing.assert_array_equal(np.asarray(apply(ours)), np.asarray(apply(back)))
 
     # A config that disagrees with the checkpoint is one line naming the key; so is a missing directory.
@@ -88,17 +89,15 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
 def test_kv_cache_generation_equals_full_recompute(tmp_path, scan):
     """Greedy decoding with the cache gives the same tokens as recomputing the whole prefix each time."""
     cfg = config(tmp_path, f'scan_layers={scan}', 'temperature=0', 'max_new_tokens=12')
-    model = model_lib.Transformer(cfg)
-    t = jnp.zeros((1, 8), jnp.int32)
-    params = nn.unbox(model.init(jax.random.key(1), t, t, t + 1)['params'])
+    graph, params = init_model(cfg, seed=1)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 5)).astype(np.int32)
-    got = np.asarray(train.generate(cfg, params, prompt, jax.random.key(0)))
+    got = np.asarray(train.generate(cfg, graph, params, prompt, jax.random.key(0)))
     np.testing.assert_array_equal(got, _greedy_full_recompute(cfg, params, prompt, 12))
     if scan == 'false':
         return
     # Sampling with top_k=1 is greedy whatever the temperature.
     hot = config(tmp_path, f'scan_layers={scan}', 'max_new_tokens=12', 'temperature=2.0', 'top_k=1')
-    np.testing.assert_array_equal(np.asarray(train.generate(hot, params, prompt, jax.random.key(0))), got)
+    np.testing.assert_array_equal(np.asarray(train.generate(hot, graph, params, prompt, jax.random.key(0))), got)
 
 
 def test_cli_export_and_generate(tmp_path, capsys):
@@ -108,8 +107,7 @@ def test_cli_export_and_generate(tmp_path, capsys):
     write_corpus(corpus, 12, 'train', 0)
     text = ['dataset=files', f'dataset_path={corpus}/*.txt', f'vocab_size={VOCAB}', f'cache_dir={tmp_path}/cache']
     cfg = config(tmp_path, *text)
-    params = train.init_state(cfg, train.make_mesh(cfg, jax.devices()[:1]), model_lib.Transformer(cfg),
-                              train.make_optimizer(cfg)[0])[0]['params']
+    params = train.init_state(cfg, train.make_mesh(cfg, jax.devices()[:1]), train.make_optimizer(cfg)[0])[0]['params']
     first, hf = str(tmp_path / 'first'), str(tmp_path / 'hf')
     train.export_hf(cfg, params, train.data.make_dataset(cfg), first)
     train.run(config(tmp_path, *text, 'mode=export', f'load_hf={first}', f'export_dir={hf}'), jax.devices()[:1])

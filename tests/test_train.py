@@ -2,7 +2,7 @@
 and what a run writes (config, metrics, TensorBoard events)."""
 import os
 
-import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +11,7 @@ import pytest
 
 import model as model_lib
 import train
-from conftest import BASE, ROOT, config, losses, metrics
+from conftest import BASE, ROOT, config, init_model, losses, metrics
 
 
 # ---- the step's math ------------------------------------------------------------------------------
@@ -31,10 +31,10 @@ def test_mesh_invariance(tmp_path):
 
 def _state_and_step(cfg, n_devices=1):
     mesh = train.make_mesh(cfg, jax.devices()[:n_devices])
-    model = model_lib.Transformer(cfg)
+    model = model_lib.abstract(cfg)[0]
     tx, schedule = train.make_optimizer(cfg)
-    state, _ = train.init_state(cfg, mesh, model, tx)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(train.axis_rules(cfg)):
+    state, _ = train.init_state(cfg, mesh, tx)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(train.axis_rules(cfg)):
         step = jax.jit(train.make_train_step(cfg, model, tx))
     return mesh, state, step
 
@@ -91,7 +91,7 @@ def test_remat_saves_memory_without_changing_the_math(tmp_path):
     for remat in ('none', 'full'):
         cfg = config(tmp_path, f'remat={remat}', 'scan_layers=true', 'max_target_length=64')
         mesh, state, step = _state_and_step(cfg)
-        model = model_lib.Transformer(cfg)
+        model = model_lib.abstract(cfg)[0]
         loss = lambda p: model_lib.lm_loss(cfg, model, p, {k: v[0] for k, v in b.items()}, None, None)[0]
         with jax.set_mesh(mesh):
             grads[remat] = jax.jit(jax.grad(loss))(state['params'])
@@ -116,21 +116,21 @@ def test_learning_rate_schedule(tmp_path):
 
 # ---- the model ------------------------------------------------------------------------------------
 def _init(cfg, L=16, seed=0):
-    m = model_lib.Transformer(cfg)
-    m.apply = jax.jit(m.apply)  # eager op-by-op dispatch would dominate these tests' time
+    """(forward(params, tokens, positions, segments), params, tokens, positions); forward is jitted, since
+    eager op-by-op dispatch would dominate these tests' time."""
+    graph, params = init_model(cfg, seed)
     toks = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, L)), jnp.int32)
     pos = jnp.tile(jnp.arange(L), (2, 1))
-    params = nn.unbox(jax.jit(m.init)(jax.random.key(seed), toks, pos, jnp.ones_like(toks))['params'])
-    return m, params, toks, pos
+    return jax.jit(lambda p, *args: nnx.merge(graph, p)(*args)), params, toks, pos
 
 
 def test_causality(tmp_path):
     cfg = config(tmp_path)
     m, params, toks, pos = _init(cfg)
     seg = jnp.ones_like(toks)
-    base = m.apply({'params': params}, toks, pos, seg)
+    base = m(params, toks, pos, seg)
     for t in (0, 7, 15):
-        changed = m.apply({'params': params}, toks.at[:, t].set((toks[:, t] + 1) % cfg.vocab_size), pos, seg)
+        changed = m(params, toks.at[:, t].set((toks[:, t] + 1) % cfg.vocab_size), pos, seg)
         np.testing.assert_array_equal(changed[:, :t], base[:, :t])
         assert not np.allclose(changed[:, t:], base[:, t:])
 
@@ -141,8 +141,8 @@ def test_packed_segments_do_not_attend_across(tmp_path):
     m, params, toks, _ = _init(cfg)
     seg = jnp.array([[1] * 10 + [2] * 6] * 2)
     pos = jnp.array([list(range(10)) + list(range(6))] * 2)
-    packed = m.apply({'params': params}, toks, pos, seg)
-    alone = m.apply({'params': params}, toks[:, 10:], pos[:, 10:], seg[:, 10:])
+    packed = m(params, toks, pos, seg)
+    alone = m(params, toks[:, 10:], pos[:, 10:], seg[:, 10:])
     np.testing.assert_allclose(packed[:, 10:], alone, rtol=1e-5, atol=1e-5)
 
 
@@ -163,7 +163,7 @@ def _reference_mha(cfg, params, toks, pos):
     x = p['embed'][toks]
     L = toks.shape[1]
     for i in range(cfg.num_layers):
-        lp = p['trunk'][f'layers_{i}']
+        lp = p['trunk']['layers'][i]
         h = norm(x, lp['attn_norm']['scale'])
         q, k, v = (np.einsum('bld,dhk->blhk', h, lp['attn'][w]) for w in ('wq', 'wk', 'wv'))
         q, k = rot(q), rot(k)
@@ -180,7 +180,7 @@ def _reference_mha(cfg, params, toks, pos):
 def test_gqa_with_all_kv_heads_is_plain_mha(tmp_path):
     cfg = config(tmp_path, 'num_kv_heads=4', 'scan_layers=false')
     m, params, toks, pos = _init(cfg)
-    ours = m.apply({'params': params}, toks, pos, jnp.ones_like(toks))
+    ours = m(params, toks, pos, jnp.ones_like(toks))
     np.testing.assert_allclose(ours, _reference_mha(cfg, params, toks, pos), rtol=2e-4, atol=2e-4)
 
 
@@ -188,10 +188,10 @@ def test_gqa_shares_kv_heads(tmp_path):
     """G=2 kv heads equals MHA whose 4 kv heads are the 2 repeated (head h uses kv head h // 2)."""
     cfg = config(tmp_path, 'scan_layers=false')
     m, params, toks, pos = _init(cfg)
-    ours = m.apply({'params': params}, toks, pos, jnp.ones_like(toks))
+    ours = m(params, toks, pos, jnp.ones_like(toks))
     mha = jax.tree.map(lambda x: x, params)
     for i in range(cfg.num_layers):
-        attn = mha['trunk'][f'layers_{i}']['attn']
+        attn = mha['trunk']['layers'][i]['attn']
         for w in ('wk', 'wv'):
             attn[w] = jnp.repeat(attn[w], 2, axis=1)
     cfg4 = config(tmp_path, 'num_kv_heads=4', 'scan_layers=false')
@@ -203,7 +203,7 @@ def test_big_parameters_are_sharded_on_4_4_2(tmp_path):
     cfg = config(tmp_path, 'mesh=4,4,2', 'd_model=128', 'mlp_dim=256', 'vocab_size=256', 'scan_layers=true')
     mesh = train.make_mesh(cfg, jax.devices())
     tx, _ = train.make_optimizer(cfg)
-    state, shardings = train.init_state(cfg, mesh, model_lib.Transformer(cfg), tx)
+    state, shardings = train.init_state(cfg, mesh, tx)
     for path, x in jax.tree_util.tree_leaves_with_path(state):
         if x.size >= 4096:
             assert not x.sharding.is_fully_replicated, jax.tree_util.keystr(path)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 import data
 import model as model_lib
@@ -22,7 +23,7 @@ def test_gradient_flows_only_through_the_last_cycle(tmp_path):
     fresh = jnp.zeros(2, bool)
 
     def loss(p, y, z, model=m):
-        logits = model.apply({'params': p}, b['inputs'], b['positions'], b['segment_ids'], y, z, fresh)[2]
+        logits = nnx.merge(model, p)(b['inputs'], b['positions'], b['segment_ids'], y, z, fresh)[2]
         return optax.softmax_cross_entropy_with_integer_labels(logits, b['targets']).mean()
 
     # A perturbation of the state entering the recursion (the carry, then the T-1 no-grad cycles) gets
@@ -30,24 +31,24 @@ def test_gradient_flows_only_through_the_last_cycle(tmp_path):
     got, gy, gz = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, yz, yz)
     assert not jnp.any(gy) and not jnp.any(gz)
     # ... while the parameters do: exactly those of one cycle (T=1) run from the state after T-1 cycles.
-    one = model_lib.TRM(cfg_for(tmp_path, 'trm.T=1', 'trm.n=1'))
-    cycle = jax.jit(lambda y, z: one.apply({'params': params}, b['inputs'], b['positions'], b['segment_ids'],
-                                          y, z, fresh)[:2])
+    one = model_lib.abstract(cfg_for(tmp_path, 'trm.T=1', 'trm.n=1'))[0]
+    cycle = jax.jit(lambda y, z: nnx.merge(one, params)(b['inputs'], b['positions'], b['segment_ids'],
+                                                        y, z, fresh)[:2])
     want = jax.jit(jax.grad(lambda p, y, z: loss(p, y, z, one)))(params, *cycle(*cycle(yz, yz)))
     assert all(jnp.any(g) for k in ('embed', 'net', 'head') for g in jax.tree.leaves(want[k]))  # (not the
     # halting head or y/z_init: they are not in this loss)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4), got, want)
 
 
-class FakeModel:
+class FakeModel(nnx.Module):
     """Stands in for TRM in trm_loss: y <- (0 if fresh else y) + 1, chosen logits and halting logits."""
 
     def __init__(self, logits, q):
-        self.logits, self.q = logits, q
+        self.logits, self.q = nnx.Variable(logits), nnx.Variable(q)
 
-    def apply(self, variables, inputs, positions, segment_ids, y, z, fresh):
+    def __call__(self, inputs, positions, segment_ids, y, z, fresh):
         y = jnp.where(fresh[:, None, None], 0.0, y) + 1
-        return y, z, self.logits, self.q, jnp.zeros(len(self.q))
+        return y, z, self.logits[...], self.q[...], jnp.zeros(len(self.q[...]))
 
 
 def test_carry_refills_halted_slots_and_halting_targets(tmp_path):
@@ -60,7 +61,7 @@ def test_carry_refills_halted_slots_and_halting_targets(tmp_path):
     targets = jnp.concatenate([new['targets'][:1], old['targets'][1:]])
     logits = 20.0 * jax.nn.one_hot(targets.at[2:, 0].set(targets[2:, 0] % 10 + 1), 11)
     q = jnp.array([0.5, -1.0, -1.0, 2.0])
-    loss, (sums, c) = model_lib.trm_loss(cfg, FakeModel(logits, q), None, new, carry, jax.random.key(0))
+    loss, (sums, c) = model_lib.trm_loss(cfg, *nnx.split(FakeModel(logits, q)), new, carry, jax.random.key(0))
     np.testing.assert_array_equal(c['inputs'][0], new['inputs'][0])  # halted slot: fresh puzzle
     np.testing.assert_array_equal(c['inputs'][1:], old['inputs'][1:])  # the others keep theirs
     np.testing.assert_array_equal(c['targets'][1:], old['targets'][1:])
