@@ -169,58 +169,41 @@ class Attention(nnx.Module):
         return dot('blhk,hkd->bld', out_BLHK, self.wo[...], dt), cache
 
 
-class MLP(nnx.Module):
-    def __init__(self, cfg, rngs):
-        D, F, wdt = cfg.d_model, cfg.mlp_dim, jnp.dtype(cfg.weight_dtype)
-        self.dtype = jnp.dtype(cfg.dtype)
-        self.w_gate = param(rngs, (D, F), ('embed', 'mlp'), D ** -0.5, wdt)
-        self.w_up = param(rngs, (D, F), ('embed', 'mlp'), D ** -0.5, wdt)
-        self.w_down = param(rngs, (F, D), ('mlp', 'embed'), F ** -0.5, wdt)
+class SwiGLU(nnx.Module):
+    """silu(x W_gate) * (x W_up) W_down over the last axis of x (width D, hidden F). The blocks' MLP runs it
+    over d_model; TRM's token mixer (trm.mixer=mlp) over the L positions instead of attention."""
+
+    def __init__(self, cfg, D, F, axis, rngs):
+        wdt, self.dtype = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
+        self.w_gate = param(rngs, (D, F), (axis, 'mlp'), D ** -0.5, wdt)
+        self.w_up = param(rngs, (D, F), (axis, 'mlp'), D ** -0.5, wdt)
+        self.w_down = param(rngs, (F, D), ('mlp', axis), F ** -0.5, wdt)
 
     def __call__(self, x_BLD):
-        dt = self.dtype
-        h_BLF = jax.nn.silu(dot('bld,df->blf', x_BLD, self.w_gate[...], dt)) * dot('bld,df->blf', x_BLD, self.w_up[...], dt)
-        return dot('blf,fd->bld', h_BLF, self.w_down[...], dt)
-
-
-class TokenMLP(nnx.Module):
-    """SwiGLU across the L positions instead of attention (TRM-MLP): for a fixed-size grid the mixing
-    pattern can be learned outright, which the TRM paper found best on Sudoku. Hidden width L x
-    mlp_dim / d_model, the same expansion as the channel MLP."""
-
-    def __init__(self, cfg, L, rngs):
-        F, wdt = L * cfg.mlp_dim // cfg.d_model, jnp.dtype(cfg.weight_dtype)
-        self.dtype = jnp.dtype(cfg.dtype)
-        self.w_gate = param(rngs, (L, F), ('length', 'mlp'), L ** -0.5, wdt)
-        self.w_up = param(rngs, (L, F), ('length', 'mlp'), L ** -0.5, wdt)
-        self.w_down = param(rngs, (F, L), ('mlp', 'length'), F ** -0.5, wdt)
-
-    def __call__(self, x_BLD):
-        dt = self.dtype
-        # Contract over L as the last axis of x: XLA's CPU dot has no bf16 x bf16 -> f32 kernel for the
-        # other layout.
-        x_BDL = jnp.swapaxes(x_BLD, 1, 2)
-        h_BDF = jax.nn.silu(dot('bdl,lf->bdf', x_BDL, self.w_gate[...], dt)) * dot('bdl,lf->bdf', x_BDL, self.w_up[...], dt)
-        return jnp.swapaxes(dot('bdf,fl->bdl', h_BDF, self.w_down[...], dt), 1, 2)
+        gate_BLF, up_BLF = (dot('bld,df->blf', x_BLD, w[...], self.dtype) for w in (self.w_gate, self.w_up))
+        return dot('blf,fd->bld', jax.nn.silu(gate_BLF) * up_BLF, self.w_down[...], self.dtype)
 
 
 class Block(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). mixer='mlp' swaps attention for TokenMLP
-    (fixed-length puzzles only: `length` positions)."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). mixer='mlp' (fixed-length puzzles only:
+    `length` positions) swaps attention for a SwiGLU across the positions (TRM-MLP): for a fixed-size grid
+    the mixing pattern can be learned outright, which the TRM paper found best on Sudoku."""
 
     def __init__(self, cfg, rngs, causal=True, mixer='attention', length=None):
         self.causal = causal
         self.attn_norm, self.mlp_norm = RMSNorm(cfg), RMSNorm(cfg)
-        if mixer == 'mlp':
-            self.token_mlp = TokenMLP(cfg, length, rngs)
+        if mixer == 'mlp':  # hidden width L x mlp_dim / d_model: the channel MLP's expansion
+            self.token_mlp = SwiGLU(cfg, length, length * cfg.mlp_dim // cfg.d_model, 'length', rngs)
         else:
             self.attn = Attention(cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = SwiGLU(cfg, cfg.d_model, cfg.mlp_dim, 'embed', rngs)
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None):
         x_BLD = constrain(x_BLD, ('batch', 'length', None))
-        if hasattr(self, 'token_mlp'):
-            x_BLD = x_BLD + self.token_mlp(self.attn_norm(x_BLD))
+        if hasattr(self, 'token_mlp'):  # mixing over L, as the last axis: XLA:CPU's dot has no bf16 x bf16
+            # -> f32 kernel for contracting the middle axis
+            x_BDL = jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)
+            x_BLD = x_BLD + jnp.swapaxes(self.token_mlp(x_BDL), 1, 2)
         else:
             h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, self.causal, cache)
             x_BLD = x_BLD + h_BLD
