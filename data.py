@@ -339,8 +339,8 @@ def _file_sources(cfg, log=None):
     train_files, eval_files = _split_files(cfg)
     name = 'files_' + _fingerprint(train_files, eval_files)
     with _quiet_tfds():
-        builder = _text_files_builder(name, train_files, eval_files, cfg.cache_dir)
-        with _locked(cfg.cache_dir):
+        with _locked(cfg.cache_dir):  # the builder reads what is prepared when made: after another process built it
+            builder = _text_files_builder(name, train_files, eval_files, cfg.cache_dir)
             if not builder.is_prepared():
                 tfds.disable_progress_bar()
                 with _announced(log, f'building the text dataset from {len(train_files)} + {len(eval_files)} '
