@@ -1,7 +1,8 @@
-"""Data for the trainer: text (tfds + sentencepiece) and Sudoku puzzles, as resumable per-host iterators.
+"""Data for the trainer: text (tfds + sentencepiece) and Sudoku puzzles, as grain pipelines that resume exactly on
+any number of processes.
 
     ds = make_dataset(cfg, process_index, process_count, log=print)   # log hears the slow one-time steps
-    it = ds.train_iter(local_rows, state=None)   # next(it) -> batch dict; it.state() -> tiny JSON dict
+    it = ds.train_iter(local_rows, state=None)   # next(it) -> batch dict; it.state() -> a small JSON dict per row
     ds.eval_batches(local_rows, n)               # the same n batches on every call
 
 Every batch is a dict of numpy arrays shaped [rows, L]:
@@ -9,7 +10,11 @@ Every batch is a dict of numpy arrays shaped [rows, L]:
     segment_ids      int32    0 = padding, 1, 2, ... = document number within the row
     positions        int32    position inside the document piece, restarting at 0 for every segment
     loss_mask        float32  1 where the target counts
-This module is numpy-only on purpose: train.py owns devices and turns these into global jax arrays.
+Row r of the global batch (local_rows x process_count rows; process p reads rows p * local_rows onward) is a lane:
+its own grain pipeline over the records at positions r, r + rows, r + 2 rows, ... of one order, shuffled per epoch
+from the seed, packed on its own. A lane's state does not depend on how many processes there are, so a checkpoint of
+every lane's state resumes on any process count that divides the rows, reading exactly the batches an uninterrupted
+run reads. This module is numpy-only on purpose: train.py owns devices and turns these into global jax arrays.
 TensorFlow is optional: tfds builds and reads array_record files without it. The Sudoku rules are defined
 here once (UNITS, PEERS, digits_seen, dead_end, solved) and take numpy or jax arrays: model.py's search
 uses them too.
@@ -23,14 +28,14 @@ import io
 import itertools
 import logging
 import os
-import queue
 import random
 import sys
 import sysconfig
-import threading
 import time
 
+import grain
 import numpy as np
+from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
 
 # Special ids of the tokenizers trained here. A tokenizer given by tokenizer_path keeps its own ids
 # (its eos is required; without a bos, eos also starts documents).
@@ -48,32 +53,18 @@ class DataError(Exception):
     """A mistake in the data settings; the message names the key or file and the fix."""
 
 
-# ---- shared plumbing: host shares, epoch order, prefetching iterator ---------------------------
+# ---- shared plumbing: lanes, batches, the prefetching iterator --------------------------------
+
+_READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # lanes read on the prefetch thread, not a pool each
+
 
 def _host_records(num_records, process_index, process_count, what):
-    """Record ids this host reads: i % process_count == process_index (disjoint, covers all)."""
+    """Record ids this host evaluates: i % process_count == process_index (disjoint, covers all)."""
     ids = np.arange(process_index, num_records, process_count)
     if len(ids) == 0:
         raise DataError(f'{what} has {num_records} records, fewer than the {process_count} processes '
                         'reading it: give it more data or run on fewer hosts')
     return ids
-
-
-def _records(host_ids, seed, process_index, epoch=0, index=0, shuffle=True, loop=True):
-    """Yields (epoch, index, record_id) from position (epoch, index) on.
-
-    Each epoch is a fresh permutation seeded by (seed, epoch, process), so a position alone is
-    enough to resume exactly: no rng state needs saving.
-    """
-    while True:
-        order = host_ids
-        if shuffle:
-            order = np.random.default_rng([seed, epoch, process_index]).permutation(host_ids)
-        for i in range(index, len(order)):
-            yield epoch, i, int(order[i])
-        if not loop:
-            return
-        epoch, index = epoch + 1, 0
 
 
 def _zeros_batch(rows, length):
@@ -84,83 +75,77 @@ def _zeros_batch(rows, length):
     return batch
 
 
-class BatchIterator:
-    """Iterates (batch, state_after_batch) pairs from `batches`, optionally on a background thread.
+def _stack(rows, n, length):
+    """A batch of n rows from row dicts; the rows past them are padding."""
+    batch = _zeros_batch(n, length)
+    for r, row in enumerate(rows):
+        for k, v in batch.items():
+            v[r] = row[k]
+    return batch
 
-    The thread runs up to `prefetch` batches ahead, so each queued batch carries the state *after*
-    it; state() reports the state of the last batch handed out, not the last one produced.
-    """
 
-    def __init__(self, batches, state, prefetch):
-        self._batches = batches
-        self._state = dict(state)
-        self._error = None
+def _full_row(inputs, targets):
+    """A row holding one example that fills it: one segment, every target counts."""
+    return {'inputs': inputs, 'targets': targets, 'segment_ids': np.ones(len(inputs), np.int32),
+            'positions': np.arange(len(inputs), dtype=np.int32), 'loss_mask': np.ones(len(inputs), np.float32)}
+
+
+def _tuples(state):
+    """A lane state back from JSON: grain's packing state compares its slices as tuples, which JSON made lists."""
+    if isinstance(state, dict):
+        return {k: _tuples(v) for k, v in state.items()}
+    return tuple(state) if isinstance(state, list) else state
+
+
+class Batches:
+    """What train_iter returns: grain zips the lanes' rows into batches and reads `prefetch` batches ahead on a
+    thread. state() is each lane's state after the last batch handed out (grain keeps it with every prefetched
+    batch); wait_seconds is the time next() spent blocked on data."""
+
+    def __init__(self, lanes, prefetch, state=None):
+        batches = ZipIterDataset(lanes).map(lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]})
+        self._it = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
+        if state:
+            self._it.set_state({'parents': [_tuples(s) for s in state]})
         self.wait_seconds = 0.0
-        self._queue = queue.Queue(prefetch) if prefetch > 0 else None
-        self._stop = threading.Event()
-        if self._queue is not None:
-            self._thread = threading.Thread(target=self._fill, daemon=True, name='data-prefetch')
-            self._thread.start()
-
-    def _put(self, item):
-        while not self._stop.is_set():   # a timed put, so close() is noticed even when the queue is full
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def _fill(self):
-        try:
-            for item in self._batches:
-                if not self._put(item):
-                    return
-            self._put((None, StopIteration()))
-        except BaseException as e:  # handed to the consumer, which re-raises it in next()
-            self._put((None, e))
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self._error is not None:
-            raise self._error
         start = time.perf_counter()
-        if self._queue is None:
-            batch, state = next(self._batches)
-        else:
-            batch, state = self._queue.get()
-        self.wait_seconds += time.perf_counter() - start
-        if batch is None:
-            self._error = state
-            raise state
-        self._state = state
-        return batch
+        try:
+            return next(self._it)
+        finally:
+            self.wait_seconds += time.perf_counter() - start
 
     def state(self):
-        return dict(self._state)
+        return self._it.get_state()['parents']
 
     def close(self):
-        self._stop.set()
-        if self._queue is not None:
-            self._thread.join(timeout=10)
+        self._it.close()
 
 
 class _Data:
-    """What make_dataset returns. Subclasses define _start, _train_batches and eval_batches."""
+    """What make_dataset returns. Subclasses define _lane (one row's pipeline) and eval_batches."""
     vocab_size = None
     tokenizer = None
     length = None
-    _start = {}
 
     def __init__(self, cfg, process_index, process_count):
         self.cfg = cfg
         self.process_index, self.process_count = process_index, process_count
 
     def train_iter(self, local_rows, state=None):
-        state = {**self._start, **(state or {})}
-        return BatchIterator(self._train_batches(local_rows, dict(state)), state, self.cfg.prefetch)
+        """This process's rows of the global batch (local_rows x process_count rows, a lane each), from `state`:
+        every lane's state, as saved by a run on any number of processes (None = the start)."""
+        rows, first = local_rows * self.process_count, local_rows * self.process_index
+        if state is not None and len(state) != rows:
+            raise DataError(f'the checkpoint holds the data position of {len(state)} rows per microbatch but this run '
+                            f'reads {rows} (per_device_batch x devices): keep {len(state)} to resume, or start a new '
+                            'run_name with load_params=RUN_DIR')
+        lanes = [self._lane(r, rows) for r in range(first, first + local_rows)]
+        return Batches(lanes, self.cfg.prefetch, state and state[first:first + local_rows])
 
 
 @contextlib.contextmanager
@@ -202,33 +187,24 @@ def _quiet_tfds():
 # ---- synthetic tokens --------------------------------------------------------------------------
 
 class SyntheticData(_Data):
-    """Uniform random tokens, a pure function of (seed, step): no files, no tokenizer."""
-    _start = {'step': 0}
+    """Uniform random tokens, row r of step s a pure function of (seed, s, r): no files, no tokenizer."""
 
     def __init__(self, cfg, process_index, process_count):
         super().__init__(cfg, process_index, process_count)
         self.vocab_size, self.length = cfg.vocab_size, cfg.max_target_length
 
-    def _batch(self, local_rows, stream, step):
-        # Every host draws the whole global batch and keeps its slice, so the global batch does
-        # not depend on how many processes share it.
-        global_rows = local_rows * self.process_count
-        rng = np.random.default_rng([self.cfg.seed, stream, step])
-        tokens_GL = rng.integers(0, self.vocab_size, (global_rows, self.length + 1), dtype=np.int32)
-        rows = tokens_GL[self.process_index * local_rows:(self.process_index + 1) * local_rows]
-        batch = _zeros_batch(local_rows, self.length)
-        batch['inputs'][:], batch['targets'][:] = rows[:, :-1], rows[:, 1:]
-        batch['segment_ids'][:] = 1
-        batch['positions'][:] = np.arange(self.length)
-        batch['loss_mask'][:] = 1
-        return batch
+    def _row(self, stream, step, row):
+        rng = np.random.default_rng([self.cfg.seed, stream, step, row])
+        tokens = rng.integers(0, self.vocab_size, self.length + 1, dtype=np.int32)
+        return _full_row(tokens[:-1], tokens[1:])
 
-    def _train_batches(self, local_rows, state):
-        for step in itertools.count(state['step']):
-            yield self._batch(local_rows, 0, step), {'step': step + 1}
+    def _lane(self, row, rows):
+        return grain.MapDataset.range(sys.maxsize).map(lambda step: self._row(0, step, row)).to_iter_dataset(_READ)
 
     def eval_batches(self, local_rows, n):
-        return [self._batch(local_rows, 1, i) for i in range(n)]
+        first = self.process_index * local_rows
+        return [_stack([self._row(1, i, r) for r in range(first, first + local_rows)], local_rows, self.length)
+                for i in range(n)]
 
 
 # ---- text: sources ----------------------------------------------------------------------------
@@ -339,8 +315,8 @@ def _file_sources(cfg, log=None):
     train_files, eval_files = _split_files(cfg)
     name = 'files_' + _fingerprint(train_files, eval_files)
     with _quiet_tfds():
-        builder = _text_files_builder(name, train_files, eval_files, cfg.cache_dir)
-        with _locked(cfg.cache_dir):
+        with _locked(cfg.cache_dir):  # the builder reads what is prepared when made: after another process built it
+            builder = _text_files_builder(name, train_files, eval_files, cfg.cache_dir)
             if not builder.is_prepared():
                 tfds.disable_progress_bar()
                 with _announced(log, f'building the text dataset from {len(train_files)} + {len(eval_files)} '
@@ -378,6 +354,8 @@ def _tfds_sources(cfg):
         sources = [list(tfds.as_numpy(builder.as_dataset(split=s))) for s in splits]
     except (KeyError, ValueError) as e:
         raise DataError(f'train_split={cfg.train_split!r} / eval_split={cfg.eval_split!r}: {e}') from None
+    if not len(sources[0]):
+        raise DataError(f'train_split={cfg.train_split!r} of {cfg.tfds_name} has no records: choose a split with data')
     identity = 'tfds_' + builder.info.full_name.replace('/', '_') + f'_{cfg.train_split}'
     return _Texts(sources[0], cfg.text_key), _Texts(sources[1], cfg.text_key), identity
 
@@ -447,66 +425,46 @@ def _tokenizer(cfg, train_texts, identity, log=None):
 
 # ---- text: packing ----------------------------------------------------------------------------
 
-def _pack(docs, rows, length, offset=0):
-    """Greedy concatenate-and-chunk of token documents into rows of `length` (input, target) pairs.
+def _pack(docs, length):
+    """Rows of `length` (input, target) pairs from an IterDataset of token documents: grain's concatenate-then-split.
 
-    A document of m tokens holds m-1 pairs (tok[t], tok[t+1]); packing pairs rather than tokens
-    means no target ever crosses a document boundary and no slot is spent on one. A document that
-    does not fit continues in the next row as a new segment, so rows are full until `docs` runs
-    out (eval); then the rest is padding. `docs` yields (where, tokens) with where = {epoch, index};
-    the first document starts at pair `offset`. Yields (batch, state of the next unread pair).
+    A document of m tokens holds m-1 pairs (tok[t], tok[t+1]); packing pairs rather than tokens means no target
+    ever crosses a document boundary and no slot is spent on one. A document that does not fit continues in the
+    next row as a new segment, so rows are full until `docs` runs out (eval): then the last row is padded and
+    iteration stops. The state is where the row's first document starts (grain replays at most a row to resume).
     """
-    where, doc = next(docs, (None, None))
-    while True:
-        batch = _zeros_batch(rows, length)
-        for r in range(rows):
-            col, segment = 0, 0
-            while col < length and doc is not None:
-                n = min(length - col, len(doc) - 1 - offset)
-                piece = slice(col, col + n)
-                segment += 1
-                batch['inputs'][r, piece] = doc[offset:offset + n]
-                batch['targets'][r, piece] = doc[offset + 1:offset + n + 1]
-                batch['segment_ids'][r, piece] = segment
-                batch['positions'][r, piece] = np.arange(n)
-                batch['loss_mask'][r, piece] = 1
-                col, offset = col + n, offset + n
-                if offset == len(doc) - 1:
-                    (where, doc), offset = next(docs, (None, None)), 0
-        yield batch, (None if doc is None else {**where, 'offset': offset})
+    pairs = docs.map(lambda doc: {'inputs': doc[:-1], 'targets': doc[1:]})
+    packed = ConcatThenSplitIterDataset(pairs, length_struct={'inputs': length, 'targets': length})
+    return packed.map(lambda p: {'inputs': p['inputs'], 'targets': p['targets'], 'segment_ids': p['inputs_segment_ids'],
+                                 'positions': p['inputs_positions'],
+                                 'loss_mask': (p['inputs_segment_ids'] > 0).astype(np.float32)})
 
 
 class TextData(_Data):
     """Documents from a random-access text source, tokenized on the fly and packed into rows."""
-    _start = {'epoch': 0, 'index': 0, 'offset': 0}
 
     def __init__(self, cfg, train_texts, eval_texts, identity, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count)
         self.train_texts, self.eval_texts = train_texts, eval_texts
-        self.train_records = _host_records(len(train_texts), process_index, process_count, 'the train split')
         self.eval_records = _host_records(len(eval_texts), process_index, process_count, 'the eval split')
         self.tokenizer = _tokenizer(cfg, train_texts, identity, log)
         self.vocab_size, self.length = self.tokenizer.get_piece_size(), cfg.max_target_length
         self.eos_id = self.tokenizer.eos_id()
         self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
+        self._order = grain.MapDataset.source(train_texts).shuffle(seed=cfg.seed).repeat().map(self.encode)
 
     def encode(self, text):
         """A document's tokens: bos, text, eos (so every token, the first included, is a target)."""
         return np.asarray([self.bos_id] + self.tokenizer.encode(text) + [self.eos_id], np.int32)
 
-    def _docs(self, texts, records):
-        for epoch, index, rid in records:
-            yield {'epoch': epoch, 'index': index}, self.encode(texts[rid])
-
-    def _train_batches(self, local_rows, state):
-        records = _records(self.train_records, self.cfg.seed, self.process_index, state['epoch'], state['index'])
-        return _pack(self._docs(self.train_texts, records), local_rows, self.length, state['offset'])
+    def _lane(self, row, rows):
+        return _pack(self._order[row::rows].to_iter_dataset(_READ), self.length)
 
     def eval_batches(self, local_rows, n):
         # Fixed order and a single pass: batches past the end of the split are padding (loss_mask 0).
-        records = _records(self.eval_records, 0, self.process_index, shuffle=False, loop=False)
-        batches = _pack(self._docs(self.eval_texts, records), local_rows, self.length)
-        return [next(batches)[0] for _ in range(n)]
+        docs = grain.MapDataset.source(self.eval_records).map(lambda i: self.encode(self.eval_texts[i]))
+        rows = iter(_pack(docs.to_iter_dataset(_READ), self.length))
+        return [_stack(list(itertools.islice(rows, local_rows)), local_rows, self.length) for _ in range(n)]
 
 
 # ---- Sudoku: the rules, defined once ------------------------------------------------------------
@@ -739,21 +697,14 @@ def _cached_sudoku(cache_dir, n, blanks, seed, split, log=None):
 
 
 def _sudoku_batch(q, a, rows):
-    """Token batch from digit grids; rows past len(q) are padding (loss_mask 0)."""
-    n = len(q)
-    batch = _zeros_batch(rows, SUDOKU_LEN)
-    batch['inputs'][:n] = np.asarray(q, np.int32) + 1   # blank 0 -> 1, digit d -> d + 1
-    batch['targets'][:n] = np.asarray(a, np.int32) + 1
-    batch['segment_ids'][:n] = 1
-    batch['positions'][:n] = np.arange(SUDOKU_LEN)
-    batch['loss_mask'][:n] = 1
-    return batch
+    """Token batch from digit grids (blank 0 -> 1, digit d -> d + 1); rows past len(q) are padding (loss_mask 0)."""
+    return _stack([_full_row(np.asarray(x, np.int32) + 1, np.asarray(y, np.int32) + 1) for x, y in zip(q, a)],
+                  rows, SUDOKU_LEN)
 
 
 class SudokuData(_Data):
     """Puzzle -> solution pairs, from CSV files or the built-in generator."""
     vocab_size, length = SUDOKU_VOCAB, SUDOKU_LEN
-    _start = {'epoch': 0, 'index': 0}
 
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count)
@@ -772,20 +723,18 @@ class SudokuData(_Data):
             seen = {s.tobytes() for s in self.train_a}
             keep = np.array([s.tobytes() not in seen for s in a], bool)
             self.eval_q, self.eval_a = q[keep], a[keep]
-        self.train_records = _host_records(len(self.train_q), process_index, process_count, 'the train puzzles')
         self.eval_records = _host_records(len(self.eval_q), process_index, process_count, 'the eval puzzles')
+        self._order = grain.MapDataset.range(len(self.train_q)).shuffle(seed=cfg.seed).repeat().map_with_index(
+            self._example)
 
-    def _train_batches(self, local_rows, state):
-        records = _records(self.train_records, self.cfg.seed, self.process_index, state['epoch'], state['index'])
-        while True:
-            q = np.empty((local_rows, SUDOKU_LEN), np.uint8)
-            a = np.empty_like(q)
-            for r in range(local_rows):
-                epoch, index, rid = next(records)
-                q[r], a[r] = self.train_q[rid], self.train_a[rid]
-                if self.cfg.augment:  # seeded by position, so a resumed run draws the same shuffles
-                    q[r], a[r] = augment(q[r], a[r], np.random.default_rng([self.cfg.seed, epoch, rid]))
-            yield _sudoku_batch(q, a, local_rows), {'epoch': epoch, 'index': index + 1}
+    def _example(self, position, rid):
+        q, a = self.train_q[rid], self.train_a[rid]
+        if self.cfg.augment:  # seeded by position (epoch, record), so a resumed run draws the same shuffles
+            q, a = augment(q, a, np.random.default_rng([self.cfg.seed, position // len(self.train_q), rid]))
+        return _full_row(q.astype(np.int32) + 1, a.astype(np.int32) + 1)
+
+    def _lane(self, row, rows):
+        return self._order[row::rows].to_iter_dataset(_READ)
 
     def eval_batches(self, local_rows, n):
         # Fixed order, unaugmented; batches past the end of the eval set are padding (loss_mask 0).

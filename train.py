@@ -569,7 +569,7 @@ class Preempted(Exception):
     """SIGTERM/SIGINT: the current step finished and a checkpoint was written."""
 
 
-DATA_STATE_BYTES = 1024  # room for one process's data-iterator state as JSON
+DATA_STATE_BYTES = 256  # room for one lane's (one batch row's) data-iterator state as JSON
 
 
 def checkpoint_manager(directory, cfg, read_only=False):
@@ -581,22 +581,20 @@ def checkpoint_manager(directory, cfg, read_only=False):
                                                 'data_state': ocp.StandardCheckpointHandler()})
 
 
-def data_state_array(it_state, mesh):
-    """Every process's iterator state, as one global uint8 array with a row per device: each process
-    fills the rows of its own devices, so orbax saves all hosts' positions (JSON items are written by
-    process 0 only, which would lose the other hosts' places on a pod)."""
-    raw = json.dumps(it_state).encode()
-    assert len(raw) <= DATA_STATE_BYTES, 'data iterator state too large to checkpoint'
-    row = np.frombuffer(raw.ljust(DATA_STATE_BYTES), np.uint8)
-    sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
-    local = np.tile(row, (len(mesh.local_devices), 1))
-    return jax.make_array_from_process_local_data(sharding, local, (mesh.size, DATA_STATE_BYTES))
+def data_state_array(lane_states):
+    """Every lane's iterator state (one per row of the global batch) as a uint8 array with a JSON row each. The
+    processes gather their lanes in process order (process p reads rows p * local_rows onward), so each holds the
+    whole array, process 0's copy is the one written, and a run on any process count reads every lane back."""
+    raw = [json.dumps(s).encode() for s in lane_states]
+    assert max(map(len, raw)) <= DATA_STATE_BYTES, 'data iterator state too large to checkpoint'
+    local = np.stack([np.frombuffer(r.ljust(DATA_STATE_BYTES), np.uint8) for r in raw])
+    return np.asarray(multihost_utils.process_allgather(local, tiled=True))
 
 
 def save_checkpoint(mngr, step, state, it, mesh):
     mngr.save(step, args=ocp.args.Composite(
         train_state=ocp.args.PyTreeSave(state),
-        data_state=ocp.args.StandardSave({'rows': data_state_array(it.state(), mesh)})))
+        data_state=ocp.args.StandardSave({'lanes': data_state_array(it.state())})))
 
 
 def _flat_shapes(tree):
@@ -652,7 +650,7 @@ def _orbax_quiet():
 
 
 def _restore_step(mngr, step, abstract, mesh, part):
-    """(state or its `part`, this process's data state) of one step; Damaged if it cannot be read."""
+    """(state or its `part`, every lane's data state) of one step; Damaged if it cannot be read."""
     with _orbax_quiet():
         return _read_step(mngr, step, abstract, mesh, part)
 
@@ -666,18 +664,20 @@ def _read_step(mngr, step, abstract, mesh, part):
         if part:  # another run's optimizer may differ: read the params subtree alone
             got = mngr.restore(step, args=ocp.args.Composite(train_state=restore({part: target}, partial_restore=True)))
             return got['train_state'][part], None
-        rows = jax.ShapeDtypeStruct((mesh.size, DATA_STATE_BYTES), np.uint8,
-                                    sharding=NamedSharding(mesh, PartitionSpec(mesh.axis_names)))
+        lanes = 'lanes' in mngr.item_metadata(step)['data_state']  # else a position per process (before grain)
         got = mngr.restore(step, args=ocp.args.Composite(
-            train_state=restore(abstract), data_state=ocp.args.StandardRestore({'rows': rows})))
-        mine = np.asarray(got['data_state']['rows'].addressable_shards[0].data)[0]
-        return got['train_state'], json.loads(mine.tobytes().decode().strip())
+            train_state=restore(abstract), **({'data_state': ocp.args.StandardRestore()} if lanes else {})))
+        if not lanes:
+            log(f'WARNING: checkpoint {mngr.directory}/{step} holds a data position per process (written before the '
+                'data moved to grain): the data order starts again from its beginning')
+            return got['train_state'], None
+        return got['train_state'], [json.loads(row.tobytes().decode().strip()) for row in got['data_state']['lanes']]
     except Exception as e:  # orbax/tensorstore raise bare Exception for unreadable data
         raise Damaged(f'{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else "unreadable"}') from None
 
 
 def restore_checkpoint(mngr, abstract, mesh, steps=None, part=None, move_aside=False):
-    """Newest readable checkpoint -> (step, state or its `part` ('params', 'ema'), this process's data
+    """Newest readable checkpoint -> (step, state or its `part` ('params', 'ema'), every lane's data
     state), or None. A damaged step is reported in one line and skipped for the one before it; with
     move_aside (the run's own checkpoints) it is renamed STEP.damaged-TIME once a readable one is found,
     never deleted, so the next save of that step has room and nothing is lost."""

@@ -3,8 +3,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,9 +57,17 @@ def documents(batches, eos):
     return docs
 
 
-def rest_of_epoch(it, limit=500):
+def lanes(batches):
+    """Each row's stream (a lane: row r of every batch) as 1-row batches, for documents()."""
+    return [[{k: v[r:r + 1] for k, v in b.items()} for b in batches] for r in range(len(batches[0]['inputs']))]
+
+
+def rest_of_epoch(ds, it, rows, first=0, limit=500):
+    """Batches until every lane of `it` (rows first, first + 1, ... of `rows`) reads epoch 1: grain's packing state
+    names the lane's next record, at position lane + next_index x rows of the shuffled order."""
     batches = []
-    while it.state()['epoch'] == 0:
+    while min((s['parent_state']['next_index'] * rows + first + j) // len(ds.train_texts)
+              for j, s in enumerate(it.state())) == 0:
         assert len(batches) < limit, 'the iterator never reached epoch 1'
         batches.append(next(it))
     return batches
@@ -116,28 +126,28 @@ def test_packing_reproduces_documents_and_pads(tmp_path, corpus):
 
 
 def test_pack_small_example():
-    docs = iter([({'epoch': 0, 'index': 0}, np.array([2, 10, 11, 3])), ({'epoch': 0, 'index': 1}, np.array([2, 20, 3]))])
-    batch, state = next(data._pack(docs, rows=2, length=4))
+    docs = grain.MapDataset.source([np.array([2, 10, 11, 3]), np.array([2, 20, 3])]).to_iter_dataset()
+    rows = list(data._pack(docs, length=4))
+    batch = data._stack(rows, 2, 4)
     assert batch['inputs'].tolist() == [[2, 10, 11, 2], [20, 0, 0, 0]]
     assert batch['targets'].tolist() == [[10, 11, 3, 20], [3, 0, 0, 0]]
     assert batch['segment_ids'].tolist() == [[1, 1, 1, 2], [1, 0, 0, 0]]
     assert batch['positions'].tolist() == [[0, 1, 2, 0], [0, 0, 0, 0]]
     assert batch['loss_mask'].tolist() == [[1, 1, 1, 1], [1, 0, 0, 0]]
-    assert state is None  # the documents ran out
+    assert len(rows) == 2  # the documents ran out
 
 
 def test_two_hosts_read_disjoint_records_covering_all(tmp_path, corpus):
+    """Host p of 2 reads lanes 2p, 2p+1 of 4: lane r reads the shuffled order's positions r, r + 4, r + 8."""
     cfg = files_cfg(tmp_path, corpus)
     hosts = [data.make_dataset(cfg, p, 2) for p in range(2)]
-    ids = [set(h.train_records.tolist()) for h in hosts]
-    assert not ids[0] & ids[1] and ids[0] | ids[1] == set(range(12))
     seen = []
-    for host in hosts:  # the first epoch of each host holds exactly its own documents
+    for p, host in enumerate(hosts):  # the first epoch of each host holds exactly its own documents
         it = host.train_iter(2)
-        batches = rest_of_epoch(it)
+        batches = rest_of_epoch(host, it, 4, first=2 * p)
         it.close()
-        docs = documents(batches, host.eos_id)[:len(host.train_records)]
-        expected = [host.encode(host.train_texts[i]).tolist() for i in host.train_records]
+        docs = [d for lane in lanes(batches) for d in documents(lane, host.eos_id)[:3]]
+        expected = [host._order[j].tolist() for j in range(12) if j % 4 in (2 * p, 2 * p + 1)]
         assert sorted(docs) == sorted(expected)
         seen += docs
     everything = [hosts[0].encode(hosts[0].train_texts[i]).tolist() for i in range(12)]
@@ -151,7 +161,7 @@ def test_text_resume_is_exact(tmp_path, corpus, prefetch):
     for _ in range(5):
         next(it)
     state = json.loads(json.dumps(it.state()))
-    reference = rest_of_epoch(it) + [next(it) for _ in range(3)]  # on into the next epoch
+    reference = rest_of_epoch(ds, it, 3) + [next(it) for _ in range(3)]  # on into the next epoch
     it.close()
     resumed = ds.train_iter(3, state=state)
     for want in reference:
@@ -172,7 +182,7 @@ def test_tfds_data_source_with_mock_data(tmp_path, corpus):
         it = ds.train_iter(2)
         batches = [next(it) for _ in range(6)]
         it.close()
-    assert len(ds.train_texts) == 6 and documents(batches, ds.eos_id)
+    assert len(ds.train_texts) == 6 and any(documents(lane, ds.eos_id) for lane in lanes(batches))
     with tfds.testing.mock_data(num_examples=6), pytest.raises(data.DataError, match='text_key'):
         next(data.make_dataset(config(tmp_path, *tfds_args, 'text_key=nope', preset=())).train_iter(2))
 
@@ -195,7 +205,7 @@ def test_synthetic_global_batch_does_not_depend_on_process_count(tmp_path):
         for k in whole:
             assert np.array_equal(whole[k], np.concatenate([h[k] for h in halves]))
     assert whole['inputs'].max() < 50 and np.array_equal(whole['inputs'][:, 1:], whole['targets'][:, :-1])
-    assert one.state() == {'step': 3}
+    assert one.state() == [{'next_index': 3}] * 8
 
 
 def test_user_errors_name_the_key(tmp_path, corpus):
@@ -221,18 +231,22 @@ def test_vocab_mismatch(tmp_path, corpus):
 
 
 def test_prefetch_thread_errors_reraise_and_close_stops():
-    def batches():
-        yield {'x': 1}, {'i': 1}
-        raise ValueError('broken record')
-    it = data.BatchIterator(batches(), {'i': 0}, prefetch=2)
-    assert next(it) == {'x': 1} and it.state() == {'i': 1}
+    def row(i):
+        if i == 1:
+            raise ValueError('broken record')
+        return {'x': i}
+    it = data.Batches([grain.MapDataset.range(3).map(row).to_iter_dataset(data._READ)], prefetch=2)
+    assert next(it)['x'].tolist() == [0] and it.state() == [{'next_index': 1}]
     with pytest.raises(ValueError, match='broken record'):
         next(it)
     it.close()
-    forever = data.BatchIterator(iter(lambda: ({}, {}), None), {}, prefetch=2)
+    before = set(threading.enumerate())
+    forever = data.Batches([grain.MapDataset.range(sys.maxsize).map(lambda i: {'x': i}).to_iter_dataset(data._READ)],
+                           prefetch=2)
     next(forever)
+    started = set(threading.enumerate()) - before
     forever.close()
-    assert not forever._thread.is_alive()
+    assert started and not any(t.is_alive() for t in started)
 
 
 def test_wait_seconds_is_time_blocked_on_data():
@@ -242,19 +256,19 @@ def test_wait_seconds_is_time_blocked_on_data():
     leaves 0.1 s of scheduling noise for three gets from a filled queue."""
     produced = []
 
-    def batches(n, seconds):
-        for i in range(n):
-            start = time.perf_counter()
-            time.sleep(seconds)
-            produced.append(time.perf_counter() - start)
-            yield {'i': i}, {'i': i + 1}
+    def row(i):
+        start = time.perf_counter()
+        time.sleep(0.05)
+        produced.append(time.perf_counter() - start)
+        return {'i': i}
 
-    it = data.BatchIterator(batches(4, 0.05), {'i': 0}, prefetch=0)
+    batches = lambda n: [grain.MapDataset.range(n).map(row).to_iter_dataset(data._READ)]  # one lane
+    it = data.Batches(batches(4), prefetch=0)
     for _ in range(4):
         next(it)
     assert it.wait_seconds >= sum(produced) >= 4 * 0.05  # each next() ran the producer
 
-    it = data.BatchIterator(batches(4, 0.05), {'i': 0}, prefetch=2)
+    it = data.Batches(batches(4), prefetch=2)
     next(it)
     first = it.wait_seconds
     for _ in range(3):
@@ -262,7 +276,7 @@ def test_wait_seconds_is_time_blocked_on_data():
         next(it)
     it.close()
     # Unhidden, these three batches would cost 0.15 s of waiting; the consumer's own 0.36 s must not count.
-    assert it.state() == {'i': 4} and it.wait_seconds - first < 0.1, (first, it.wait_seconds)
+    assert it.state() == [{'next_index': 4}] and it.wait_seconds - first < 0.1, (first, it.wait_seconds)
 
 
 # ---- Sudoku -------------------------------------------------------------------------------------

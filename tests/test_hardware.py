@@ -1,5 +1,6 @@
 """Hardware: the README's presets (every row a valid config, the CPU row trained, the TPU rows AOT-compiled
 for their slices against the memory the table states), multi-process runs, device fallback, the batch-size ramp."""
+import json
 import math
 import os
 import re
@@ -14,8 +15,9 @@ import time
 import jax
 import pytest
 
+import data
 import train
-from conftest import BASE, ENV, ROOT, args, config, losses, metrics
+from conftest import BASE, ENV, ROOT, VOCAB, args, config, losses, metrics, write_corpus
 
 
 def readme_presets():
@@ -145,6 +147,48 @@ def test_two_processes_train_like_one_and_stop_together(tmp_path):
     one, two = (losses(os.path.join(tmp_path, r)) for r in ('one', 'two'))
     assert len(one) == 8
     assert one == pytest.approx(two, rel=1e-5)
+
+
+# The trainer, writing down every microbatch it reads: a line of JSON per microbatch, in ROWS_FILE.<process>.
+RECORDING = """import json, os, sys, data, jax, train
+read = data.Batches.__next__
+def recorded(self):
+    batch = read(self)
+    with open(f"{os.environ['ROWS_FILE']}.{jax.process_index()}", 'a') as f:
+        f.write(json.dumps({k: v.tolist() for k, v in batch.items()}) + '\\n')
+    return batch
+data.Batches.__next__ = recorded
+sys.exit(train.main(sys.argv))
+"""
+
+
+def test_elastic_resume_reads_what_an_uninterrupted_run_reads(tmp_path):
+    """Packed text, 4 rows per step: steps 1-2 on one process, 3-4 resumed on two, 5-6 resumed on one again. The
+    global batches read are, bit for bit, those of the data an uninterrupted run reads (no example repeated, skipped
+    or moved), documents cut across rows and across the restarts included."""
+    write_corpus(tmp_path / 'train', 12, 'doc', 0)
+    write_corpus(tmp_path / 'eval', 2, 'eval', 1)  # a record for each process
+    keys = ['dataset=files', f'dataset_path={tmp_path}/train/*.txt', f'eval_path={tmp_path}/eval/*.txt',
+            f'vocab_size={VOCAB}', 'num_layers=1', 'per_device_batch=2', 'checkpoint_every=0', 'prefetch=2']
+
+    def run(steps, processes):
+        """Runs (or resumes) the run up to `steps` on 2 devices; returns the global batches it read."""
+        rows_file, port = tmp_path / f'rows-{steps}', free_port()
+        env = lambda i: {**ENV, 'ROWS_FILE': str(rows_file), 'JAX_NUM_CPU_DEVICES': str(2 // processes), **(
+            {'JAX_COORDINATOR_ADDRESS': f'127.0.0.1:{port}', 'JAX_PROCESS_COUNT': str(processes),
+             'JAX_PROCESS_INDEX': str(i)} if processes > 1 else {})}
+        procs = [subprocess.Popen([sys.executable, '-c', RECORDING, 'base.yml', *args(tmp_path, *keys, f'steps={steps}')],
+                                  cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(i))
+                 for i in range(processes)]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0] * processes, outs[0][-3000:] + outs[-1][-3000:]
+        read = [[json.loads(line) for line in open(f'{rows_file}.{i}')] for i in range(processes)]
+        return [{k: sum((b[k] for b in batches), []) for k in batches[0]} for batches in zip(*read)]  # process 0 first
+
+    got = run(2, 1) + run(4, 2) + run(6, 1)
+    it = data.make_dataset(config(tmp_path, *keys)).train_iter(4)
+    assert got == [{k: v.tolist() for k, v in next(it).items()} for _ in range(6)]
+    it.close()
 
 
 def test_half_set_distributed_env_is_one_line_error(monkeypatch, capsys):
