@@ -440,7 +440,8 @@ def ema_update(decay, step, ema, params):
 def trm_steps(cfg, model, params, grids_NL, steps):
     """`steps` supervision steps from a fresh carry on digit grids (0 = blank): (predicted tokens after
     each step [S, N, L], digit log-probs [N, L, C] after the last, log value [N] after step
-    v = min(tot.value_step, steps)). Only step v is differentiable: the value loss trains through it."""
+    v = min(tot.value_step, steps), halting logits after each step [S, N]). Only step v is
+    differentiable: the value loss trains through it."""
     N, L = grids_NL.shape
     rows = lambda x: jnp.broadcast_to(x, (N, L)).astype(jnp.int32)
     tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
@@ -448,20 +449,30 @@ def trm_steps(cfg, model, params, grids_NL, steps):
 
     def sup(p):
         def one(carry, fresh_N):
-            y, z, logits_NLV, _, log_v_N = nnx.merge(model, p)(tokens, pos, seg, *carry, fresh_N)
+            y, z, logits_NLV, q_N, log_v_N = nnx.merge(model, p)(tokens, pos, seg, *carry, fresh_N)
             carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
-            return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N)
+            return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N, q_N)
         return one
     fixed = sup(jax.lax.stop_gradient(params))
     fresh = lambda n: (jnp.arange(n) == 0)[:, None] & jnp.ones((1, N), bool)  # [n, N]: step 0 starts fresh
     yz = jnp.zeros((N, L, cfg.d_model), jnp.float32)
-    carry, (p_before, _, _) = jax.lax.scan(fixed, (yz, yz), fresh(v - 1))
-    carry, (p_v, logits_NLV, log_v_N) = sup(params)(carry, jnp.full(N, v == 1))
-    _, (p_after, l_after, _) = jax.lax.scan(fixed, carry, jnp.zeros((steps - v, N), bool))
+    carry, (p_before, _, _, q_before) = jax.lax.scan(fixed, (yz, yz), fresh(v - 1))
+    carry, (p_v, logits_NLV, log_v_N, q_v) = sup(params)(carry, jnp.full(N, v == 1))
+    _, (p_after, l_after, _, q_after) = jax.lax.scan(fixed, carry, jnp.zeros((steps - v, N), bool))
     logits_NLV = l_after[-1] if steps > v else logits_NLV
-    preds = jnp.concatenate([p_before, p_v[None], p_after])
+    preds, q_SN = jnp.concatenate([p_before, p_v[None], p_after]), jnp.concatenate([q_before, q_v[None], q_after])
     # Digit d is token d + 1: the nine digit logits are tokens 2..10.
-    return preds, jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N
+    return preds, jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N, q_SN
+
+
+def halt_decode(preds_SNL, q_SN):
+    """Decoding stopped by the learned halting head: each puzzle keeps the answer of the first step whose
+    halting logit says "right" (q > 0), or the last step's. Returns the answers as they stand after each
+    step [S, N, L] (a step-s cap) and the step each puzzle halted at [N] (1-based)."""
+    S = q_SN.shape[0]
+    halt_N = jnp.where(jnp.any(q_SN > 0, axis=0), jnp.argmax(q_SN > 0, axis=0), S - 1)
+    at_SN = jnp.minimum(jnp.arange(S)[:, None], halt_N[None])
+    return jnp.take_along_axis(preds_SNL, at_SN[..., None], axis=0), halt_N + 1
 
 
 
@@ -705,10 +716,14 @@ def sudoku_decode(cfg, model, params, batch):
     oneshot and trm, 1 for the others), forward passes per puzzle [B], value-head log values and labels
     of partial grids made from the batch (for its AUROC))."""
     q_BL, B = batch['inputs'] - 1, batch['inputs'].shape[0]
-    steps = {'oneshot': 1, 'trm': cfg.trm.N_sup}.get(cfg.decoder, max(cfg.tot.policy_steps, cfg.tot.value_step))
-    evaluate = lambda g_NL: trm_steps(cfg, model, params, g_NL, steps)[1:]
+    trm_depth = cfg.trm.eval_steps or cfg.trm.N_sup
+    steps = {'oneshot': 1, 'trm': trm_depth}.get(cfg.decoder, max(cfg.tot.policy_steps, cfg.tot.value_step))
+    evaluate = lambda g_NL: trm_steps(cfg, model, params, g_NL, steps)[1:3]
     if cfg.decoder in ('oneshot', 'trm'):
-        preds_SBL, passes_B = trm_steps(cfg, model, params, q_BL, steps)[0], jnp.full(B, steps)
+        preds_SBL, _, _, q_SB = trm_steps(cfg, model, params, q_BL, steps)
+        passes_B = jnp.full(B, steps)
+        if cfg.decoder == 'trm' and cfg.trm.eval_halt:
+            preds_SBL, passes_B = halt_decode(preds_SBL, q_SB)
     elif cfg.decoder == 'greedy':
         grids_BL, passes_B = greedy_fill(evaluate, q_BL)
         preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps

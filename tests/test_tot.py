@@ -133,7 +133,7 @@ def test_width_one_reproduces_greedy_and_compiles_once(tmp_path):
     cfg = config(tmp_path, preset=SUDOKU)
     b = sudoku_batch(3)
     m, params, _ = init_trm(cfg, b)
-    evaluate = lambda g: model_lib.trm_steps(cfg, m, params, g, 1)[1:]  # an untrained net: arbitrary but fixed
+    evaluate = lambda g: model_lib.trm_steps(cfg, m, params, g, 1)[1:3]  # an untrained net: arbitrary but fixed
     q_BL = b['inputs'] - 1
     greedy, passes = jax.jit(lambda q: model_lib.greedy_fill(evaluate, q))(q_BL)
     search = jax.jit(lambda q: model_lib.tree_search(evaluate, q, 1, 1, 1, 81, 10_000))

@@ -82,6 +82,16 @@ def test_ema_update():
     np.testing.assert_allclose(model_lib.ema_update(0.999, 0, ema, p)['w'], 0.1 * 2 + 0.9 * 4)  # warmup: (1+0)/(10+0)
 
 
+def test_halting_head_stops_decoding():
+    # Three puzzles, four steps: the first halts at step 2 (its first q > 0), the second never (keeps the
+    # last step's answer), the third at step 1 even though q dips below 0 later.
+    preds = jnp.arange(4)[:, None, None] * 10 + jnp.arange(3)[None, :, None] + jnp.zeros((4, 3, 2), int)
+    q = jnp.array([[-1., -1., 2.], [3., -1., -5.], [-2., -1., -3.], [1., -1., 1.]])
+    got, halted = model_lib.halt_decode(preds, q)
+    np.testing.assert_array_equal(halted, [2, 4, 1])
+    np.testing.assert_array_equal(got[:, :, 0], [[0, 1, 2], [10, 11, 2], [10, 21, 2], [10, 31, 2]])
+
+
 def test_scoring_overwrites_givens_and_checks_rules():
     q, a = data.generate_sudoku(3, 45, 0, stream='score')
     b = data._sudoku_batch(q, a, 4)  # row 3 is padding and must be skipped
