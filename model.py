@@ -322,7 +322,8 @@ class TRM(nnx.Module):
     The first T-1 cycles run under stop_gradient (cheap deep recursion, no backprop memory); only the
     last one learns. Returns the new (y, z) for the caller to carry (detached) into the next supervision
     step, the logits read from y, the halting logit q (q > 0: "this answer is right, stop") and the ToT
-    value head's log value."""
+    value head's log value. noise=(keys [B], scale) adds scale x N(0, 1) to z after every update, drawn
+    from each row's key (decoder=trm_parallel's perturbed trajectories)."""
 
     def __init__(self, cfg, rngs):
         D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
@@ -346,21 +347,27 @@ class TRM(nnx.Module):
         self.value = param(rngs, (D,), ('embed',), D ** -0.5, wdt)
         self.value_bias = param(rngs, (), (), None, wdt, fill=5.0)
 
-    def __call__(self, inputs_BL, positions_BL, segment_ids_BL, y_BLD, z_BLD, fresh_B):
+    def __call__(self, inputs_BL, positions_BL, segment_ids_BL, y_BLD, z_BLD, fresh_B, noise=None):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x_BLD = jnp.take(constrain(self.embed[...], (None, None)), inputs_BL, axis=0).astype(dt)
         y_BLD = jnp.where(fresh_B[:, None, None], self.y_init[...].astype(dt), y_BLD.astype(dt))
         z_BLD = jnp.where(fresh_B[:, None, None], self.z_init[...].astype(dt), z_BLD.astype(dt))
         net = lambda h_BLD: self.net_norm(self.net(h_BLD, positions_BL, segment_ids_BL)[0])
 
-        def cycle(y_BLD, z_BLD):
-            for _ in range(cfg.trm.n):
+        def kick(z_BLD, i):  # Gaussian noise on the latent, update i's own draw per row
+            keys_B, scale = noise
+            draw = lambda k: jax.random.normal(jax.random.fold_in(k, i), z_BLD.shape[1:], z_BLD.dtype)
+            return z_BLD + scale * jax.vmap(draw)(keys_B)
+
+        def cycle(y_BLD, z_BLD, t):
+            for i in range(cfg.trm.n):
                 z_BLD = net(x_BLD + y_BLD + z_BLD)
+                z_BLD = z_BLD if noise is None else kick(z_BLD, t * cfg.trm.n + i)
             return net(y_BLD + z_BLD), z_BLD
 
-        for _ in range(cfg.trm.T - 1):
-            y_BLD, z_BLD = cycle(y_BLD, z_BLD)
-        y_BLD, z_BLD = cycle(*jax.lax.stop_gradient((y_BLD, z_BLD)))  # gradient through this cycle only
+        for t in range(cfg.trm.T - 1):
+            y_BLD, z_BLD = cycle(y_BLD, z_BLD, t)
+        y_BLD, z_BLD = cycle(*jax.lax.stop_gradient((y_BLD, z_BLD)), cfg.trm.T - 1)  # gradient through this one only
         logits_BLV = jnp.einsum('bld,dv->blv', y_BLD, self.head[...].astype(dt), preferred_element_type=jnp.float32)
         y32_BLD = y_BLD.astype(jnp.float32)
         q_B = jnp.mean(y32_BLD, axis=1) @ self.halt[...].astype(jnp.float32) + self.halt_bias[...]
@@ -437,28 +444,32 @@ def ema_update(decay, step, ema, params):
     return jax.tree.map(lambda e, p: (d * e + (1 - d) * p).astype(e.dtype), ema, params)
 
 
-def trm_steps(cfg, model, params, grids_NL, steps):
+def trm_steps(cfg, model, params, grids_NL, steps, noise=None):
     """`steps` supervision steps from a fresh carry on digit grids (0 = blank): (predicted tokens after
     each step [S, N, L], digit log-probs [N, L, C] after the last, log value [N] after step
     v = min(tot.value_step, steps), halting logits after each step [S, N]). Only step v is
-    differentiable: the value loss trains through it."""
+    differentiable: the value loss trains through it. noise=(keys [N], scale): perturbed recursion
+    (see TRM), each supervision step with its own draws."""
     N, L = grids_NL.shape
     rows = lambda x: jnp.broadcast_to(x, (N, L)).astype(jnp.int32)
     tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
     v = min(cfg.tot.value_step, steps)
 
     def sup(p):
-        def one(carry, fresh_N):
-            y, z, logits_NLV, q_N, log_v_N = nnx.merge(model, p)(tokens, pos, seg, *carry, fresh_N)
+        def one(carry, xs):
+            fresh_N, i = xs
+            kick = None if noise is None else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
+            y, z, logits_NLV, q_N, log_v_N = nnx.merge(model, p)(tokens, pos, seg, *carry, fresh_N, kick)
             carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
             return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N, q_N)
         return one
     fixed = sup(jax.lax.stop_gradient(params))
     fresh = lambda n: (jnp.arange(n) == 0)[:, None] & jnp.ones((1, N), bool)  # [n, N]: step 0 starts fresh
     yz = jnp.zeros((N, L, cfg.d_model), jnp.float32)
-    carry, (p_before, _, _, q_before) = jax.lax.scan(fixed, (yz, yz), fresh(v - 1))
-    carry, (p_v, logits_NLV, log_v_N, q_v) = sup(params)(carry, jnp.full(N, v == 1))
-    _, (p_after, l_after, _, q_after) = jax.lax.scan(fixed, carry, jnp.zeros((steps - v, N), bool))
+    i = jnp.arange(steps)
+    carry, (p_before, _, _, q_before) = jax.lax.scan(fixed, (yz, yz), (fresh(v - 1), i[:v - 1]))
+    carry, (p_v, logits_NLV, log_v_N, q_v) = sup(params)(carry, (jnp.full(N, v == 1), i[v - 1]))
+    _, (p_after, l_after, _, q_after) = jax.lax.scan(fixed, carry, (jnp.zeros((steps - v, N), bool), i[v:]))
     logits_NLV = l_after[-1] if steps > v else logits_NLV
     preds, q_SN = jnp.concatenate([p_before, p_v[None], p_after]), jnp.concatenate([q_before, q_v[None], q_after])
     # Digit d is token d + 1: the nine digit logits are tokens 2..10.
@@ -468,11 +479,31 @@ def trm_steps(cfg, model, params, grids_NL, steps):
 def halt_decode(preds_SNL, q_SN):
     """Decoding stopped by the learned halting head: each puzzle keeps the answer of the first step whose
     halting logit says "right" (q > 0), or the last step's. Returns the answers as they stand after each
-    step [S, N, L] (a step-s cap) and the step each puzzle halted at [N] (1-based)."""
+    step [S, N, L] (a step-s cap), their halting logits [S, N] and the step each halted at [N] (1-based)."""
     S = q_SN.shape[0]
     halt_N = jnp.where(jnp.any(q_SN > 0, axis=0), jnp.argmax(q_SN > 0, axis=0), S - 1)
     at_SN = jnp.minimum(jnp.arange(S)[:, None], halt_N[None])
-    return jnp.take_along_axis(preds_SNL, at_SN[..., None], axis=0), halt_N + 1
+    kept = lambda x: jnp.take_along_axis(x, at_SN.reshape(*at_SN.shape, *[1] * (x.ndim - 2)), axis=0)
+    return kept(preds_SNL), kept(q_SN), halt_N + 1
+
+
+def parallel_decode(cfg, model, params, q_BL, steps):
+    """decoder=trm_parallel: K = parallel.trajectories runs of the TRM per puzzle, each stopped by its
+    halting head, the first without noise and the others with parallel.noise on the latent; the answer
+    is the one the halting head is surest of (highest q). No Sudoku rule is used. The draws depend on
+    the puzzle and the trajectory, not on the batch. Returns (answers after each step [S, B, L], forward
+    passes per puzzle [B]: every trajectory's steps up to its halt)."""
+    B, L = q_BL.shape
+    K = cfg.parallel.trajectories
+    split = lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), K)
+    keys_BK = jax.vmap(split)(puzzle_hash(q_BL))
+    scale_N = jnp.tile(jnp.arange(K) > 0, B) * cfg.parallel.noise
+    preds_SNL, _, _, q_SN = trm_steps(cfg, model, params, jnp.repeat(q_BL, K, axis=0), steps,
+                                      (keys_BK.reshape(B * K), scale_N[:, None, None]))
+    preds_SNL, q_SN, halt_N = halt_decode(preds_SNL, q_SN)
+    best_SB = jnp.argmax(q_SN.reshape(steps, B, K), axis=-1)
+    preds_SBL = jnp.take_along_axis(preds_SNL.reshape(steps, B, K, L), best_SB[..., None, None], axis=2)[:, :, 0]
+    return preds_SBL, halt_N.reshape(B, K).sum(axis=1)
 
 
 
@@ -532,11 +563,24 @@ def puzzle_hash(q_BL):
 
 # ==================================================================================================
 # ToT, part 2: decoding by search. The rule checks (data.digits_seen, dead_end, solved) are Long's Sudoku
-# ToT checker, as masks.
+# ToT checker, as masks; rules=False (tot.rule_checks=false) leaves the learned heads alone to decide.
 # ==================================================================================================
-def legal_moves(grids_NL, logp_NLC):
-    """The log-probs of the moves that break no rule: blank cell, digit not in a peer (others -inf)."""
-    return jnp.where((grids_NL == 0)[..., None] & ~digits_seen(grids_NL), logp_NLC, -jnp.inf)
+def legal_moves(grids_NL, logp_NLC, rules=True):
+    """The log-probs of the moves that break no rule: blank cell, digit not in a peer (others -inf).
+    Without rules: any digit in a blank cell."""
+    ok_NLC = (grids_NL == 0)[..., None] & (~digits_seen(grids_NL) if rules else True)
+    return jnp.where(ok_NLC, logp_NLC, -jnp.inf)
+
+
+def dead(grids_NL, rules):
+    """A state to drop: some blank cell has no legal digit left (never, without rules)."""
+    return dead_end(grids_NL) if rules else jnp.zeros(grids_NL.shape[:-1], bool)
+
+
+def finished(answer_NL, q_N, rules):
+    """Whether a state's policy answer ends the search: it obeys the rules, or without rules, the
+    halting head (a learned "this answer is right") says so, q > 0."""
+    return solved(answer_NL) if rules else q_N > 0
 
 
 def fill_argmax(grids_NL, logp_NLC):
@@ -544,28 +588,29 @@ def fill_argmax(grids_NL, logp_NLC):
     return jnp.where(grids_NL == 0, jnp.argmax(logp_NLC, axis=-1) + 1, grids_NL)
 
 
-def greedy_fill(evaluate, q_BL):
+def greedy_fill(evaluate, q_BL, rules=True):
     """Fill the most confident legal move (blank cell, digit no peer has), re-evaluate, repeat until full.
-    evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N]). A move that leaves
-    some blank cell without a legal digit ends the puzzle: its other blanks get their argmax digits. So
-    does a state whose blanks, filled by the policy's argmax, make a grid that obeys the rules (the
-    policy's own answer, checked at every state for no extra pass). Finished puzzles leave the batch.
-    Returns (grids, forward passes per puzzle: the puzzle's own + one per move)."""
+    evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N], halting logit [N]). A
+    move that leaves some blank cell without a legal digit ends the puzzle: its other blanks get their
+    argmax digits. So does a state whose policy answer (its blanks filled by the argmax) is `finished`,
+    checked at every state for no extra pass. Finished puzzles leave the batch. Returns (grids, forward
+    passes per puzzle: the puzzle's own + one per move)."""
     def body(c):
         g_BL, logp_BLC, n_B, stop_B = c['grid'], c['logp'], c['evals'], c['stop']
         B = g_BL.shape[0]  # shrinks as finished puzzles leave (shrinking_loop)
-        lp_BLC = legal_moves(g_BL, logp_BLC)
+        lp_BLC = legal_moves(g_BL, logp_BLC, rules)
         flat_B = jnp.argmax(lp_BLC.reshape(B, -1), axis=-1)
         new_BL = g_BL.at[jnp.arange(B), flat_B // 9].set(flat_B % 9 + 1)
-        go_B = ~stop_B & (jnp.max(lp_BLC.reshape(B, -1), axis=-1) > -jnp.inf) & ~dead_end(new_BL)
-        new_logp = evaluate(new_BL)[0]
+        go_B = ~stop_B & (jnp.max(lp_BLC.reshape(B, -1), axis=-1) > -jnp.inf) & ~dead(new_BL, rules)
+        new_logp, _, new_q = evaluate(new_BL)
         g_BL = jnp.where(go_B[:, None], new_BL, g_BL)
         logp_BLC = jnp.where(go_B[:, None, None], new_logp, logp_BLC)
-        return {'grid': g_BL, 'logp': logp_BLC, 'evals': n_B + go_B,
-                'stop': ~go_B | solved(fill_argmax(g_BL, logp_BLC))}
-    logp0 = evaluate(q_BL)[0]
-    c = shrinking_loop(body, {'grid': q_BL, 'logp': logp0, 'evals': jnp.ones(q_BL.shape[0], jnp.int32),
-                              'stop': solved(fill_argmax(q_BL, logp0))})
+        q_B = jnp.where(go_B, new_q, c['q'])
+        return {'grid': g_BL, 'logp': logp_BLC, 'q': q_B, 'evals': n_B + go_B,
+                'stop': ~go_B | finished(fill_argmax(g_BL, logp_BLC), q_B, rules)}
+    logp0, _, q0 = evaluate(q_BL)
+    c = shrinking_loop(body, {'grid': q_BL, 'logp': logp0, 'q': q0, 'evals': jnp.ones(q_BL.shape[0], jnp.int32),
+                              'stop': finished(fill_argmax(q_BL, logp0), q0, rules)})
     return fill_argmax(c['grid'], c['logp']), c['evals']
 
 
@@ -591,11 +636,11 @@ def shrinking_loop(body, c, shared=()):
     return run(c, 0)
 
 
-def propose_thoughts(g_L, logp_LC, E, cells):
+def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
     """One state -> its E candidate grids (the surest blank cell at each of its E likeliest legal digits,
     plus the cells-1 next surest blanks at their argmax), their log-prob gain, and whether they exist."""
     NEG = -jnp.inf
-    lp_LC = legal_moves(g_L, logp_LC)
+    lp_LC = legal_moves(g_L, logp_LC, rules)
     conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
     cell = jnp.argmax(conf_L)
     top_E, digit_E = jax.lax.top_k(lp_LC[cell], E)
@@ -612,7 +657,7 @@ def propose_thoughts(g_L, logp_LC, E, cells):
 
 
 def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts, score='value',
-                logp_weight=0.0, key=None, frontier=0):
+                logp_weight=0.0, key=None, frontier=0, rules=True):
     """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled function.
 
     A thought fills `cells` blank cells: the state's most confident blank cell (highest top probability)
@@ -625,11 +670,12 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
       'logp'     cum only (plain beam search, no value head)
       'shuffled' as 'value' with the value scores permuted at random among a puzzle's candidates (control;
                  the draws depend on the key, the puzzle and the depth only, not on the batch around it)
-    A grid that obeys the rules ends a puzzle's search: a complete candidate, or any state's blanks
-    filled by the policy's argmax (checked at every state, no extra pass); a complete one that breaks
-    them is dropped. A puzzle also stops after max_depth steps, once `max_thoughts` states were evaluated,
-    or when its beam is empty. Shapes depend only on (batch, width, thoughts): one compile per batch size;
-    finished puzzles are dropped from the batch in quarter steps inside it.
+    A `finished` grid ends a puzzle's search: a complete candidate, or any state's blanks filled by the
+    policy's argmax (checked at every state, no extra pass); a complete one that is not is dropped.
+    rules=False: no rule checks anywhere, the halting head decides what is finished. A puzzle also stops
+    after max_depth steps, once `max_thoughts` states were evaluated, or when its beam is empty. Shapes
+    depend only on (batch, width, thoughts): one compile per batch size; finished puzzles are dropped from
+    the batch in quarter steps inside it.
 
     frontier M > width keeps M states between steps instead of width (best-first search with
     backtracking, ToT's DFS/BFS in one): each step expands the best `width` states held, from any depth,
@@ -643,14 +689,14 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
     key = jax.random.key(0) if key is None else key
 
     def evaluate_BN(g_BNL):
-        logp, logv = evaluate(g_BNL.reshape(-1, L))
-        return logp.reshape(*g_BNL.shape, 9), logv.reshape(g_BNL.shape[:2])
+        logp, logv, q = evaluate(g_BNL.reshape(-1, L))
+        return logp.reshape(*g_BNL.shape, 9), logv.reshape(g_BNL.shape[:2]), q.reshape(g_BNL.shape[:2])
 
-    logp0, _ = evaluate_BN(q_BL[:, None])
+    logp0, _, q0 = evaluate_BN(q_BL[:, None])
     held = {'grid': jnp.repeat(q_BL[:, None], M, axis=1), 'logp': jnp.repeat(logp0, M, axis=1),
             'cum': jnp.zeros((B, M)), 'score': jnp.full((B, M), NEG).at[:, 0].set(0.0)}
     fill0 = fill_argmax(q_BL, logp0[:, 0])
-    done = solved(fill0)
+    done = finished(fill0, q0[:, 0], rules)
     carry = {'held': held, 'done': done, 'stop': done, 'answer': fill0, 'fallback': fill0,
              'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'puzzle': puzzle_hash(q_BL)}
 
@@ -660,15 +706,15 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         take = lambda x, i_BK: jnp.take_along_axis(x, i_BK.reshape(*i_BK.shape, *[1] * (x.ndim - 2)), axis=1)
         bm = jax.tree.map(lambda x: take(x, pop_BW), c['held'])
         rest = dict(c['held'], score=c['held']['score'].at[jnp.arange(B)[:, None], pop_BW].set(NEG))
-        expand = lambda g, lp: propose_thoughts(g, lp, E, cells)
+        expand = lambda g, lp: propose_thoughts(g, lp, E, cells, rules)
         g, gain, ok = jax.vmap(jax.vmap(expand))(bm['grid'], bm['logp'])  # [B, W, E, ...]
         g_BNL, N = g.reshape(B, W * E, L), W * E
         alive_BN = (ok & (bm['score'][..., None] > NEG)).reshape(B, N)
-        alive_BN &= ~dead_end(g_BNL)
+        alive_BN &= ~dead(g_BNL, rules)
         cum_BN = (bm['cum'][..., None] + gain).reshape(B, N)
         same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
         alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
-        logp_BNLC, logv_BN = evaluate_BN(g_BNL)
+        logp_BNLC, logv_BN, q_BN = evaluate_BN(g_BNL)
         if score == 'logp':
             s_BN = cum_BN
         elif score == 'shuffled':
@@ -680,7 +726,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         s_BN = jnp.where(alive_BN, s_BN, NEG)
         full_BN = jnp.all(g_BNL > 0, axis=-1)
         fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
-        ok_BN = alive_BN & solved(fill_BNL)
+        ok_BN = alive_BN & finished(fill_BNL, q_BN, rules)
         pick = lambda x, i_B: take(x, i_B[:, None])[:, 0]
         found_B = live_B & jnp.any(ok_BN, axis=1)
         answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), c['answer'])
@@ -708,7 +754,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
 # ==================================================================================================
 # Sudoku eval: decode a batch with cfg.decoder, score it on the host.
 # ==================================================================================================
-DECODERS = ('trm', 'oneshot', 'greedy', 'beam_logp', 'tot', 'tot_shuffled')
+DECODERS = ('trm', 'trm_parallel', 'oneshot', 'greedy', 'beam_logp', 'tot', 'tot_shuffled')
 
 
 def sudoku_decode(cfg, model, params, batch):
@@ -717,21 +763,27 @@ def sudoku_decode(cfg, model, params, batch):
     of partial grids made from the batch (for its AUROC))."""
     q_BL, B = batch['inputs'] - 1, batch['inputs'].shape[0]
     trm_depth = cfg.trm.eval_steps or cfg.trm.N_sup
-    steps = {'oneshot': 1, 'trm': trm_depth}.get(cfg.decoder, max(cfg.tot.policy_steps, cfg.tot.value_step))
-    evaluate = lambda g_NL: trm_steps(cfg, model, params, g_NL, steps)[1:3]
+    steps = {'oneshot': 1, 'trm': trm_depth, 'trm_parallel': trm_depth}.get(
+        cfg.decoder, max(cfg.tot.policy_steps, cfg.tot.value_step))
+    def evaluate(g_NL):  # -> digit log-probs, log value, halting logit after the last step
+        _, logp_NLC, log_v_N, q_SN = trm_steps(cfg, model, params, g_NL, steps)
+        return logp_NLC, log_v_N, q_SN[-1]
     if cfg.decoder in ('oneshot', 'trm'):
         preds_SBL, _, _, q_SB = trm_steps(cfg, model, params, q_BL, steps)
         passes_B = jnp.full(B, steps)
         if cfg.decoder == 'trm' and cfg.trm.eval_halt:
-            preds_SBL, passes_B = halt_decode(preds_SBL, q_SB)
+            preds_SBL, _, passes_B = halt_decode(preds_SBL, q_SB)
+    elif cfg.decoder == 'trm_parallel':
+        preds_SBL, passes_B = parallel_decode(cfg, model, params, q_BL, steps)
     elif cfg.decoder == 'greedy':
-        grids_BL, passes_B = greedy_fill(evaluate, q_BL)
+        grids_BL, passes_B = greedy_fill(evaluate, q_BL, cfg.tot.rule_checks)
         preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
     else:
         score = {'beam_logp': 'logp', 'tot': 'value', 'tot_shuffled': 'shuffled'}[cfg.decoder]
         grids_BL, passes_B = tree_search(
             evaluate, q_BL, cfg.beam_width, cfg.thoughts_per_step, cfg.thought_cells, cfg.max_depth,
-            cfg.max_thoughts, score, cfg.tot.logp_weight, jax.random.key(cfg.seed), cfg.tot.frontier)
+            cfg.max_thoughts, score, cfg.tot.logp_weight, jax.random.key(cfg.seed), cfg.tot.frontier,
+            cfg.tot.rule_checks)
         preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
     partial_BL, label_B = puzzle_partial_states(jax.random.key(cfg.seed), q_BL, batch['targets'] - 1)
     return preds_SBL, passes_B, trm_steps(cfg, model, params, partial_BL, cfg.tot.value_step)[2], label_B

@@ -176,6 +176,7 @@ RANGES = {
     'beam_width': '>= 1', 'thoughts_per_step': '[1, 9]', 'max_depth': '>= 1', 'max_thoughts': '>= 1',
     'thought_cells': '[1, 81]', 'tot.loss_weight': '>= 0', 'tot.start_step': '>= 0', 'tot.logp_weight': '>= 0',
     'tot.policy_steps': '>= 1', 'tot.value_step': '>= 1', 'tot.frontier': '>= 0',
+    'parallel.trajectories': '>= 1', 'parallel.noise': '>= 0',
 }
 
 

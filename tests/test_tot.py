@@ -15,7 +15,7 @@ def oracle(a_BL):
     its own puzzle's solution), so it holds however the search orders or regroups its rows."""
     def evaluate(g_NL):
         right_N = jnp.any(jnp.all((g_NL[:, None] == 0) | (g_NL[:, None] == a_BL), axis=-1), axis=1)
-        return jnp.full(g_NL.shape + (9,), -jnp.log(9.0)), jnp.where(right_N, 0.0, -1e9)
+        return jnp.full(g_NL.shape + (9,), -jnp.log(9.0)), jnp.where(right_N, 0.0, -1e9), jnp.zeros(len(g_NL))
     return evaluate
 
 
@@ -60,26 +60,52 @@ def test_finished_puzzles_leave_the_batch_without_changing_a_result():
     assert int(passes[:12].max()) < int(passes[12:].max())
 
 
+def known_policy(q, a, wrong, halting=False):
+    """For 2 puzzles: a policy that knows the solution, except that with `wrong` the first blank's likeliest
+    digit is a wrong one (the right one 2nd). Its halting head (with `halting`) is an oracle on the state's
+    argmax answer: q > 0 exactly when it is the solution; without, it never halts."""
+    def evaluate(g_NL):
+        a_NL, q_NL = (jnp.repeat(x, g_NL.shape[0] // 2, axis=0) for x in (a, q))
+        rows, blank_N = jnp.arange(len(a_NL)), jnp.argmax(q_NL == 0, axis=1)
+        bad_NL = a_NL.at[rows, blank_N].set(jnp.where(wrong, a_NL[rows, blank_N] % 9 + 1, a_NL[rows, blank_N]))
+        logp_NLC = jnp.log(jax.nn.one_hot(bad_NL - 1, 9) * 0.5 + jax.nn.one_hot(a_NL - 1, 9) * 0.3 + 0.2 / 9)
+        right_N = jnp.all(model_lib.fill_argmax(g_NL, logp_NLC) == a_NL, axis=1)
+        return logp_NLC, jnp.zeros(g_NL.shape[0]), jnp.where(halting & right_N, 1.0, -1.0)
+    return evaluate
+
+
 def test_a_policy_answer_that_obeys_the_rules_ends_the_search():
     """Every evaluated state's argmax fill is checked: a policy that already knows the solution costs
     the puzzle's one pass, in greedy and in the search; one wrong digit in its answer costs more."""
     q, a = easy(2, blanks=50)
-
-    def policy(wrong):  # wrong: the first blank's likeliest digit is a wrong one (the right one is 2nd)
-        def evaluate(g_NL):
-            a_NL, q_NL = (jnp.repeat(x, g_NL.shape[0] // 2, axis=0) for x in (a, q))
-            rows, blank_N = jnp.arange(len(a_NL)), jnp.argmax(q_NL == 0, axis=1)
-            bad_NL = a_NL.at[rows, blank_N].set(jnp.where(wrong, a_NL[rows, blank_N] % 9 + 1, a_NL[rows, blank_N]))
-            p_NLC = jax.nn.one_hot(bad_NL - 1, 9) * 0.5 + jax.nn.one_hot(a_NL - 1, 9) * 0.3 + 0.2 / 9
-            return jnp.log(p_NLC), jnp.zeros(g_NL.shape[0])
-        return evaluate
-    both = jax.jit(lambda w: (model_lib.tree_search(policy(w), q, 2, 2, 1, 81, 10_000),
-                              model_lib.greedy_fill(policy(w), q)))
+    both = jax.jit(lambda w: (model_lib.tree_search(known_policy(q, a, w), q, 2, 2, 1, 81, 10_000),
+                              model_lib.greedy_fill(known_policy(q, a, w), q)))
     for wrong in (False, True):
         (grids, evals), (greedy, passes) = both(wrong)
         np.testing.assert_array_equal(grids, a)
         np.testing.assert_array_equal(greedy, a)
         assert (np.asarray(evals) > 1).tolist() == (np.asarray(passes) > 1).tolist() == [wrong, wrong]
+
+
+def test_without_rule_checks_the_halting_head_ends_the_search():
+    """tot.rule_checks=false: no rule masks a move and only the halting head says when an answer is done.
+    A policy that knows the solution stops at the root if its head says so, else fills every blank (one
+    pass per move). With one wrong surest digit, nothing rejects it: greedy commits to it, while the
+    search also tries the right sibling, which the halting head accepts."""
+    q, a = easy(2, blanks=50)
+    decode = jax.jit(lambda w, h: (model_lib.tree_search(known_policy(q, a, w, h), q, 2, 2, 1, 81, 10_000,
+                                                         rules=False),
+                                   model_lib.greedy_fill(known_policy(q, a, w, h), q, rules=False)))
+    (grids, evals), (greedy, passes) = decode(False, True)
+    np.testing.assert_array_equal(grids, a)
+    np.testing.assert_array_equal(greedy, a)
+    assert np.asarray(evals).tolist() == np.asarray(passes).tolist() == [1, 1]
+    _, (greedy, passes) = decode(False, False)
+    np.testing.assert_array_equal(greedy, a)
+    assert np.asarray(passes).tolist() == [51, 51]
+    (grids, _), (greedy, _) = decode(True, True)
+    np.testing.assert_array_equal(grids, a)
+    assert not (np.asarray(greedy) == np.asarray(a)).all(-1).any()
 
 
 def test_frontier_backtracks_where_the_beam_commits():
@@ -101,7 +127,7 @@ def test_frontier_backtracks_where_the_beam_commits():
         p_NLC = p_NLC.at[jnp.arange(len(c_N)), c_N].set(sure_NC + 0.2 / 9)  # the decoy 0.5, the right digit 0.3
         v_N = jnp.where(jnp.all((g_NL == 0) | (g_NL == a_NL), -1), 0.5, 0.01)
         v_N = jnp.where(jnp.all(g_NL == d_NL, -1), 0.9, v_N)
-        return jnp.log(p_NLC), jnp.log(v_N)
+        return jnp.log(p_NLC), jnp.log(v_N), jnp.zeros(len(g_NL))
     search = lambda frontier: model_lib.tree_search(evaluate, q, 1, 2, 1, 500, 10_000, frontier=frontier)
     beam, _ = jax.jit(lambda: search(0))()
     best_first, evals = jax.jit(lambda: search(8))()
@@ -133,7 +159,9 @@ def test_width_one_reproduces_greedy_and_compiles_once(tmp_path):
     cfg = config(tmp_path, preset=SUDOKU)
     b = sudoku_batch(3)
     m, params, _ = init_trm(cfg, b)
-    evaluate = lambda g: model_lib.trm_steps(cfg, m, params, g, 1)[1:3]  # an untrained net: arbitrary but fixed
+    def evaluate(g):  # an untrained net: arbitrary but fixed
+        _, logp, log_v, q = model_lib.trm_steps(cfg, m, params, g, 1)
+        return logp, log_v, q[-1]
     q_BL = b['inputs'] - 1
     greedy, passes = jax.jit(lambda q: model_lib.greedy_fill(evaluate, q))(q_BL)
     search = jax.jit(lambda q: model_lib.tree_search(evaluate, q, 1, 1, 1, 81, 10_000))

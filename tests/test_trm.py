@@ -87,9 +87,34 @@ def test_halting_head_stops_decoding():
     # last step's answer), the third at step 1 even though q dips below 0 later.
     preds = jnp.arange(4)[:, None, None] * 10 + jnp.arange(3)[None, :, None] + jnp.zeros((4, 3, 2), int)
     q = jnp.array([[-1., -1., 2.], [3., -1., -5.], [-2., -1., -3.], [1., -1., 1.]])
-    got, halted = model_lib.halt_decode(preds, q)
+    got, q_kept, halted = model_lib.halt_decode(preds, q)
     np.testing.assert_array_equal(halted, [2, 4, 1])
+    np.testing.assert_array_equal(q_kept, [[-1, -1, 2], [3, -1, 2], [3, -1, 2], [3, -1, 2]])
     np.testing.assert_array_equal(got[:, :, 0], [[0, 1, 2], [10, 11, 2], [10, 21, 2], [10, 31, 2]])
+
+
+def test_parallel_trajectories_are_picked_by_the_halting_head(tmp_path):
+    """decoder=trm_parallel: without noise every trajectory is the plain TRM (stopped by its halting head),
+    so K=4 decodes as K=1 does; with noise the pick differs from the plain run, each trajectory's steps
+    count as passes, and a puzzle's draws do not depend on the batch around it."""
+    b = sudoku_batch(4)
+    q = b['inputs'] - 1
+    cfg = cfg_for(tmp_path, 'trm.N_sup=3', 'parallel.trajectories=1')
+    m, params, _ = init_trm(cfg, b)
+    decode = lambda *o: jax.jit(lambda q: model_lib.parallel_decode(cfg_for(tmp_path, 'trm.N_sup=3', *o), m, params,
+                                                                    q, 3))
+    preds, _, _, q_SN = model_lib.trm_steps(cfg, m, params, q, 3)
+    want, _, halts = model_lib.halt_decode(preds, q_SN)
+    got, passes = decode('parallel.trajectories=1')(q)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(passes, halts)
+    got, passes = decode('parallel.trajectories=4', 'parallel.noise=0')(q)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(passes, 4 * halts)
+    noisy = decode('parallel.trajectories=4', 'parallel.noise=1')
+    got, passes = noisy(q)
+    assert (np.asarray(got) != np.asarray(want)).any() and (np.asarray(passes) >= 4).all()
+    np.testing.assert_array_equal(noisy(q[1:3])[0], got[:, 1:3])
 
 
 def test_scoring_overwrites_givens_and_checks_rules():
