@@ -490,9 +490,9 @@ def halt_decode(preds_SNL, q_SN):
 def parallel_decode(cfg, model, params, q_BL, steps):
     """decoder=trm_parallel: K = parallel.trajectories runs of the TRM per puzzle, each stopped by its
     halting head, the first without noise and the others with parallel.noise on the latent; the answer
-    is the one the halting head is surest of (highest q). No Sudoku rule is used. The draws depend on
-    the puzzle and the trajectory, not on the batch. Returns (answers after each step [S, B, L], forward
-    passes per puzzle [B]: every trajectory's steps up to its halt)."""
+    is the one the halting head is surest of (highest q; parallel.pick=random: a random one, the control).
+    No Sudoku rule is used. The draws depend on the puzzle and the trajectory, not on the batch. Returns
+    (answers after each step [S, B, L], forward passes per puzzle [B]: every trajectory's steps to its halt)."""
     B, L = q_BL.shape
     K = cfg.parallel.trajectories
     split = lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), K)
@@ -501,6 +501,9 @@ def parallel_decode(cfg, model, params, q_BL, steps):
     preds_SNL, _, _, q_SN = trm_steps(cfg, model, params, jnp.repeat(q_BL, K, axis=0), steps,
                                       (keys_BK.reshape(B * K), scale_N[:, None, None]))
     preds_SNL, q_SN, halt_N = halt_decode(preds_SNL, q_SN)
+    if cfg.parallel.pick == 'random':
+        q_SN = jnp.broadcast_to(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1 << 20)))(keys_BK.ravel()),
+                                q_SN.shape)
     best_SB = jnp.argmax(q_SN.reshape(steps, B, K), axis=-1)
     preds_SBL = jnp.take_along_axis(preds_SNL.reshape(steps, B, K, L), best_SB[..., None, None], axis=2)[:, :, 0]
     return preds_SBL, halt_N.reshape(B, K).sum(axis=1)
