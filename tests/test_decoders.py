@@ -49,7 +49,7 @@ def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys):
     assert oneshot['forward_passes'] == 1 and abs(oneshot['exact_accuracy'] - trm['exact_accuracy_per_step'][0]) < 1e-4
     # The policy's answer at the root already obeys the rules (the net memorised these four), so greedy and
     # every search stop there: one pass of one supervision step (tot.policy_steps = tot.value_step = 1).
-    for decoder in ('greedy', 'beam_logp', 'tot', 'tot_shuffled'):
+    for decoder in ('greedy', 'tot'):  # beam_logp and tot_shuffled differ from tot only in the ranking (test_tot.py)
         r = evaluate(decoder)
         assert r['exact_accuracy'] == 1.0 and r['forward_passes'] == 1 and 'exact_accuracy_per_step' not in r
     # mode=generate solves one puzzle given on the command line, keeping its givens.
