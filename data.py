@@ -470,10 +470,11 @@ class TextData(_Data):
 # ---- Sudoku: the rules, defined once ------------------------------------------------------------
 # Grids are 81 digits in row-major order, 0 = blank. Each cell lies in three units (its row, column and
 # box, numbered 0..26); two cells are peers when they share a unit. The solver below, the CSV checks,
-# eval scoring and the ToT search (model.py) all read the rules from these two tables.
+# eval scoring and the ToT search (model.py) all read the rules from these tables.
 
 UNITS = np.array([[i // 9, 9 + i % 9, 18 + (i // 27) * 3 + (i % 9) // 3] for i in range(SUDOKU_LEN)])  # [81, 3]
 PEERS = (UNITS[:, None, :] == UNITS[None, :, :]).any(-1) & ~np.eye(SUDOKU_LEN, dtype=bool)  # bool[81, 81]
+MEMBERS = (UNITS[None, :, :] == np.arange(27)[:, None, None]).any(-1).astype(np.float32)  # [27 units, 81 cells]
 
 
 def digits_seen(grids_NL):
@@ -484,13 +485,21 @@ def digits_seen(grids_NL):
     return xp.einsum('ml,...lc->...mc', PEERS.astype(np.float32), onehot_NLC) > 0
 
 
+def legal_digits(grids_NL):
+    """bool[..., L, 9]: digit d+1 may go in the cell (it is blank and no peer holds d+1)."""
+    return (grids_NL == 0)[..., None] & ~digits_seen(grids_NL)
+
+
 def dead_end(grids_NL):
-    """bool[N]: no completion obeys the rules (a digit repeats in a unit, or a blank cell has no digit left)."""
+    """bool[N]: no completion obeys the rules: a digit repeats in a unit, a blank cell has no digit left, or
+    a digit missing from a unit has no cell left in it."""
     xp = grids_NL.__array_namespace__()
     g_NL = grids_NL.astype(xp.int32)
     seen_NLC, blank_NL = digits_seen(g_NL), g_NL == 0
     clash_NL = xp.take_along_axis(seen_NLC, xp.maximum(g_NL - 1, 0)[..., None], axis=-1)[..., 0] & ~blank_NL
-    return xp.any(clash_NL | (blank_NL & xp.all(seen_NLC, axis=-1)), axis=-1)
+    in_unit = lambda x_NLC: xp.einsum('ul,...lc->...uc', MEMBERS, xp.astype(x_NLC, xp.float32)) > 0
+    homeless_NUC = ~in_unit(g_NL[..., None] == xp.arange(1, 10)) & ~in_unit(legal_digits(g_NL))
+    return xp.any(clash_NL | (blank_NL & xp.all(seen_NLC, axis=-1)), axis=-1) | xp.any(homeless_NUC, axis=(-2, -1))
 
 
 def solved(grids_NL):

@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from data import SUDOKU_LEN, dead_end, digits_seen, solved
+from data import MEMBERS, SUDOKU_LEN, dead_end, digits_seen, legal_digits, solved
 
 REMAT_POLICIES = {
     'full': None,  # recompute everything in the backward pass: least memory
@@ -571,8 +571,23 @@ def puzzle_hash(q_BL):
 def legal_moves(grids_NL, logp_NLC, rules=True):
     """The log-probs of the moves that break no rule: blank cell, digit not in a peer (others -inf).
     Without rules: any digit in a blank cell."""
-    ok_NLC = (grids_NL == 0)[..., None] & (~digits_seen(grids_NL) if rules else True)
+    ok_NLC = legal_digits(grids_NL) if rules else (grids_NL == 0)[..., None]
     return jnp.where(ok_NLC, logp_NLC, -jnp.inf)
+
+
+def fill_forced(grids_NL):
+    """Fills what the rules force, until nothing more is: a blank with one legal digit left (a naked single),
+    and a digit with one legal cell left in a row, column or box (a hidden single). Costs no forward pass
+    (tot.propagate). Contradictions it meets (two cells forced to one digit) are left for dead_end."""
+    def fill(c):
+        g_NL = c[0]
+        ok_NLC = legal_digits(g_NL)
+        single_NUC = jnp.einsum('ul,...lc->...uc', MEMBERS, ok_NLC.astype(jnp.float32)) == 1
+        hidden_NLC = jnp.einsum('ul,...uc->...lc', MEMBERS, single_NUC.astype(jnp.float32)) > 0
+        forced_NLC = ok_NLC & ((jnp.sum(ok_NLC, axis=-1, keepdims=True) == 1) | hidden_NLC)
+        new_NL = jnp.where(jnp.any(forced_NLC, axis=-1), jnp.argmax(forced_NLC, axis=-1) + 1, g_NL).astype(g_NL.dtype)
+        return new_NL, jnp.any(new_NL != g_NL)
+    return jax.lax.while_loop(lambda c: c[1], fill, (grids_NL, jnp.bool_(True)))[0]
 
 
 def dead(grids_NL, rules):
@@ -589,32 +604,6 @@ def finished(answer_NL, q_N, rules):
 def fill_argmax(grids_NL, logp_NLC):
     """Blanks left -> the policy's likeliest digit (how a search hands back a grid it did not finish)."""
     return jnp.where(grids_NL == 0, jnp.argmax(logp_NLC, axis=-1) + 1, grids_NL)
-
-
-def greedy_fill(evaluate, q_BL, rules=True):
-    """Fill the most confident legal move (blank cell, digit no peer has), re-evaluate, repeat until full.
-    evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N], halting logit [N]). A
-    move that leaves some blank cell without a legal digit ends the puzzle: its other blanks get their
-    argmax digits. So does a state whose policy answer (its blanks filled by the argmax) is `finished`,
-    checked at every state for no extra pass. Finished puzzles leave the batch. Returns (grids, forward
-    passes per puzzle: the puzzle's own + one per move)."""
-    def body(c):
-        g_BL, logp_BLC, n_B, stop_B = c['grid'], c['logp'], c['evals'], c['stop']
-        B = g_BL.shape[0]  # shrinks as finished puzzles leave (shrinking_loop)
-        lp_BLC = legal_moves(g_BL, logp_BLC, rules)
-        flat_B = jnp.argmax(lp_BLC.reshape(B, -1), axis=-1)
-        new_BL = g_BL.at[jnp.arange(B), flat_B // 9].set(flat_B % 9 + 1)
-        go_B = ~stop_B & (jnp.max(lp_BLC.reshape(B, -1), axis=-1) > -jnp.inf) & ~dead(new_BL, rules)
-        new_logp, _, new_q = evaluate(new_BL)
-        g_BL = jnp.where(go_B[:, None], new_BL, g_BL)
-        logp_BLC = jnp.where(go_B[:, None, None], new_logp, logp_BLC)
-        q_B = jnp.where(go_B, new_q, c['q'])
-        return {'grid': g_BL, 'logp': logp_BLC, 'q': q_B, 'evals': n_B + go_B,
-                'stop': ~go_B | finished(fill_argmax(g_BL, logp_BLC), q_B, rules)}
-    logp0, _, q0 = evaluate(q_BL)
-    c = shrinking_loop(body, {'grid': q_BL, 'logp': logp0, 'q': q0, 'evals': jnp.ones(q_BL.shape[0], jnp.int32),
-                              'stop': finished(fill_argmax(q_BL, logp0), q0, rules)})
-    return fill_argmax(c['grid'], c['logp']), c['evals']
 
 
 def shrinking_loop(body, c, shared=()):
@@ -660,7 +649,7 @@ def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
 
 
 def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts, score='value',
-                logp_weight=0.0, key=None, frontier=0, rules=True):
+                logp_weight=0.0, key=None, frontier=0, rules=True, propagate=False):
     """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled function.
 
     A thought fills `cells` blank cells: the state's most confident blank cell (highest top probability)
@@ -675,7 +664,8 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
                  the draws depend on the key, the puzzle and the depth only, not on the batch around it)
     A `finished` grid ends a puzzle's search: a complete candidate, or any state's blanks filled by the
     policy's argmax (checked at every state, no extra pass); a complete one that is not is dropped.
-    rules=False: no rule checks anywhere, the halting head decides what is finished. A puzzle also stops
+    rules=False: no rule checks anywhere, the halting head decides what is finished. propagate: the root and
+    every candidate get their forced moves before they are evaluated (fill_forced). A puzzle also stops
     after max_depth steps, once `max_thoughts` states were evaluated, or when its beam is empty. Shapes
     depend only on (batch, width, thoughts): one compile per batch size; finished puzzles are dropped from
     the batch in quarter steps inside it.
@@ -690,6 +680,8 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
     W, E, NEG = width, thoughts, -jnp.inf
     M = max(frontier, W)
     key = jax.random.key(0) if key is None else key
+    settle = fill_forced if propagate else (lambda g: g)
+    q_BL = settle(q_BL)
 
     def evaluate_BN(g_BNL):
         logp, logv, q = evaluate(g_BNL.reshape(-1, L))
@@ -711,7 +703,7 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
         rest = dict(c['held'], score=c['held']['score'].at[jnp.arange(B)[:, None], pop_BW].set(NEG))
         expand = lambda g, lp: propose_thoughts(g, lp, E, cells, rules)
         g, gain, ok = jax.vmap(jax.vmap(expand))(bm['grid'], bm['logp'])  # [B, W, E, ...]
-        g_BNL, N = g.reshape(B, W * E, L), W * E
+        g_BNL, N = settle(g.reshape(B, W * E, L)), W * E
         alive_BN = (ok & (bm['score'][..., None] > NEG)).reshape(B, N)
         alive_BN &= ~dead(g_BNL, rules)
         cum_BN = (bm['cum'][..., None] + gain).reshape(B, N)
@@ -754,39 +746,46 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
     return jnp.where(c['done'][:, None], c['answer'], c['fallback']), c['evals']
 
 
+def greedy(evaluate, q_BL, rules=True, propagate=False):
+    """Greedy decoding is the width-1 search with one one-cell thought: fill the surest legal move, run the
+    policy again, repeat until the grid is full, a move leads to a dead end, or the policy's answer is
+    finished. Forward passes: the puzzle's own + one per move."""
+    return tree_search(evaluate, q_BL, 1, 1, 1, SUDOKU_LEN, SUDOKU_LEN + 1, 'logp', rules=rules, propagate=propagate)
+
+
 # ==================================================================================================
 # Sudoku eval: decode a batch with cfg.decoder, score it on the host.
 # ==================================================================================================
-DECODERS = ('trm', 'trm_parallel', 'oneshot', 'greedy', 'beam_logp', 'tot', 'tot_shuffled')
+DECODERS = ('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot', 'tot_shuffled')
 
 
 def sudoku_decode(cfg, model, params, batch):
     """Decodes a token batch with cfg.decoder: (predicted tokens [S, B, L] (S = supervision steps for
-    oneshot and trm, 1 for the others), forward passes per puzzle [B], value-head log values and labels
+    trm, 1 for the others), forward passes per puzzle [B], value-head log values and labels
     of partial grids made from the batch (for its AUROC))."""
     q_BL, B = batch['inputs'] - 1, batch['inputs'].shape[0]
     trm_depth = cfg.trm.eval_steps or cfg.trm.N_sup
-    steps = {'oneshot': 1, 'trm': trm_depth, 'trm_parallel': trm_depth}.get(
-        cfg.decoder, max(cfg.tot.policy_steps, cfg.tot.value_step))
+    steps = trm_depth if cfg.decoder.startswith('trm') else max(cfg.tot.policy_steps, cfg.tot.value_step)
+    rules = cfg.tot.rule_checks
+    propagate = rules and cfg.tot.propagate
     def evaluate(g_NL):  # -> digit log-probs, log value, halting logit after the last step
         _, logp_NLC, log_v_N, q_SN = trm_steps(cfg, model, params, g_NL, steps)
         return logp_NLC, log_v_N, q_SN[-1]
-    if cfg.decoder in ('oneshot', 'trm'):
+    if cfg.decoder == 'trm':
         preds_SBL, _, _, q_SB = trm_steps(cfg, model, params, q_BL, steps)
         passes_B = jnp.full(B, steps)
-        if cfg.decoder == 'trm' and cfg.trm.eval_halt:
+        if cfg.trm.eval_halt:
             preds_SBL, _, passes_B = halt_decode(preds_SBL, q_SB)
     elif cfg.decoder == 'trm_parallel':
         preds_SBL, passes_B = parallel_decode(cfg, model, params, q_BL, steps)
     elif cfg.decoder == 'greedy':
-        grids_BL, passes_B = greedy_fill(evaluate, q_BL, cfg.tot.rule_checks)
+        grids_BL, passes_B = greedy(evaluate, q_BL, rules, propagate)
         preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
     else:
         score = {'beam_logp': 'logp', 'tot': 'value', 'tot_shuffled': 'shuffled'}[cfg.decoder]
         grids_BL, passes_B = tree_search(
             evaluate, q_BL, cfg.beam_width, cfg.thoughts_per_step, cfg.thought_cells, cfg.max_depth,
-            cfg.max_thoughts, score, cfg.tot.logp_weight, jax.random.key(cfg.seed), cfg.tot.frontier,
-            cfg.tot.rule_checks)
+            cfg.max_thoughts, score, cfg.tot.logp_weight, jax.random.key(cfg.seed), cfg.tot.frontier, rules, propagate)
         preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
     partial_BL, label_B = puzzle_partial_states(jax.random.key(cfg.seed), q_BL, batch['targets'] - 1)
     return preds_SBL, passes_B, trm_steps(cfg, model, params, partial_BL, cfg.tot.value_step)[2], label_B

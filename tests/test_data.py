@@ -330,16 +330,20 @@ def test_sudoku_rules_match_plain_python():
     blank[:, 40] = 0
     wall = np.zeros((1, 81), a.dtype)  # cell 0 sees 1..8 in its row and 9 in its column: no digit left,
     wall[0, 1:9], wall[0, 27] = range(1, 9), 9  # though no given repeats
-    grids = np.concatenate([a, swapped, blank, q, wall])
+    homeless = np.zeros((1, 81), a.dtype)  # row 0 lacks a 9 and has no cell left for it (columns 7 and 8
+    homeless[0, :7], homeless[0, 34], homeless[0, 62] = range(1, 8), 9, 9  # hold one), though its blanks
+    grids = np.concatenate([a, swapped, blank, q, wall, homeless])  # can still take an 8
     assert brute_force_count(wall[0].tolist()) == 0 and all(brute_force_count(g) == 1 for g in q.tolist())
+    assert brute_force_count(homeless[0].tolist()) == 0
+    assert all(8 not in {homeless[0, j] for j in peers_of(i)} for i in (7, 8))
 
     # peers' digits, scanned in plain Python: digit d+1 is seen at cell i when a peer holds it
     seen = np.array([[[d + 1 in {g[j] for j in peers_of(i)} for d in range(9)] for i in range(81)]
                      for g in grids.tolist()])
     expect = {'solved': [grid_ok(g) for g in grids.tolist()],
-              'dead_end': [False] * 4 + [True] * 4 + [False] * 4 + [False] * 4 + [True],
+              'dead_end': [False] * 4 + [True] * 4 + [False] * 4 + [False] * 4 + [True, True],
               'digits_seen': seen}
-    assert expect['solved'] == [True] * 4 + [False] * 13  # the helpers see what the cases were built for
+    assert expect['solved'] == [True] * 4 + [False] * 14  # the helpers see what the cases were built for
     checks = lambda g: {'solved': data.solved(g), 'dead_end': data.dead_end(g), 'digits_seen': data.digits_seen(g)}
     for got in (checks(grids), jax.jit(checks)(jnp.asarray(grids))):
         for key, want in expect.items():
