@@ -591,7 +591,7 @@ def fill_forced(grids_NL):
 
 
 def dead(grids_NL, rules):
-    """A state to drop: some blank cell has no legal digit left (never, without rules)."""
+    """A state to drop: no completion of it obeys the rules (data.dead_end; never, without rules)."""
     return dead_end(grids_NL) if rules else jnp.zeros(grids_NL.shape[:-1], bool)
 
 
@@ -651,6 +651,7 @@ def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
 def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts, score='value',
                 logp_weight=0.0, key=None, frontier=0, rules=True, propagate=False):
     """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled function.
+    evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N], halting logit [N]).
 
     A thought fills `cells` blank cells: the state's most confident blank cell (highest top probability)
     with one of its `thoughts` most likely digits, plus the cells-1 next most confident blanks at their

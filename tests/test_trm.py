@@ -1,5 +1,5 @@
 """TRM head: gradient only through the last cycle, the deep-supervision carry, halting targets, EMA,
-host-side scoring, and exact resume with the carry (end to end decoding: test_decoders.py)."""
+host-side scoring, and exact resume with the carry (end to end decoding: test_tot.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
