@@ -582,8 +582,8 @@ def fill_forced(grids_NL):
     def fill(c):
         g_NL = c[0]
         ok_NLC = legal_digits(g_NL)
-        single_NUC = jnp.einsum('ul,...lc->...uc', MEMBERS, ok_NLC.astype(jnp.float32)) == 1
-        hidden_NLC = jnp.einsum('ul,...uc->...lc', MEMBERS, single_NUC.astype(jnp.float32)) > 0
+        single_NUC = MEMBERS @ ok_NLC.astype(jnp.float32) == 1
+        hidden_NLC = MEMBERS.T @ single_NUC.astype(jnp.float32) > 0
         forced_NLC = ok_NLC & ((jnp.sum(ok_NLC, axis=-1, keepdims=True) == 1) | hidden_NLC)
         new_NL = jnp.where(jnp.any(forced_NLC, axis=-1), jnp.argmax(forced_NLC, axis=-1) + 1, g_NL).astype(g_NL.dtype)
         return new_NL, jnp.any(new_NL != g_NL)
