@@ -476,23 +476,32 @@ def trm_steps(cfg, model, params, grids_NL, steps, noise=None):
     return preds, jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N, q_SN
 
 
-def halt_decode(preds_SNL, q_SN):
-    """Decoding stopped by the learned halting head: each puzzle keeps the answer of the first step whose
-    halting logit says "right" (q > 0), or the last step's. Returns the answers as they stand after each
-    step [S, N, L] (a step-s cap), their halting logits [S, N] and the step each halted at [N] (1-based)."""
+def halt_decode(preds_SNL, q_SN, rule='first'):
+    """Decoding stopped by the learned halting head. rule='first': each puzzle keeps the answer of the
+    first step whose halting logit says "right" (q > 0), or the last step's; 'best': the answer of the
+    step with the highest halting logit so far (every step runs); 'last': the last step's. Returns the
+    answers as they stand after each step [S, N, L] (a step-s cap), their halting logits [S, N] and the
+    forward passes each used [N]."""
     S = q_SN.shape[0]
+    s_SN = jnp.broadcast_to(jnp.arange(S)[:, None], q_SN.shape)
     halt_N = jnp.where(jnp.any(q_SN > 0, axis=0), jnp.argmax(q_SN > 0, axis=0), S - 1)
-    at_SN = jnp.minimum(jnp.arange(S)[:, None], halt_N[None])
+    if rule == 'first':
+        at_SN = jnp.minimum(s_SN, halt_N[None])
+    elif rule == 'best':  # running argmax of q over the steps so far (ties: the earlier step)
+        better = lambda a, b: jax.tree.map(lambda u, v: jnp.where(b[0] > a[0], v, u), a, b)
+        at_SN = jax.lax.associative_scan(better, (q_SN, s_SN))[1]
+    else:
+        at_SN = s_SN
     kept = lambda x: jnp.take_along_axis(x, at_SN.reshape(*at_SN.shape, *[1] * (x.ndim - 2)), axis=0)
-    return kept(preds_SNL), kept(q_SN), halt_N + 1
+    return kept(preds_SNL), kept(q_SN), (halt_N + 1 if rule == 'first' else jnp.full(q_SN.shape[1], S))
 
 
 def parallel_decode(cfg, model, params, q_BL, steps):
-    """decoder=trm_parallel: K = parallel.trajectories runs of the TRM per puzzle, each stopped by its
-    halting head, the first without noise and the others with parallel.noise on the latent; the answer
-    is the one the halting head is surest of (highest q; parallel.pick=random: a random one, the control).
-    No Sudoku rule is used. The draws depend on the puzzle and the trajectory, not on the batch. Returns
-    (answers after each step [S, B, L], forward passes per puzzle [B]: every trajectory's steps to its halt)."""
+    """decoder=trm_parallel: K = parallel.trajectories runs of the TRM per puzzle, each decoded by the
+    trm.eval_halt rule, the first without noise and the others with parallel.noise on the latent; the
+    answer is the one the halting head is surest of (highest q; parallel.pick=random: a random one, the
+    control). No Sudoku rule is used. The draws depend on the puzzle and the trajectory, not on the batch.
+    Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every trajectory's)."""
     B, L = q_BL.shape
     K = cfg.parallel.trajectories
     split = lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), K)
@@ -500,7 +509,7 @@ def parallel_decode(cfg, model, params, q_BL, steps):
     scale_N = jnp.tile(jnp.arange(K) > 0, B) * cfg.parallel.noise
     preds_SNL, _, _, q_SN = trm_steps(cfg, model, params, jnp.repeat(q_BL, K, axis=0), steps,
                                       (keys_BK.reshape(B * K), scale_N[:, None, None]))
-    preds_SNL, q_SN, halt_N = halt_decode(preds_SNL, q_SN)
+    preds_SNL, q_SN, halt_N = halt_decode(preds_SNL, q_SN, cfg.trm.eval_halt)
     if cfg.parallel.pick == 'random':
         q_SN = jnp.broadcast_to(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1 << 20)))(keys_BK.ravel()),
                                 q_SN.shape)
@@ -774,9 +783,7 @@ def sudoku_decode(cfg, model, params, batch):
         return logp_NLC, log_v_N, q_SN[-1]
     if cfg.decoder == 'trm':
         preds_SBL, _, _, q_SB = trm_steps(cfg, model, params, q_BL, steps)
-        passes_B = jnp.full(B, steps)
-        if cfg.trm.eval_halt:
-            preds_SBL, _, passes_B = halt_decode(preds_SBL, q_SB)
+        preds_SBL, _, passes_B = halt_decode(preds_SBL, q_SB, cfg.trm.eval_halt)
     elif cfg.decoder == 'trm_parallel':
         preds_SBL, passes_B = parallel_decode(cfg, model, params, q_BL, steps)
     elif cfg.decoder == 'greedy':

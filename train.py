@@ -157,7 +157,7 @@ CHOICES = {'task': ('lm', 'sudoku'), 'mode': ('train', 'eval', 'export', 'genera
            'dtype': ('float32', 'bfloat16', 'float16'), 'weight_dtype': ('float32', 'bfloat16'),
            'attention': ('xla', 'cudnn', 'einsum'), 'dataset': ('stdlib', 'files', 'tfds', 'synthetic'),
            'platform': ('', 'cpu', 'gpu', 'tpu'), 'decoder': model_lib.DECODERS,
-           'parallel.pick': ('halting', 'random')}
+           'parallel.pick': ('halting', 'random'), 'trm.eval_halt': ('first', 'best', 'last')}
 
 
 # The valid range of every numeric key, checked at load time ('>= 1': counts; '>= 0': counts where 0 means

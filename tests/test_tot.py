@@ -283,7 +283,7 @@ def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys):
     common = [f'dataset_path={path}', f'eval_path={path}', 'augment=false', 'per_device_batch=4', 'd_model=64',
               'mlp_dim=128', 'learning_rate=3e-3', 'weight_decay=0', 'warmup_steps=10', 'trm.ema_decay=0.9',
               'log_every=50', 'trm.halt_explore_prob=1',  # every puzzle trains both supervision steps
-              'trm.eval_halt=false']  # decoder=trm runs every step (halting: test_trm.py)
+              'trm.eval_halt=last']  # decoder=trm runs every step (halting: test_trm.py)
     s = train.run(config(tmp_path, *common, 'steps=200', 'checkpoint_every=0', 'eval_every=200', preset=SUDOKU), jax.devices()[:1])
     assert s['eval_exact_accuracy'] == 1.0  # the TRM decoder (the in-training eval): all N_sup=2 steps
     row = metrics(s['run_dir'])[-1]

@@ -83,14 +83,23 @@ def test_ema_update():
 
 
 def test_halting_head_stops_decoding():
-    # Three puzzles, four steps: the first halts at step 2 (its first q > 0), the second never (keeps the
-    # last step's answer), the third at step 1 even though q dips below 0 later.
+    # Three puzzles, four steps. 'first': the first puzzle halts at step 2 (its first q > 0), the second
+    # never (keeps the last step's answer), the third at step 1 even though q dips below 0 later.
+    # 'best': each step keeps the answer with the highest q so far (the third moves to step 3's, q 3 > 2;
+    # ties keep the earlier step, so the second keeps step 1's).
     preds = jnp.arange(4)[:, None, None] * 10 + jnp.arange(3)[None, :, None] + jnp.zeros((4, 3, 2), int)
-    q = jnp.array([[-1., -1., 2.], [3., -1., -5.], [-2., -1., -3.], [1., -1., 1.]])
-    got, q_kept, halted = model_lib.halt_decode(preds, q)
-    np.testing.assert_array_equal(halted, [2, 4, 1])
+    q = jnp.array([[-1., -1., 2.], [3., -1., -5.], [-2., -1., 3.], [1., -1., 1.]])
+    got, q_kept, passes = model_lib.halt_decode(preds, q, 'first')
+    np.testing.assert_array_equal(passes, [2, 4, 1])
     np.testing.assert_array_equal(q_kept, [[-1, -1, 2], [3, -1, 2], [3, -1, 2], [3, -1, 2]])
     np.testing.assert_array_equal(got[:, :, 0], [[0, 1, 2], [10, 11, 2], [10, 21, 2], [10, 31, 2]])
+    got, q_kept, passes = model_lib.halt_decode(preds, q, 'best')
+    np.testing.assert_array_equal(passes, [4, 4, 4])
+    np.testing.assert_array_equal(q_kept, [[-1, -1, 2], [3, -1, 2], [3, -1, 3], [3, -1, 3]])
+    np.testing.assert_array_equal(got[:, :, 0], [[0, 1, 2], [10, 1, 2], [10, 1, 22], [10, 1, 22]])
+    got, q_kept, passes = model_lib.halt_decode(preds, q, 'last')
+    np.testing.assert_array_equal(got, preds)
+    np.testing.assert_array_equal(q_kept, q)
 
 
 def test_parallel_trajectories_are_picked_by_the_halting_head(tmp_path):
@@ -104,7 +113,7 @@ def test_parallel_trajectories_are_picked_by_the_halting_head(tmp_path):
     decode = lambda *o: jax.jit(lambda q: model_lib.parallel_decode(cfg_for(tmp_path, 'trm.N_sup=3', *o), m, params,
                                                                     q, 3))
     preds, _, _, q_SN = model_lib.trm_steps(cfg, m, params, q, 3)
-    want, _, halts = model_lib.halt_decode(preds, q_SN)
+    want, _, halts = model_lib.halt_decode(preds, q_SN, cfg.trm.eval_halt)
     got, passes = decode('parallel.trajectories=4', 'parallel.noise=0')(q)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(passes, 4 * halts)
