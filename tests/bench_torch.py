@@ -14,7 +14,9 @@ pinned version picks a CPU wheel here.) The main python (the one with jax) runs 
 python runs the torch side (this same file with --worker). Both train on the same token batches (the
 trainer's synthetic stream, written to a .npz), the same number of steps, alternating runs; every figure
 is a median (of timed steps within a run, then of the runs). MFU is against a matmul peak measured by each
-side in its own process, in its compute dtype.
+side in its own process, in its compute dtype. The first and last lines name the CPU and whether it has bf16
+instructions (avx512_bf16, amx_bf16); the last lines give the default's and our best row's ratio to the best
+torch variant and to the best fp32 one.
 """
 import argparse
 import datetime
@@ -31,8 +33,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The benchmark model: Llama-style GQA, d=384, 4 layers, 6 heads / 2 kv heads, SwiGLU 1024, vocab 4096.
 DIMS = dict(d_model=384, num_layers=4, num_heads=6, num_kv_heads=2, mlp_dim=1024, vocab_size=4096,
             max_target_length=256, per_device_batch=8)
-OURS = {'jax f32': ['dtype=float32'], 'jax bf16': ['dtype=bfloat16']}
-TORCH = ('torch fp32', 'torch bf16 autocast', 'torch.compile fp32')
+# Ours: the default command's settings (base.yml: bfloat16, layers scanned), and each dtype unscanned;
+# 'noynn' runs with XLA_FLAGS=NOYNN: Eigen's dot kernels instead of YNNPACK's (XLA:CPU's default in jax 0.10).
+NOYNN = '--xla_cpu_experimental_ynn_fusion_type='
+OURS = {'jax default': [], 'jax f32': ['dtype=float32', 'scan_layers=false'],
+        'jax bf16': ['dtype=bfloat16', 'scan_layers=false']}
+OURS.update({f'{k} noynn': v + ['NOYNN'] for k, v in OURS.items()})
+TORCH = ('torch fp32', 'torch bf16 autocast', 'torch.compile fp32', 'torch.compile bf16 autocast')
 SCALING = [dict(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=768),
            dict(d_model=384, num_layers=4, num_heads=6, num_kv_heads=2, mlp_dim=1024),
            dict(d_model=512, num_layers=6, num_heads=8, num_kv_heads=2, mlp_dim=1408)]
@@ -42,7 +49,9 @@ def machine(when='at start'):
     cpu = next((line.split(':', 1)[1].strip() for line in open('/proc/cpuinfo') if line.startswith('model name')),
                platform.processor())
     flags = open('/proc/cpuinfo').read()
-    isa = 'AVX-512 BF16' if 'avx512_bf16' in flags else 'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else '?'
+    isa = 'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else '?'
+    bf16 = [f for f in ('avx512_bf16', 'amx_bf16') if f in flags.split()]
+    isa += f', bf16 instructions: {" ".join(bf16)}' if bf16 else ', no bf16 instructions'
     return (f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu} ({isa}), {os.cpu_count()} cores, '
             f'load average {os.getloadavg()[0]:.1f} {when}')
 
@@ -51,8 +60,10 @@ def run_ours(extra, steps, out_dir, dims=DIMS):
     """Our trainer on synthetic tokens; the dict parsed from its final `benchmark:` line."""
     args = [f'{k}={v}' for k, v in dims.items()] + [
         'dataset=synthetic', f'steps={steps}', f'log_every={steps}', 'eval_batches=0', 'checkpoint_every=0',
-        'resume=false', 'scan_layers=false', f'output_dir={out_dir}', 'run_name=bench', *extra]
-    p = subprocess.run([sys.executable, 'train.py', 'base.yml', *args], cwd=ROOT, capture_output=True, text=True)
+        'resume=false', f'output_dir={out_dir}', 'run_name=bench', *extra]
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {NOYNN}") if 'NOYNN' in extra else None
+    args = [a for a in args if a != 'NOYNN']
+    p = subprocess.run([sys.executable, 'train.py', 'base.yml', *args], cwd=ROOT, capture_output=True, text=True, env=env)
     line = next((x for x in p.stdout.splitlines() if x.startswith('benchmark:')), None)
     if p.returncode or not line:
         sys.exit(f'trainer failed ({" ".join(args)}):\n{p.stderr[-3000:]}')
@@ -164,7 +175,7 @@ def main():
         rows = {}
         for dims in SCALING:
             for L, B in ((256, 8), (1024, 2)):  # the same 2,048 tokens per step
-                r = run_ours(['dtype=float32'], args.steps, out, {**DIMS, **dims, 'max_target_length': L, 'per_device_batch': B})
+                r = run_ours(['dtype=float32', 'scan_layers=false'], args.steps, out, {**DIMS, **dims, 'max_target_length': L, 'per_device_batch': B})
                 rows[f'{r["params"]}M: d={dims["d_model"]}, {dims["num_layers"]} layers, mlp {dims["mlp_dim"]}; '
                      f'seq {L} x batch {B}'] = r
                 print(list(rows)[-1], r, flush=True)
@@ -195,13 +206,15 @@ def main():
     import jax
     print(f'\n{machine("at the end")}; jax {jax.__version__}' + (f'; {versions}' if args.torch_python else ''))
     table(rows, f'side by side: {args.repeats} alternating run(s) x {args.steps} steps of 8 x 256 tokens, medians')
-    torch_rows = {v: r for v, r in rows.items() if v.startswith('torch')}
-    if torch_rows:
-        best = max(torch_rows, key=lambda v: torch_rows[v]['tokens_s'])
-        ours = max((v for v in rows if v in OURS), key=lambda v: rows[v]['tokens_s'])
-        print(f'\nbest: {ours} {rows[ours]["tokens_s"]:,.0f} tokens/s vs {best} {rows[best]["tokens_s"]:,.0f}: '
-              f'ratio {rows[ours]["tokens_s"] / rows[best]["tokens_s"]:.2f}')
-
+    ratio = lambda ours, pool, what: (lambda best: print(
+        f'{ours} {rows[ours]["tokens_s"]:,.0f} tokens/s vs {what}, {best} {rows[best]["tokens_s"]:,.0f}: '
+        f'{rows[ours]["tokens_s"] / rows[best]["tokens_s"]:.2f}x'))(max(pool, key=lambda v: rows[v]['tokens_s']))
+    torch_rows = [v for v in rows if v.startswith('torch')]
+    for ours in [v for v in ('jax default',) if v in rows] + [max((v for v in rows if v in OURS),
+                                                                   key=lambda v: rows[v]['tokens_s'])]:
+        for pool, what in ((torch_rows, 'the best torch'), ([v for v in torch_rows if 'fp32' in v], 'the best fp32 torch')):
+            if pool:
+                ratio(ours, pool, what)
 
 if __name__ == '__main__':
     main()
