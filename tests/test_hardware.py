@@ -38,7 +38,8 @@ TPU_ROWS = [(hw.removeprefix('TPU '), overrides, memory) for hw, (overrides, mem
 def test_readme_has_every_preset():
     """One row per device kind, every TPU slice the trainer knows, and each row's command a valid config
     (validate() needs no devices, so the GPU and TPU rows are checked here too)."""
-    assert list(README) == ['CPU', '1x H100 / H200 GPU', *(f'TPU {s}' for s in train.TPU_SLICES)], list(README)
+    assert list(README) == ['CPU', 'CPU with bf16 instructions', '1x H100 / H200 GPU',
+                            *(f'TPU {s}' for s in train.TPU_SLICES)], list(README)
     for hardware, (overrides, _) in README.items():
         try:
             train.validate(train.load_config(BASE, overrides))
@@ -46,10 +47,11 @@ def test_readme_has_every_preset():
             pytest.fail(f'README row {hardware!r}: {e}')
 
 
-def test_readme_cpu_row_trains(tmp_path):
-    """The README's CPU command (the default 3.5M LM, mesh=1,-1,1) trains: three steps on synthetic tokens,
+@pytest.mark.parametrize('row', ['CPU', 'CPU with bf16 instructions'])
+def test_readme_cpu_row_trains(tmp_path, row):
+    """The README's CPU commands (the default 3.5M LM, mesh=1,-1,1) train: three steps on synthetic tokens,
     so no tokenizer is trained, give three finite, distinct losses."""
-    overrides, _ = README['CPU']
+    overrides, _ = README[row]
     cfg = config(tmp_path, 'steps=3', 'dataset=synthetic', 'eval_batches=0', 'log_every=1', preset=overrides)
     summary = train.run(cfg, jax.devices()[:1])
     rows = metrics(summary['run_dir'])
