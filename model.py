@@ -482,18 +482,18 @@ def halt_decode(preds_SNL, q_SN, rule='first'):
     step with the highest halting logit so far (every step runs); 'last': the last step's. Returns the
     answers as they stand after each step [S, N, L] (a step-s cap), their halting logits [S, N] and the
     forward passes each used [N]."""
-    S = q_SN.shape[0]
+    S, N = q_SN.shape
+    if rule == 'last':
+        return preds_SNL, q_SN, jnp.full(N, S)
     s_SN = jnp.broadcast_to(jnp.arange(S)[:, None], q_SN.shape)
-    halt_N = jnp.where(jnp.any(q_SN > 0, axis=0), jnp.argmax(q_SN > 0, axis=0), S - 1)
     if rule == 'first':
-        at_SN = jnp.minimum(s_SN, halt_N[None])
-    elif rule == 'best':  # running argmax of q over the steps so far (ties: the earlier step)
+        halt_N = jnp.where(jnp.any(q_SN > 0, axis=0), jnp.argmax(q_SN > 0, axis=0), S - 1)
+        at_SN, passes_N = jnp.minimum(s_SN, halt_N[None]), halt_N + 1
+    else:  # 'best': a running argmax of q over the steps so far (ties: the earlier step)
         better = lambda a, b: jax.tree.map(lambda u, v: jnp.where(b[0] > a[0], v, u), a, b)
-        at_SN = jax.lax.associative_scan(better, (q_SN, s_SN))[1]
-    else:
-        at_SN = s_SN
+        at_SN, passes_N = jax.lax.associative_scan(better, (q_SN, s_SN))[1], jnp.full(N, S)
     kept = lambda x: jnp.take_along_axis(x, at_SN.reshape(*at_SN.shape, *[1] * (x.ndim - 2)), axis=0)
-    return kept(preds_SNL), kept(q_SN), (halt_N + 1 if rule == 'first' else jnp.full(q_SN.shape[1], S))
+    return kept(preds_SNL), kept(q_SN), passes_N
 
 
 def parallel_decode(cfg, model, params, q_BL, steps):
@@ -773,7 +773,7 @@ def sudoku_decode(cfg, model, params, batch):
     """Decodes a token batch with cfg.decoder: (predicted tokens [S, B, L] (S = supervision steps for
     trm, 1 for the others), forward passes per puzzle [B], value-head log values and labels
     of partial grids made from the batch (for its AUROC))."""
-    q_BL, B = batch['inputs'] - 1, batch['inputs'].shape[0]
+    q_BL = batch['inputs'] - 1
     trm_depth = cfg.trm.eval_steps or cfg.trm.N_sup
     steps = trm_depth if cfg.decoder.startswith('trm') else max(cfg.tot.policy_steps, cfg.tot.value_step)
     rules = cfg.tot.rule_checks
