@@ -1,5 +1,6 @@
 """Bad input, as a user meets it: every case below runs through the command line and must exit non-zero
-with one line on stderr (file descriptor 2, so C++ libraries count too) and no traceback. The README's table shows a sample of these cases, each with its message."""
+with one line on stderr (file descriptor 2, so C++ libraries count too) and no traceback. The README's
+table shows a sample of these cases, each with its message."""
 import json
 import os
 import re
