@@ -154,7 +154,7 @@ def load_config(path, overrides=()):
 
 CHOICES = {'task': ('lm', 'sudoku'), 'mode': ('train', 'eval', 'export', 'generate'),
            'remat': ('none', 'full', 'save_dots'),
-           'dtype': ('float32', 'bfloat16', 'float16'), 'weight_dtype': ('float32', 'bfloat16'),
+           'dtype': ('auto', 'float32', 'bfloat16', 'float16'), 'weight_dtype': ('float32', 'bfloat16'),
            'attention': ('xla', 'cudnn', 'einsum'), 'dataset': ('stdlib', 'files', 'tfds', 'synthetic'),
            'platform': ('', 'cpu', 'gpu', 'tpu'), 'decoder': model_lib.DECODERS,
            'parallel.pick': ('halting', 'random'), 'trm.eval_halt': ('first', 'best', 'last')}
@@ -330,6 +330,21 @@ def pick_devices(cfg):
             log(f'WARNING: platform={cfg.platform} asked for, but JAX sees no such device; '
                 f'falling back to {found}')
     return jax.devices()
+
+
+def cpu_has_bf16():
+    """Whether this CPU has bf16 instructions: avx512_bf16 or amx_bf16 among /proc/cpuinfo's flags."""
+    flags = open('/proc/cpuinfo').read().split() if os.path.exists('/proc/cpuinfo') else []
+    return 'avx512_bf16' in flags or 'amx_bf16' in flags
+
+
+def resolve_dtype(cfg, platform):
+    """dtype=auto: bfloat16 on TPU, GPU and CPUs with bf16 instructions, float32 on other CPUs (there XLA:CPU's
+    bf16 step is ~1.2x slower than float32: README, Performance). Sets cfg.dtype: config.yml records what ran."""
+    if cfg.dtype == 'auto':
+        bf16 = platform != 'cpu' or cpu_has_bf16()
+        cfg.dtype = 'bfloat16' if bf16 else 'float32'
+        log(f'dtype=auto: {cfg.dtype} on {platform}' + ('' if bf16 else ' (a CPU without bf16 instructions)'))
 
 
 def make_mesh(cfg, devices):
@@ -1439,9 +1454,11 @@ def run(cfg, devices=None):
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
     if cfg.task == 'sudoku':  # the puzzle tokens fix the vocabulary; vocab_size is the text tokenizer's
         cfg.vocab_size = data.SUDOKU_VOCAB
+    devices = [] if cfg.compile_topology else devices or pick_devices(cfg)
+    resolve_dtype(cfg, devices[0].platform if devices else 'tpu')
     if cfg.compile_topology:
         return compile_for_topology(cfg)
-    s = setup(cfg, devices or pick_devices(cfg))
+    s = setup(cfg, devices)
     mngr = checkpoint_manager(os.path.join(s.run_dir, 'checkpoints'), cfg)
     state, data_state, trained = restore_or_init(cfg, s, mngr)
     log(f'model: {sum(x.size for x in jax.tree.leaves(state["params"])) / 1e6:.2f}M parameters, '

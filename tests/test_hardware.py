@@ -38,7 +38,7 @@ TPU_ROWS = [(hw.removeprefix('TPU '), overrides, memory) for hw, (overrides, mem
 def test_readme_has_every_preset():
     """One row per device kind, every TPU slice the trainer knows, and each row's command a valid config
     (validate() needs no devices, so the GPU and TPU rows are checked here too)."""
-    assert list(README) == ['CPU', 'CPU with bf16 instructions', '1x H100 / H200 GPU',
+    assert list(README) == ['CPU', '1x H100 / H200 GPU',
                             *(f'TPU {s}' for s in train.TPU_SLICES)], list(README)
     for hardware, (overrides, _) in README.items():
         try:
@@ -47,17 +47,33 @@ def test_readme_has_every_preset():
             pytest.fail(f'README row {hardware!r}: {e}')
 
 
-@pytest.mark.parametrize('row', ['CPU', 'CPU with bf16 instructions'])
-def test_readme_cpu_row_trains(tmp_path, row):
-    """The README's CPU commands (the default 3.5M LM, mesh=1,-1,1) train: three steps on synthetic tokens,
-    so no tokenizer is trained, give three finite, distinct losses."""
-    overrides, _ = README[row]
+@pytest.mark.parametrize('bf16', [False, True])
+def test_readme_cpu_row_trains_in_the_dtype_of_the_cpu(tmp_path, monkeypatch, bf16):
+    """The README's CPU command (the default 3.5M LM, mesh=1,-1,1, dtype=auto) trains: three steps on synthetic
+    tokens give three finite, distinct losses, in float32 on a CPU without bf16 instructions and in bfloat16 on
+    one with them (the CPU's flags are patched, so both run here), as config.yml records."""
+    monkeypatch.setattr(train, 'cpu_has_bf16', lambda: bf16)
+    overrides, _ = README['CPU']
     cfg = config(tmp_path, 'steps=3', 'dataset=synthetic', 'eval_batches=0', 'log_every=1', preset=overrides)
+    assert cfg.dtype == 'auto'
     summary = train.run(cfg, jax.devices()[:1])
+    with open(os.path.join(summary['run_dir'], 'config.yml')) as f:
+        assert re.search(r'^dtype: (\w+)$', f.read(), re.M).group(1) == ('bfloat16' if bf16 else 'float32')
     rows = metrics(summary['run_dir'])
     got = [r['loss'] for r in rows]
     assert [r['step'] for r in rows] == [1, 2, 3], rows
     assert all(math.isfinite(x) for x in got) and len(set(got)) == 3, got
+
+
+def test_dtype_auto_is_bfloat16_on_accelerators_and_explicit_dtypes_stay(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, 'cpu_has_bf16', lambda: False)
+    for platform, want in (('tpu', 'bfloat16'), ('gpu', 'bfloat16'), ('cpu', 'float32')):
+        cfg = config(tmp_path, 'dtype=auto')
+        train.resolve_dtype(cfg, platform)
+        assert cfg.dtype == want, platform
+    cfg = config(tmp_path, 'dtype=bfloat16')
+    train.resolve_dtype(cfg, 'cpu')
+    assert cfg.dtype == 'bfloat16'
 
 
 @pytest.fixture
