@@ -98,16 +98,12 @@ def _parse(key, text, default):
         if text.lower() in ('false', '0', 'no'):
             return False
         fail('true or false')
-    if isinstance(default, int):
-        try:
-            return int(text)
-        except ValueError:
-            fail('an integer')
-    if isinstance(default, float):
-        try:
-            return float(text)
-        except ValueError:
-            fail('a number')
+    for typ, kind in ((int, 'an integer'), (float, 'a number')):
+        if isinstance(default, typ):
+            try:
+                return typ(text)
+            except ValueError:
+                fail(kind)
     if isinstance(default, list):
         if text.startswith('['):  # YAML for nested lists such as logical_axis_rules
             try:
@@ -157,7 +153,8 @@ CHOICES = {'task': ('lm', 'sudoku'), 'mode': ('train', 'eval', 'export', 'genera
            'dtype': ('auto', 'float32', 'bfloat16', 'float16'), 'weight_dtype': ('float32', 'bfloat16'),
            'attention': ('xla', 'cudnn', 'einsum'), 'dataset': ('stdlib', 'files', 'tfds', 'synthetic'),
            'platform': ('', 'cpu', 'gpu', 'tpu'), 'decoder': model_lib.DECODERS,
-           'parallel.pick': ('halting', 'random'), 'trm.eval_halt': ('first', 'best', 'last')}
+           'parallel.pick': ('halting', 'random'), 'trm.eval_halt': ('first', 'best', 'last'),
+           'trm.mixer': ('attention', 'mlp')}
 
 
 # The valid range of every numeric key, checked at load time ('>= 1': counts; '>= 0': counts where 0 means
@@ -214,8 +211,6 @@ def validate(cfg):
     if len(cfg.profile_steps) != 2 or [a, b] != [0, 0] and not 1 <= a <= b <= cfg.steps:
         raise ConfigError(f'profile_steps={",".join(map(str, cfg.profile_steps))}: give two steps a,b with '
                           f'1 <= a <= b <= steps={cfg.steps} (0,0 = off)')
-    if cfg.trm.mixer not in ('attention', 'mlp'):
-        raise ConfigError(f"trm.mixer={cfg.trm.mixer!r}: choose one of 'attention', 'mlp'")
     if cfg.compile_topology and cfg.compile_topology not in TPU_SLICES:
         raise ConfigError(f'compile_topology={cfg.compile_topology}: choose one of {", ".join(TPU_SLICES)}')
     if cfg.batch_ramp_start and cfg.task != 'lm':
