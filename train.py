@@ -1449,10 +1449,11 @@ def run(cfg, devices=None):
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
     if cfg.task == 'sudoku':  # the puzzle tokens fix the vocabulary; vocab_size is the text tokenizer's
         cfg.vocab_size = data.SUDOKU_VOCAB
-    devices = [] if cfg.compile_topology else devices or pick_devices(cfg)
-    resolve_dtype(cfg, devices[0].platform if devices else 'tpu')
     if cfg.compile_topology:
+        resolve_dtype(cfg, 'tpu')
         return compile_for_topology(cfg)
+    devices = devices or pick_devices(cfg)
+    resolve_dtype(cfg, devices[0].platform)
     s = setup(cfg, devices)
     mngr = checkpoint_manager(os.path.join(s.run_dir, 'checkpoints'), cfg)
     state, data_state, trained = restore_or_init(cfg, s, mngr)

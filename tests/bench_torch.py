@@ -39,7 +39,7 @@ DIMS = dict(d_model=384, num_layers=4, num_heads=6, num_kv_heads=2, mlp_dim=1024
 NOYNN = '--xla_cpu_experimental_ynn_fusion_type='
 OURS = {'jax default': [], 'jax bf16 scanned': ['dtype=bfloat16'], 'jax f32': ['dtype=float32', 'scan_layers=false'],
         'jax bf16': ['dtype=bfloat16', 'scan_layers=false']}
-OURS.update({f'{k} noynn': v + ['NOYNN'] for k, v in OURS.items()})
+OURS.update({f'{k} noynn': v for k, v in OURS.items()})
 TORCH = ('torch fp32', 'torch bf16 autocast', 'torch.compile fp32', 'torch.compile bf16 autocast')
 SCALING = [dict(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=768),
            dict(d_model=384, num_layers=4, num_heads=6, num_kv_heads=2, mlp_dim=1024),
@@ -57,13 +57,13 @@ def machine(when='at start'):
             f'load average {os.getloadavg()[0]:.1f} {when}')
 
 
-def run_ours(extra, steps, out_dir, dims=DIMS):
-    """Our trainer on synthetic tokens; the dict parsed from its final `benchmark:` line."""
+def run_ours(extra, steps, out_dir, dims=DIMS, xla_flags=''):
+    """Our trainer on synthetic tokens (with xla_flags added to XLA_FLAGS); the dict parsed from its final
+    `benchmark:` line."""
     args = [f'{k}={v}' for k, v in dims.items()] + [
         'dataset=synthetic', f'steps={steps}', f'log_every={steps}', 'eval_batches=0', 'checkpoint_every=0',
         'resume=false', f'output_dir={out_dir}', 'run_name=bench', *extra]
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {NOYNN}") if 'NOYNN' in extra else None
-    args = [a for a in args if a != 'NOYNN']
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}")
     p = subprocess.run([sys.executable, 'train.py', 'base.yml', *args], cwd=ROOT, capture_output=True, text=True, env=env)
     line = next((x for x in p.stdout.splitlines() if x.startswith('benchmark:')), None)
     if p.returncode or not line:
@@ -193,7 +193,7 @@ def main():
     for rep in range(args.repeats):
         for v in variants:
             if v in OURS:
-                r = run_ours(OURS[v], args.steps, out)
+                r = run_ours(OURS[v], args.steps, out, xla_flags=NOYNN if v.endswith(' noynn') else '')
             else:
                 proc = subprocess.run([args.torch_python, os.path.abspath(__file__), '--worker', v, '--tokens', tokens,
                                        '--flops', str(flops)], capture_output=True, text=True)
@@ -207,15 +207,14 @@ def main():
     import jax
     print(f'\n{machine("at the end")}; jax {jax.__version__}' + (f'; {versions}' if args.torch_python else ''))
     table(rows, f'side by side: {args.repeats} alternating run(s) x {args.steps} steps of 8 x 256 tokens, medians')
-    ratio = lambda ours, pool, what: (lambda best: print(
-        f'{ours} {rows[ours]["tokens_s"]:,.0f} tokens/s vs {what}, {best} {rows[best]["tokens_s"]:,.0f}: '
-        f'{rows[ours]["tokens_s"] / rows[best]["tokens_s"]:.2f}x'))(max(pool, key=lambda v: rows[v]['tokens_s']))
+    fastest = lambda names: max(names, key=lambda v: rows[v]['tokens_s'])
     torch_rows = [v for v in rows if v.startswith('torch')]
-    best_ours = max((v for v in rows if v in OURS), key=lambda v: rows[v]['tokens_s'])
-    for ours in dict.fromkeys([v for v in ('jax default',) if v in rows] + [best_ours]):  # each row once
+    for ours in dict.fromkeys([v for v in ('jax default',) if v in rows] + [fastest([v for v in rows if v in OURS])]):
         for pool, what in ((torch_rows, 'the best torch'), ([v for v in torch_rows if 'fp32' in v], 'the best fp32 torch')):
             if pool:
-                ratio(ours, pool, what)
+                best = fastest(pool)
+                print(f'{ours} {rows[ours]["tokens_s"]:,.0f} tokens/s vs {what}, {best} {rows[best]["tokens_s"]:,.0f}: '
+                      f'{rows[ours]["tokens_s"] / rows[best]["tokens_s"]:.2f}x')
 
 if __name__ == '__main__':
     main()

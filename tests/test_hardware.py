@@ -38,8 +38,7 @@ TPU_ROWS = [(hw.removeprefix('TPU '), overrides, memory) for hw, (overrides, mem
 def test_readme_has_every_preset():
     """One row per device kind, every TPU slice the trainer knows, and each row's command a valid config
     (validate() needs no devices, so the GPU and TPU rows are checked here too)."""
-    assert list(README) == ['CPU', '1x H100 / H200 GPU',
-                            *(f'TPU {s}' for s in train.TPU_SLICES)], list(README)
+    assert list(README) == ['CPU', '1x H100 / H200 GPU', *(f'TPU {s}' for s in train.TPU_SLICES)], list(README)
     for hardware, (overrides, _) in README.items():
         try:
             train.validate(train.load_config(BASE, overrides))
