@@ -93,15 +93,24 @@ class RMSNorm(nnx.Module):
         return x.astype(self.dtype) * self.scale[...].astype(self.dtype)
 
 
-def rope(x_BLHK, positions_BL, theta):
-    """Rotary embedding in the rotate-half convention (Hugging Face Llama), computed in float32."""
-    K = x_BLHK.shape[-1]
-    inv_freq_k = 1.0 / theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K)
-    angles_BLk = positions_BL[..., None].astype(jnp.float32) * inv_freq_k
-    angles_BL1K = jnp.concatenate([angles_BLk, angles_BLk], axis=-1)[:, :, None, :]
-    x = x_BLHK.astype(jnp.float32)
-    rotated = jnp.concatenate([-x[..., K // 2:], x[..., :K // 2]], axis=-1)
-    return (x * jnp.cos(angles_BL1K) + rotated * jnp.sin(angles_BL1K)).astype(x_BLHK.dtype)
+def rope_table(positions_BL, K, theta, num_positions):
+    """(cos, sin) [B, L, 1, K/2] of the rotary angles (rotate-half convention, Hugging Face Llama), float32.
+    Gathered from a table for positions 0..num_positions-1 made with numpy at trace time, once per forward
+    for all layers: computed in the graph, XLA:CPU recomputes cos/sin inside every fusion that uses them
+    (per head, layer and pass), ~6% of an unscanned CPU step. A position past the table reads NaN
+    (jnp.take's fill), never a wrong angle."""
+    inv_freq_k = 1.0 / theta ** (np.arange(0, K, 2, dtype=np.float32) / K)
+    angles_Pk = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq_k
+    return tuple(jnp.take(f(angles_Pk), positions_BL, axis=0)[:, :, None] for f in (np.cos, np.sin))
+
+
+def rope(x_BLHK, rope_BL1k):
+    """Rotary embedding of q or k with rope_table's (cos, sin), in float32: the halves x1, x2 of the head
+    dimension become x1 cos - x2 sin, x2 cos + x1 sin (HF's x cos + rotate_half(x) sin, the same products)."""
+    (cos_BL1k, sin_BL1k), K = rope_BL1k, x_BLHK.shape[-1]
+    x1, x2 = x_BLHK[..., :K // 2].astype(jnp.float32), x_BLHK[..., K // 2:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos_BL1k - x2 * sin_BL1k, x2 * cos_BL1k + x1 * sin_BL1k], axis=-1)
+    return out.astype(x_BLHK.dtype)
 
 
 def init_cache(cfg, B, T):
@@ -151,10 +160,10 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (D, G, K), ('embed', 'kv_heads', 'head_dim'), D ** -0.5, wdt)
         self.wo = param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), (H * K) ** -0.5, wdt)
 
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL, causal, cache=None):
+    def __call__(self, x_BLD, positions_BL, rope_BL1k, segment_ids_BL, causal, cache=None):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        q_BLHK = rope(dot('bld,dhk->blhk', x_BLD, self.wq[...], dt), positions_BL, cfg.rope_theta)
-        k_BLGK = rope(dot('bld,dgk->blgk', x_BLD, self.wk[...], dt), positions_BL, cfg.rope_theta)
+        q_BLHK = rope(dot('bld,dhk->blhk', x_BLD, self.wq[...], dt), rope_BL1k)
+        k_BLGK = rope(dot('bld,dgk->blgk', x_BLD, self.wk[...], dt), rope_BL1k)
         v_BLGK = dot('bld,dgk->blgk', x_BLD, self.wv[...], dt)
         # Tokens attend only within their own packed document (segment); padding is segment 0.
         mask_B1LL = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
@@ -198,14 +207,15 @@ class Block(nnx.Module):
             self.attn = Attention(cfg, rngs)
         self.mlp = SwiGLU(cfg, cfg.d_model, cfg.mlp_dim, 'embed', rngs)
 
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None):
+    def __call__(self, x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache=None):
         x_BLD = constrain(x_BLD, ('batch', 'length', None))
         if hasattr(self, 'token_mlp'):  # mixing over L, as the last axis: XLA:CPU's dot has no bf16 x bf16
             # -> f32 kernel for contracting the middle axis
             x_BDL = jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)
             x_BLD = x_BLD + jnp.swapaxes(self.token_mlp(x_BDL), 1, 2)
         else:
-            h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, self.causal, cache)
+            h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, rope_BL1k, segment_ids_BL,
+                                     self.causal, cache)
             x_BLD = x_BLD + h_BLD
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return constrain(x_BLD, ('batch', 'length', None)), cache
@@ -227,9 +237,11 @@ class Trunk(nnx.Module):
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None):
         cfg = self.cfg
+        P = x_BLD.shape[1] if cache is None else cache['k'].shape[2]  # positions are below the length / cache
+        rope_BL1k = rope_table(positions_BL, dims(cfg), cfg.rope_theta, P)
 
         def layer(x_BLD, block, cache):  # blocks are pytrees: jax transforms take them as arguments
-            return block(x_BLD, positions_BL, segment_ids_BL, cache)
+            return block(x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache)
         if cfg.remat != 'none':
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:  # the cache (if any) is stacked like the parameters: scanned along with them
