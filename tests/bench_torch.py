@@ -63,7 +63,8 @@ def run_ours(extra, steps, out_dir, dims=DIMS, xla_flags=''):
     args = [f'{k}={v}' for k, v in dims.items()] + [
         'dataset=synthetic', f'steps={steps}', f'log_every={steps}', 'eval_batches=0', 'checkpoint_every=0',
         'resume=false', f'output_dir={out_dir}', 'run_name=bench', *extra]
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}")
+    # XLA reads a blank XLA_FLAGS as a file name and aborts: join only what is set.
+    env = dict(os.environ, XLA_FLAGS=' '.join(f for f in (os.environ.get('XLA_FLAGS', ''), xla_flags) if f))
     p = subprocess.run([sys.executable, 'train.py', 'base.yml', *args], cwd=ROOT, capture_output=True, text=True, env=env)
     line = next((x for x in p.stdout.splitlines() if x.startswith('benchmark:')), None)
     if p.returncode or not line:
