@@ -603,7 +603,7 @@ def data_state_array(lane_states):
     return np.asarray(multihost_utils.process_allgather(local, tiled=True))
 
 
-def save_checkpoint(mngr, step, state, it, mesh):
+def save_checkpoint(mngr, step, state, it):
     mngr.save(step, args=ocp.args.Composite(
         train_state=ocp.args.PyTreeSave(state),
         data_state=ocp.args.StandardSave({'lanes': data_state_array(it.state())})))
@@ -661,13 +661,8 @@ def _orbax_quiet():
         os.close(devnull)
 
 
-def _restore_step(mngr, step, abstract, mesh, part):
+def _read_step(mngr, step, abstract, part):
     """(state or its `part`, every lane's data state) of one step; Damaged if it cannot be read."""
-    with _orbax_quiet():
-        return _read_step(mngr, step, abstract, mesh, part)
-
-
-def _read_step(mngr, step, abstract, mesh, part):
     target = abstract[part] if part else abstract
     _check_shapes(mngr, step, target, part)
     restore = lambda item, **kw: ocp.args.PyTreeRestore(
@@ -688,7 +683,7 @@ def _read_step(mngr, step, abstract, mesh, part):
         raise Damaged(f'{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else "unreadable"}') from None
 
 
-def restore_checkpoint(mngr, abstract, mesh, steps=None, part=None, move_aside=False):
+def restore_checkpoint(mngr, abstract, steps=None, part=None, move_aside=False):
     """Newest readable checkpoint -> (step, state or its `part` ('params', 'ema'), every lane's data
     state), or None. A damaged step is reported in one line and skipped for the one before it; with
     move_aside (the run's own checkpoints) it is renamed STEP.damaged-TIME once a readable one is found,
@@ -696,7 +691,8 @@ def restore_checkpoint(mngr, abstract, mesh, steps=None, part=None, move_aside=F
     damaged = []
     for step in sorted(steps or mngr.all_steps(), reverse=True):
         try:
-            state, data_state = _restore_step(mngr, step, abstract, mesh, part)
+            with _orbax_quiet():
+                state, data_state = _read_step(mngr, step, abstract, part)
         except Damaged as e:
             damaged.append(step)
             log(f'WARNING: checkpoint {mngr.directory}/{step} is damaged ({e}); trying the one before it')
@@ -714,11 +710,11 @@ def restore_checkpoint(mngr, abstract, mesh, steps=None, part=None, move_aside=F
     return None
 
 
-def load_params(path, abstract, mesh, cfg, part='params'):
+def load_params(path, abstract, cfg, part='params'):
     """load_params=PATH: a run directory, its checkpoints/ directory, or one step directory in it."""
     path, steps = checkpoint_steps(path)
     mngr = checkpoint_manager(path, cfg, read_only=True) if steps else None
-    found = steps and restore_checkpoint(mngr, abstract, mesh, steps, part=part)
+    found = steps and restore_checkpoint(mngr, abstract, steps, part=part)
     if not found:
         raise ConfigError(f'load_params={path}: no readable checkpoint there (see the warnings); give a run '
                           'directory or its checkpoints/STEP directory')
@@ -967,7 +963,7 @@ def train_loop(cfg, s, state, data_state, mngr, train_step, eval_step):
                 preempted = caught or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
                     book.drain(0)  # a checkpoint holds only checked steps
-                    save_checkpoint(mngr, step, state, it, s.mesh)  # async: training goes on while it writes
+                    save_checkpoint(mngr, step, state, it)  # async: training goes on while it writes
                     book.saved = step
                 if preempted:
                     raise Preempted(f'{caught[0] if caught else "preemption notice"}: saved checkpoint at step '
@@ -1412,7 +1408,7 @@ def restore_or_init(cfg, s, mngr):
     holds trained parameters)."""
     restored = None
     if cfg.resume and mngr.all_steps():
-        restored = restore_checkpoint(mngr, s.abstract, s.mesh, move_aside=True)
+        restored = restore_checkpoint(mngr, s.abstract, move_aside=True)
         if not restored:
             steps = ', '.join(map(str, mngr.all_steps()))
             raise ConfigError(f'no readable checkpoint in {mngr.directory} (steps {steps} '
@@ -1430,10 +1426,10 @@ def restore_or_init(cfg, s, mngr):
     state = init_state(cfg, s.mesh, s.tx)[0]
     trm = cfg.task == 'sudoku'
     if cfg.load_params and trm and cfg.mode in ('eval', 'generate'):  # TRM evaluates its EMA weights
-        loaded_step, state['ema'] = load_params(cfg.load_params, s.abstract, s.mesh, cfg, 'ema')
+        loaded_step, state['ema'] = load_params(cfg.load_params, s.abstract, cfg, 'ema')
         state['step'] = jnp.int32(loaded_step)  # reported with the eval: which training step this is
     elif cfg.load_params:
-        state['params'] = load_params(cfg.load_params, s.abstract, s.mesh, cfg)[1]
+        state['params'] = load_params(cfg.load_params, s.abstract, cfg)[1]
         if trm:
             state['ema'] = state['params']
     if cfg.load_hf:
