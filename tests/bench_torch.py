@@ -7,6 +7,7 @@ live in their own virtual environment, never in requirements.txt:
     python tests/bench_torch.py --torch-python /tmp/tv/bin/python            # the side-by-side table
     python tests/bench_torch.py --torch-python /tmp/tv/bin/python --variants "jax f32,torch fp32" --repeats 5
     python tests/bench_torch.py --scaling                                     # our scaling table only
+    python tests/bench_torch.py --torch-python /tmp/tv/bin/python --kernels  # the matmuls alone, 1 core and all
 
 (On a machine with CUDA wheels on its index, a plain `pip install torch` pulls GBs of CUDA libraries; the
 pinned version picks a CPU wheel here.) The main python (the one with jax) runs our trainer as
@@ -41,6 +42,9 @@ OURS = {'jax default': [], 'jax bf16 scanned': ['dtype=bfloat16'], 'jax f32': ['
         'jax bf16': ['dtype=bfloat16', 'scan_layers=false']}
 OURS.update({f'{k} noynn': v for k, v in OURS.items()})
 TORCH = ('torch fp32', 'torch bf16 autocast', 'torch.compile fp32', 'torch.compile bf16 autocast')
+# The benchmark step's matmul shapes ([rows, in] x [in, out]: projections, the MLP's down and its weight gradient, the
+# LM head) and the 2048^3 peak probe, for --kernels.
+KERNELS = [(2048, 384, 1024), (2048, 1024, 384), (384, 2048, 1024), (2048, 384, 4096), (2048, 2048, 2048)]
 SCALING = [dict(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=768),
            dict(d_model=384, num_layers=4, num_heads=6, num_kv_heads=2, mlp_dim=1024),
            dict(d_model=512, num_layers=6, num_heads=8, num_kv_heads=2, mlp_dim=1408)]
@@ -143,6 +147,52 @@ def _timed(f):
     return time.perf_counter() - t
 
 
+def kernel_rates(framework, dtype, cores):
+    """GFLOP/s of each KERNELS matmul in this process (jax, or torch in its venv), best of 5 calls after a warm-up,
+    on `cores` cores ('1': pinned to core 0, one torch thread; 'all': every core)."""
+    if cores == '1':
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    if framework == 'torch':
+        import torch
+        torch.set_num_threads(1 if cores == '1' else os.cpu_count())
+        ones = lambda shape: torch.full(shape, 0.01, dtype=getattr(torch, dtype))
+        mm, sync = lambda a, b: a @ b, lambda x: x
+    else:
+        import jax
+        import jax.numpy as jnp
+        ones = lambda shape: jnp.full(shape, 0.01, jnp.dtype(dtype))
+        mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+        sync = jax.block_until_ready
+    rates = []
+    for m, k, n in KERNELS:
+        a, b = ones((m, k)), ones((k, n))
+        sync(mm(a, b))
+        rates.append(2 * m * k * n / min(_timed(lambda: sync(mm(a, b))) for _ in range(5)) / 1e9)
+    print(json.dumps(rates))
+
+
+def kernels(torch_python, repeats):
+    """--kernels: each framework's matmuls at the step's shapes, on one core and on all, in alternating fresh
+    processes; medians. Says whether a gap in the step is the kernels' (one core) or their threading (all)."""
+    import numpy as np
+    dtype = 'bfloat16' if 'bf16 instructions:' in machine() else 'float32'
+    sides = [('jax', sys.executable)] + ([('torch', torch_python)] if torch_python else [])
+    runs = {}
+    for rep in range(repeats):
+        for cores in ('1', 'all'):
+            for name, python in sides:
+                p = subprocess.run([python, os.path.abspath(__file__), '--kernel-worker', name, dtype, cores],
+                                   capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+                if p.returncode:
+                    sys.exit(f'{name} kernels failed:\n{p.stderr[-3000:]}')
+                runs.setdefault((name, cores), []).append(json.loads(p.stdout.strip().splitlines()[-1]))
+    print(f'\n{machine("at the end")}\n\n{dtype} matmul GFLOP/s, median of {repeats} alternating runs (best of 5 calls '
+          'each)\n\n| framework, cores | ' + ' | '.join('x'.join(map(str, s)) for s in KERNELS) + ' |')
+    print('|---' * (len(KERNELS) + 1) + '|')
+    for (name, cores), rs in runs.items():
+        print(f'| {name}, {cores} | ' + ' | '.join(f'{r:.0f}' for r in np.median(rs, axis=0)) + ' |')
+
+
 def table(rows, title):
     print(f'\n{title}\n')
     print('| run | tokens/s | step (s) | TFLOP/s | matmul peak (TFLOP/s, same process) | MFU | compile + first step (s) |')
@@ -165,19 +215,26 @@ def main():
     p.add_argument('--variants', default=','.join(list(OURS) + list(TORCH)),
                    help='comma-separated subset of: ' + ', '.join(list(OURS) + list(TORCH)))
     p.add_argument('--scaling', action='store_true', help='our scaling table: 3 sizes x 2 sequence lengths')
+    p.add_argument('--kernels', action='store_true', help="the step's matmuls alone, jax vs torch, 1 core and all")
     p.add_argument('--worker', help=argparse.SUPPRESS)
+    p.add_argument('--kernel-worker', nargs=3, help=argparse.SUPPRESS)
     p.add_argument('--tokens', help=argparse.SUPPRESS)
     p.add_argument('--flops', type=float, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args.worker, args.tokens, args.flops)
+    if args.kernel_worker:
+        return kernel_rates(*args.kernel_worker)
     print(f'machine: {machine()}')
+    if args.kernels:
+        return kernels(args.torch_python, args.repeats)
     out = tempfile.mkdtemp(prefix='bench-')
     if args.scaling:
         rows = {}
         for dims in SCALING:
             for L, B in ((256, 8), (1024, 2)):  # the same 2,048 tokens per step
-                r = run_ours(['dtype=float32', 'scan_layers=false'], args.steps, out, {**DIMS, **dims, 'max_target_length': L, 'per_device_batch': B})
+                r = run_ours(['dtype=float32', 'scan_layers=false'], args.steps, out,
+                             {**DIMS, **dims, 'max_target_length': L, 'per_device_batch': B})
                 rows[f'{r["params"]}M: d={dims["d_model"]}, {dims["num_layers"]} layers, mlp {dims["mlp_dim"]}; '
                      f'seq {L} x batch {B}'] = r
                 print(list(rows)[-1], r, flush=True)
