@@ -191,3 +191,24 @@ def test_keep_checkpoints_deletes_the_oldest(tmp_path):
     s = train.run(config(tmp_path, 'steps=6', 'checkpoint_every=1', 'keep_checkpoints=2'), jax.devices()[:1])
     assert [r['step'] for r in metrics(s['run_dir'])] == [1, 2, 3, 4, 5, 6]
     assert sorted(os.listdir(tmp_path / 'default' / 'checkpoints')) == ['5', '6']
+
+
+def test_a_checkpoint_from_before_grain_resumes_with_the_data_started_over(tmp_path, capsys):
+    """A checkpoint whose data state is not the per-lane array (written before the grain pipelines: a position
+    per process) still resumes: the train state as saved, one warning line, the data order from its start."""
+    ref = train.run(config(tmp_path, 'steps=3', 'checkpoint_every=3', 'run_name=ref'), jax.devices()[:1])
+    cfg = config(tmp_path, 'steps=5', 'run_name=old')
+    saved = train.checkpoint_manager(os.path.join(ref['run_dir'], 'checkpoints'), cfg, read_only=True).restore(3)
+    old = train.checkpoint_manager(tmp_path / 'old' / 'checkpoints', cfg)
+    old.save(3, args=train.ocp.args.Composite(train_state=train.ocp.args.PyTreeSave(saved['train_state']),
+                                              data_state=train.ocp.args.StandardSave({'position': np.array([3])})))
+    old.wait_until_finished()
+    capsys.readouterr()
+    s = train.run(cfg, jax.devices()[:1])
+    out = capsys.readouterr().out
+    assert out.count('holds a data position per process') == 1 and 'resuming from checkpoint' in out
+    assert s['step'] == 5 and [r['step'] for r in metrics(s['run_dir'])] == [4, 5]
+    # Started over: step 4 read step 1's batch, so its loss (taken before the update) is that of the saved
+    # parameters on step 1's batch, which a run starting from them (load_params) logs at its step 1.
+    fresh = train.run(config(tmp_path, 'steps=1', 'run_name=fresh', f'load_params={ref["run_dir"]}'), jax.devices()[:1])
+    assert metrics(s['run_dir'])[0]['loss'] == pytest.approx(metrics(fresh['run_dir'])[0]['loss'], rel=1e-5)
