@@ -212,3 +212,13 @@ def test_a_checkpoint_from_before_grain_resumes_with_the_data_started_over(tmp_p
     # parameters on step 1's batch, which a run starting from them (load_params) logs at its step 1.
     fresh = train.run(config(tmp_path, 'steps=1', 'run_name=fresh', f'load_params={ref["run_dir"]}'), jax.devices()[:1])
     assert metrics(s['run_dir'])[0]['loss'] == pytest.approx(metrics(fresh['run_dir'])[0]['loss'], rel=1e-5)
+
+
+def test_resuming_with_other_rows_per_microbatch_is_an_error(tmp_path):
+    """The data position is per row: a resume that reads another number of rows per microbatch stops with a
+    message saying what to keep, and the checkpoint stays as it was."""
+    train.run(config(tmp_path, 'steps=1', 'per_device_batch=2'), jax.devices()[:1])
+    with pytest.raises(train.data.DataError, match='holds the data position of 2 rows per microbatch but this run '
+                                                   r'reads 4 \(per_device_batch x devices\): keep 2 to resume'):
+        train.run(config(tmp_path, 'steps=2', 'per_device_batch=4'), jax.devices()[:1])
+    assert os.listdir(tmp_path / 'default' / 'checkpoints') == ['1']

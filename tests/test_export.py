@@ -123,3 +123,17 @@ def test_cli_export_and_generate(tmp_path, capsys):
     assert written == out['generation'] == tokenizer.decode(out['tokens'])
     assert tokenizer.eos_id() not in out['tokens'] and len(out['tokens']) <= 16
     assert 'prompt: train 3\nab' in capsys.readouterr().out
+
+
+def test_load_hf_starts_training_from_the_imported_weights(tmp_path):
+    """load_hf=DIR in mode=train: a fresh run (step 0, new optimizer) from the exported weights. The first
+    update is warmup's learning rate 0, so the step-1 checkpoint holds exactly the parameters exported."""
+    train.run(config(tmp_path, 'steps=2', 'run_name=src', 'seed=5'), jax.devices()[:1])
+    train.run(config(tmp_path, 'mode=export', 'run_name=src', f'export_dir={tmp_path}/hf'), jax.devices()[:1])
+    cfg = config(tmp_path, 'steps=1', 'run_name=tuned', f'load_hf={tmp_path}/hf')
+    train.run(cfg, jax.devices()[:1])
+    read = lambda run, step: train.checkpoint_manager(tmp_path / run / 'checkpoints', cfg, read_only=True).restore(
+        step)['train_state']
+    src, tuned = read('src', 2), read('tuned', 1)
+    assert int(tuned['step']) == 1
+    jax.tree.map(np.testing.assert_array_equal, src['params'], tuned['params'])

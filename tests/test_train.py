@@ -1,6 +1,7 @@
 """Core trainer: config strictness, mesh/sharding, the accumulate/clip/update step, the model's math,
 and what a run writes (config, metrics, TensorBoard events)."""
 import os
+import re
 
 from flax import nnx
 import jax
@@ -11,7 +12,7 @@ import pytest
 
 import model as model_lib
 import train
-from conftest import BASE, ROOT, config, init_model, losses, metrics
+from conftest import BASE, ROOT, args, config, init_model, losses, metrics
 
 
 # ---- the step's math ------------------------------------------------------------------------------
@@ -104,6 +105,23 @@ def test_remat_saves_memory_without_changing_the_math(tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads['full'], grads['none'])
 
 
+def test_weight_decay_skips_norm_scales(tmp_path):
+    """AdamW with zero gradients is pure decoupled decay: every matrix moves by -lr x weight_decay x itself,
+    and the 1-D norm scales do not move at all."""
+    cfg = config(tmp_path, 'weight_decay=0.1', 'warmup_steps=1')
+    tx, schedule = train.make_optimizer(cfg)
+    params = init_model(cfg)[1]
+    zeros, update = jax.tree.map(jnp.zeros_like, params), jax.jit(tx.update)
+    opt = update(zeros, tx.init(params), params)[1]  # warmup's first update, at learning rate 0
+    updates = update(zeros, opt, params)[0]  # the second, at the peak learning rate
+    kinds = set()
+    for (path, u), p in zip(jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(params)):
+        want = np.zeros_like(p) if p.ndim == 1 else -schedule(1) * 0.1 * np.asarray(p)
+        np.testing.assert_allclose(u, want, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+        kinds.add(p.ndim)
+    assert kinds == {1, 2, 3}  # norm scales, embeddings / MLP, attention projections
+
+
 def test_learning_rate_schedule(tmp_path):
     cfg = config(tmp_path, 'learning_rate=1e-3', 'warmup_steps=10', 'steps=110', 'min_lr_ratio=0.1')
     _, schedule = train.make_optimizer(cfg)
@@ -184,6 +202,17 @@ def test_gqa_with_all_kv_heads_is_plain_mha(tmp_path):
     np.testing.assert_allclose(ours, _reference_mha(cfg, params, toks, pos), rtol=2e-4, atol=2e-4)
 
 
+def test_attention_xla_equals_einsum_with_packing(tmp_path):
+    """attention=xla (jax.nn.dot_product_attention) and the default einsum layout: the same logits for the
+    same parameters, with two packed documents per row."""
+    seg = jnp.repeat(jnp.array([[1, 2], [1, 2]]), 8, axis=1)
+    got = {}
+    for impl in ('einsum', 'xla'):
+        m, params, toks, _ = _init(config(tmp_path, f'attention={impl}', 'scan_layers=false'))
+        got[impl] = m(params, toks, jnp.where(seg == 1, jnp.arange(16), jnp.arange(16) - 8), seg)
+    np.testing.assert_allclose(got['xla'], got['einsum'], rtol=1e-5, atol=1e-5)
+
+
 def test_gqa_shares_kv_heads(tmp_path):
     """G=2 kv heads equals MHA whose 4 kv heads are the 2 repeated (head h uses kv head h // 2)."""
     cfg = config(tmp_path, 'scan_layers=false')
@@ -210,6 +239,17 @@ def test_big_parameters_are_sharded_on_4_4_2(tmp_path):
             assert x.addressable_shards[0].data.size < x.size
     table = train.sharding_table(state['params'], shardings['params'])
     assert "['embed']" in table and 'fsdp' in table and 'tensor' in table
+
+
+def test_odd_sizes_keep_a_dividing_prefix_or_replicate(tmp_path):
+    """A dimension keeps the longest prefix of its mesh axes that divides it, else stays whole, so every
+    placement divides and any size compiles."""
+    cfg = config(tmp_path, 'mesh=2,4,4')
+    mesh = train.make_mesh(cfg, jax.devices())
+    spec = lambda logical, shape: tuple(train.mesh_spec(logical, shape, cfg, mesh))
+    assert spec(('batch', 'length'), (6, 32)) == ('data', None)
+    assert spec(('batch', 'length'), (16, 32)) == (('data', 'fsdp'), None)
+    assert spec(('vocab', 'embed'), (131, 64)) == (None, 'fsdp') and spec(('vocab', 'embed'), (132, 6)) == ('tensor', None)
 
 
 def test_mesh_fill_and_mismatch(tmp_path):
@@ -252,10 +292,13 @@ def test_run_writes_config_metrics_and_tensorboard(tmp_path):
         np.testing.assert_allclose([v for _, v in got], [v for _, v in logged], rtol=1e-6, err_msg=key)  # float32
 
 
-def test_nonfinite_loss_stops_naming_the_step(tmp_path):
-    with pytest.raises(FloatingPointError, match=r'at step \d+'):
-        train.run(config(tmp_path, 'steps=50', 'learning_rate=1e12', 'warmup_steps=0', 'grad_clip=0'),
-                  jax.devices()[:1])
+def test_nonfinite_loss_stops_naming_the_step(tmp_path, capsys, monkeypatch):
+    """Through the command line: one `error:` line on stderr naming the step, exit code 3."""
+    monkeypatch.setattr(train, 'pick_devices', lambda cfg: jax.devices()[:1])  # not the session's 32
+    argv = args(tmp_path, 'steps=50', 'learning_rate=1e12', 'warmup_steps=0', 'grad_clip=0')
+    assert train.main(['train.py', BASE, *argv]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(r'error: loss is \S+ at step \d+; stopping', err[0]), err
 
 
 def test_ci_runs_the_readme_test_command():
