@@ -65,7 +65,7 @@ def reference(corpus, tmp_path_factory):
     return run_losses(out)
 
 
-@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])  # SIGINT: Ctrl-C, as SIGTERM
 def test_interrupted_run_resumes_exactly(corpus, reference, tmp_path, sig):
     code, _, err = run_until(cli(corpus, tmp_path), tmp_path, 15, sig)
     if sig == signal.SIGKILL:
