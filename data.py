@@ -680,6 +680,15 @@ def read_sudoku_csv(path, key='dataset_path'):
     return q, a
 
 
+def parse_grid(text):
+    """A puzzle typed on the command line (81 characters row by row, spaces and newlines ignored, '.' or '0'
+    for blanks) -> int32[81] digits, or None if it is not one."""
+    text = text.replace('\n', '').replace(' ', '')
+    if len(text) != SUDOKU_LEN or any(c not in '.0123456789' for c in text):
+        return None
+    return np.array([0 if c == '.' else int(c) for c in text], np.int32)
+
+
 def write_sudoku_csv(path, q, a):
     """Writes puzzles and solutions (digit grids) in the public layout; blanks become '.'."""
     with open(path, 'w', newline='') as f:
@@ -717,8 +726,6 @@ class SudokuData(_Data):
 
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count)
-        if not 0 <= cfg.sudoku_blanks <= 81:
-            raise DataError(f'sudoku_blanks={cfg.sudoku_blanks}: must be 0..81 (81 = as many as uniqueness allows)')
         if cfg.dataset_path:
             self.train_q, self.train_a = read_sudoku_csv(cfg.dataset_path, 'dataset_path')
         else:
@@ -732,7 +739,6 @@ class SudokuData(_Data):
             seen = {s.tobytes() for s in self.train_a}
             keep = np.array([s.tobytes() not in seen for s in a], bool)
             self.eval_q, self.eval_a = q[keep], a[keep]
-        self.eval_records = _host_records(len(self.eval_q), process_index, process_count, 'the eval puzzles')
         self._order = grain.MapDataset.range(len(self.train_q)).shuffle(seed=cfg.seed).repeat().map_with_index(
             self._example)
 
@@ -745,10 +751,15 @@ class SudokuData(_Data):
     def _lane(self, row, rows):
         return self._order[row::rows].to_iter_dataset(_READ)
 
-    def eval_batches(self, local_rows, n):
-        # Fixed order, unaugmented; batches past the end of the eval set are padding (loss_mask 0).
-        chunks = [self.eval_records[i * local_rows:(i + 1) * local_rows] for i in range(n)]
-        return [_sudoku_batch(self.eval_q[ids], self.eval_a[ids], local_rows) for ids in chunks]
+    def eval_batches(self, local_rows, n=None):
+        """n batches (None: enough for the whole eval set), fixed order, unaugmented. Batch i of the whole
+        system holds puzzles i * rows onward in file order, process p its p-th share of them, so the
+        gathered answers come back in file order; rows past the end are padding (loss_mask 0)."""
+        rows = local_rows * self.process_count
+        n = -(-len(self.eval_q) // rows) if n is None else n
+        first = [i * rows + self.process_index * local_rows for i in range(n)]
+        ids = [np.arange(f, min(f + local_rows, len(self.eval_q))) for f in first]
+        return [_sudoku_batch(self.eval_q[i], self.eval_a[i], local_rows) for i in ids]
 
 
 # ---- entry points -----------------------------------------------------------------------------
@@ -758,16 +769,10 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None):
     function, or None for silence) hears about the slow one-time preparations."""
     if cfg.task == 'sudoku':
         return SudokuData(cfg, process_index, process_count, log)
-    if cfg.task != 'lm':
-        raise DataError(f'task={cfg.task!r}: expected lm or sudoku')
     if cfg.dataset == 'synthetic':
         return SyntheticData(cfg, process_index, process_count)
-    if cfg.dataset in ('files', 'stdlib'):
-        train_texts, eval_texts, identity = _file_sources(cfg, log)
-    elif cfg.dataset == 'tfds':
-        train_texts, eval_texts, identity = _tfds_sources(cfg)
-    else:
-        raise DataError(f'dataset={cfg.dataset!r}: expected stdlib, files, tfds or synthetic')
+    sources = _tfds_sources(cfg) if cfg.dataset == 'tfds' else _file_sources(cfg, log)  # files or stdlib
+    train_texts, eval_texts, identity = sources
     return TextData(cfg, train_texts, eval_texts, identity, process_index, process_count, log)
 
 

@@ -1,7 +1,10 @@
-"""A Llama-style GQA transformer in Flax NNX, and two puzzle heads on it, written to be read.
+"""A Llama-style GQA transformer in Flax NNX, two puzzle heads on it, and the tasks train.py trains.
 
   Transformer    token ids -> logits; exactly Llama's math (rotate-half RoPE, RMSNorm with eps inside the
                  rsqrt, SwiGLU, no biases), so the weights export to Hugging Face's LlamaForCausalLM.
+  Task           the one interface train.py reads: a task's module, loss, extra train state, what follows
+                 an update, evaluation and generation. TASKS holds the language model ('lm') and the
+                 Sudoku solver ('sudoku'); the puzzle sections below can be skipped by an LM reader.
   TRM            Tiny Recursive Model: the trunk recursed over an answer state and a latent, with deep
                  supervision and a halting head (trm_loss is its training step's loss).
   ToT            a value head on the TRM's answer state and a step-level beam search over thoughts
@@ -14,14 +17,20 @@ step is a pure function of arrays. Parameters carry *logical* axis names only ('
 'mlp', ...); train.py maps them to mesh axes with the one table `logical_axis_rules` in base.yml, and
 nothing here knows the mesh. The puzzle heads read the Sudoku rules and token layout from data.py.
 
-Shape letters, for the whole repository (x_BLD is a [batch, length, d_model] array):
-  B batch rows   L length       D d_model      H query heads   G kv heads      K head dim
-  R query heads per kv head (H / G)             Q stacked queries (R x L)       T key / cache length
-  F mlp hidden   V vocab        A microbatches  S supervision steps              P prompt length
-  N grids in a flat batch (search candidates)  C digit choices (9)             W beam width
-  E thoughts per state          M states held between search steps (the frontier)
+Shape letters, for the whole repository (x_BLD is a [batch, length, d_model] array). They name array
+axes only; the config keys trm.T and trm.n keep the TRM paper's names.
+  B batch rows      L length           D d_model            H query heads        G kv heads
+  K head dim        k K / 2 (rotary)   R H / G              Q stacked queries (R x L)
+  T key length (the KV cache's, or the positions a RoPE table covers)           F mlp hidden
+  V vocab           A microbatches     S supervision steps  P prompt length      O tokens generated
+  N grids in a flat batch              C digit choices (9)  U Sudoku units (27: rows, columns, boxes)
+  W beam width      E thoughts per state                    M states held between search steps
+  J trajectories per puzzle (decoder=trm_parallel)
 """
+import dataclasses
 import math
+import os
+from typing import Callable, NamedTuple
 
 import flax.core.spmd
 import jax
@@ -31,6 +40,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+import data
 from data import MEMBERS, SUDOKU_LEN, dead_end, digits_seen, legal_digits, solved
 
 REMAT_POLICIES = {
@@ -100,8 +110,8 @@ def rope_table(positions_BL, K, theta, num_positions):
     (per head, layer and pass), ~6% of an unscanned CPU step. A position past the table reads NaN
     (jnp.take's fill), never a wrong angle."""
     inv_freq_k = 1.0 / theta ** (np.arange(0, K, 2, dtype=np.float32) / K)
-    angles_Pk = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq_k
-    return tuple(jnp.take(f(angles_Pk), positions_BL, axis=0)[:, :, None] for f in (np.cos, np.sin))
+    angles_Tk = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq_k
+    return tuple(jnp.take(f(angles_Tk), positions_BL, axis=0)[:, :, None] for f in (np.cos, np.sin))
 
 
 def rope(x_BLHK, rope_BL1k):
@@ -279,14 +289,10 @@ class Transformer(nnx.Module):
         return logits_BLV if cache is None else (logits_BLV, new_cache)
 
 
-def model_class(cfg):
-    return TRM if cfg.task == 'sudoku' else Transformer
-
-
 def init(cfg, key):
-    """(graph, params): a new model split into its static graph and its parameters as a plain nested
-    dict of arrays. train.py calls it under jit with the state's shardings as out_shardings."""
-    graph, params = nnx.split(model_class(cfg)(cfg, nnx.Rngs(params=key)))
+    """(graph, params): a new model of the task's module split into its static graph and its parameters
+    as a plain nested dict of arrays. train.py calls it under jit with the state's shardings."""
+    graph, params = nnx.split(TASKS[cfg.task].module(cfg, nnx.Rngs(params=key)))
     return graph, nnx.to_pure_dict(params)
 
 
@@ -294,32 +300,124 @@ def abstract(cfg):
     """(graph, logical axes): the model's graph and a PartitionSpec of logical names for every
     parameter (the same nested dict as the params), with nothing allocated. Call it outside a mesh
     context: inside one, eval_shape would try to place the logical names on the mesh."""
-    graph, state = nnx.split(nnx.eval_shape(lambda: model_class(cfg)(cfg, nnx.Rngs(0))))
+    graph, state = nnx.split(nnx.eval_shape(lambda: TASKS[cfg.task].module(cfg, nnx.Rngs(0))))
     return graph, nnx.to_pure_dict(nnx.get_partition_spec(state))
 
 
-def lm_loss(cfg, model, params, mb, carry, key, step=0):
+def layer_flops(cfg, L, causal):
+    """Forward FLOPs per token of one block: the projections, the MLP, and the attention scores and
+    values over L keys (halved when causal: the mask keeps half the square)."""
+    D, F, H, G, K = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, dims(cfg)
+    return 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K / (2 if causal else 1)
+
+
+# ==================================================================================================
+# The language-model task: loss, eval, generation.
+# ==================================================================================================
+def lm_loss(cfg, graph, params, mb, carry, key, step=0):
     """The LM's loss in the train step's shape: (summed cross-entropy over real target tokens, (sums, carry)).
-    The step divides by sums['weight'] (the token count of the whole step), so accumulation is exact.
-    `model` is the graph from init/abstract."""
-    logits_BLV = nnx.merge(model, params)(mb['inputs'], mb['positions'], mb['segment_ids'])
+    The step divides by sums['weight'] (the token count of the whole step), so accumulation is exact."""
+    logits_BLV = nnx.merge(graph, params)(mb['inputs'], mb['positions'], mb['segment_ids'])
     ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, mb['targets'])
     tokens = jnp.sum(mb['loss_mask'])
     return jnp.sum(ce_BL * mb['loss_mask']), ({'weight': tokens, 'tokens': tokens}, carry)
 
 
-def flops_per_token(cfg):
+def lm_flops_per_token(cfg):
     """Training FLOPs per token (forward + backward = 3x forward), counted as MaxText does: every matmul
-    including the LM head, plus attention scores and values (halved: causal masks half the square).
-    TRM (per cell per supervision step): T(n+1) forward net calls, of which the last n+1 also run
-    backward (2x); attention is bidirectional over the 81 cells (TokenMLP is counted as attention)."""
-    D, F, H, G, K, L = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, dims(cfg), cfg.max_target_length
-    if cfg.task == 'sudoku':
-        L, T, n = 81, cfg.trm.T, cfg.trm.n
-        per_layer = 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K
-        return (T * (n + 1) + 2 * (n + 1)) * cfg.num_layers * per_layer + 3 * 2 * D * cfg.vocab_size
-    per_layer = 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K / 2
-    return 3 * (cfg.num_layers * per_layer + 2 * D * cfg.vocab_size)
+    including the LM head, plus causal attention."""
+    return 3 * (cfg.num_layers * layer_flops(cfg, cfg.max_target_length, True) + 2 * cfg.d_model * cfg.vocab_size)
+
+
+def lm_eval_step(cfg, graph, params, batch):
+    loss, (sums, _) = lm_loss(cfg, graph, params, batch, None, None)
+    return {'loss': loss, 'tokens': sums['tokens']}
+
+
+def lm_eval_result(cfg, outs, batches, ds, save_to=None):
+    """Eval loss per real target token over every batch, and its perplexity."""
+    loss = float(sum(o['loss'] for o in outs)) / max(float(sum(o['tokens'] for o in outs)), 1.0)
+    return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
+
+
+def generate(cfg, graph, params, prompt_BP, key):
+    """prompt [B, P] -> [B, max_new_tokens] sampled tokens. The prompt fills the KV cache in one pass
+    (prefill); then a jitted scan of single-token steps: each new token costs one position, not the
+    whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles once."""
+    B, P = prompt_BP.shape
+    O, V = cfg.max_new_tokens, cfg.vocab_size
+
+    def sample(logits_BV, key):
+        if cfg.temperature == 0:
+            return jnp.argmax(logits_BV, -1).astype(jnp.int32)
+        if 0 < cfg.top_k < V:
+            kth_B1 = jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:]
+            logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+        return jax.random.categorical(key, logits_BV / cfg.temperature).astype(jnp.int32)
+
+    def run_all(params, prompt_BP, key):
+        ones = lambda L: jnp.ones((B, L), jnp.int32)
+        logits_BPV, cache = nnx.merge(graph, params)(prompt_BP, jnp.arange(P) * ones(P), ones(P),
+                                                     init_cache(cfg, B, P + O))
+        keys = jax.random.split(key, O)
+
+        def step(carry, key):  # feed the last sampled token, sample the next
+            cache, tok_B, pos = carry
+            logits_B1V, cache = nnx.merge(graph, params)(tok_B[:, None], pos * ones(1), ones(1), cache)
+            return (cache, sample(logits_B1V[:, -1], key), pos + 1), tok_B
+
+        (_, last_B, _), toks_OB = jax.lax.scan(step, (cache, sample(logits_BPV[:, -1], keys[0]), P), keys[1:])
+        return jnp.concatenate([toks_OB.T, last_B[:, None]], axis=1)
+    return jax.jit(run_all)(params, jnp.asarray(prompt_BP, jnp.int32), key)
+
+
+def lm_generate(cfg, graph, params, ds, rows):
+    """mode=generate: the prompt (bos first) continued by max_new_tokens sampled tokens, cut at eos.
+    Returns (summary, what to print, what RUN_DIR/generation.txt holds)."""
+    prompt_1P = np.asarray([[ds.bos_id] + ds.tokenizer.encode(cfg.prompt)], np.int32)
+    tokens = np.asarray(generate(cfg, graph, params, prompt_1P, jax.random.key(cfg.seed)))[0].tolist()
+    tokens = tokens[:tokens.index(ds.eos_id)] if ds.eos_id in tokens else tokens  # eos ends the document
+    text = ds.tokenizer.decode(tokens)
+    shown = f'prompt: {cfg.prompt}\ncontinuation: {text}'
+    if prompt_1P.shape[1] + cfg.max_new_tokens > cfg.max_target_length:
+        shown = (f'WARNING: prompt + max_new_tokens = {prompt_1P.shape[1] + cfg.max_new_tokens} tokens, more than the '
+                 f'max_target_length={cfg.max_target_length} the model was trained on\n{shown}')
+    return {'prompt': cfg.prompt, 'tokens': tokens, 'generation': text}, shown, text
+
+
+def lm_check(cfg):
+    """The LM's own config rules: a message naming the key, or ''."""
+    if cfg.mode == 'generate' and cfg.dataset == 'synthetic':
+        return 'mode=generate needs a tokenizer: use a text dataset (dataset=synthetic has none)'
+    return ''
+
+
+# ==================================================================================================
+# The task interface: all train.py knows about what it trains.
+# ==================================================================================================
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What differs between the language model and the puzzle heads. train.py picks one from TASKS by
+    cfg.task and reads nothing else task-specific. Functions take the config first, then (graph, params)
+    where they run the model; the defaults are what a task without extra state does."""
+    module: type                  # the nnx.Module, built as module(cfg, rngs)
+    loss: Callable                # (cfg, graph, params, microbatch, carry, key, step) -> (summed loss, (sums, carry))
+    flops_per_token: Callable     # (cfg) -> training FLOPs per token
+    eval_step: Callable           # (cfg, graph, params, batch) -> {name: device array}; train.py jits it
+    eval_result: Callable         # (cfg, outs, batches, ds, save_to) -> eval metrics; host numpy in, every process
+    generate: Callable            # (cfg, graph, params, ds, rows) -> (summary, printed text, generation.txt text)
+    check: Callable               # (cfg) -> '' or a one-line config error: the task's own rules
+    fixed: Callable = lambda cfg: {}                    # config values the task decides (vocabulary, length)
+    step_metrics: Callable = lambda sums, weight: {}    # extra training metrics from the step's sums
+    state: Callable = lambda cfg, params, rows: {}      # train state beyond step/params/opt_state: checkpointed
+    state_axes: Callable = lambda param_axes: {}        # that state's logical axes (PartitionSpecs)
+    after_update: Callable = lambda cfg, state, params, carry: {}  # that state after an update
+    eval_weights: str = 'params'  # the state entry eval and generate read
+    eval_all: bool = False        # mode=eval reads the whole eval set, not eval_batches
+
+
+LM = Task(module=Transformer, loss=lm_loss, flops_per_token=lm_flops_per_token, eval_step=lm_eval_step,
+          eval_result=lm_eval_result, generate=lm_generate, check=lm_check)
 
 
 # ==================================================================================================
@@ -404,7 +502,7 @@ def trm_carry(cfg, A, B):
             'steps': jnp.zeros((A, B), jnp.int32), 'halted': jnp.ones((A, B), bool)}
 
 
-def trm_loss(cfg, model, params, mb, carry, key, step=0):
+def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     """One supervision step for every slot of the carry (deep supervision with a fixed-shape batch).
 
     Slots that halted last step take this step's fresh example from `mb` and restart from y_init/z_init;
@@ -415,7 +513,7 @@ def trm_loss(cfg, model, params, mb, carry, key, step=0):
     pick = lambda new, old: jnp.where(fresh_B.reshape(-1, *[1] * (old.ndim - 1)), new, old)
     inputs_BL, targets_BL = pick(mb['inputs'], carry['inputs']), pick(mb['targets'], carry['targets'])
     steps_B = jnp.where(fresh_B, 0, carry['steps']) + 1
-    y_BLD, z_BLD, logits_BLV, q_B, _ = nnx.merge(model, params)(inputs_BL, mb['positions'], mb['segment_ids'],
+    y_BLD, z_BLD, logits_BLV, q_B, _ = nnx.merge(graph, params)(inputs_BL, mb['positions'], mb['segment_ids'],
                                                            carry['y'], carry['z'], fresh_B)
     ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean(axis=1)
     correct_B = jnp.all(jnp.argmax(logits_BLV, axis=-1) == targets_BL, axis=1)
@@ -439,7 +537,7 @@ def trm_loss(cfg, model, params, mb, carry, key, step=0):
         def value_loss(_):
             grids_BL, label_B = partial_states(jax.random.fold_in(key, 1), mb['inputs'][:half] - 1,
                                                mb['targets'][:half] - 1)
-            log_v_B = trm_steps(cfg, model, params, grids_BL, cfg.tot.value_step)[2]
+            log_v_B = trm_steps(cfg, graph, params, grids_BL, cfg.tot.value_step).log_value_N
             return jnp.sum(value_bce(log_v_B, label_B)), jnp.sum((log_v_B > jnp.log(0.5)) == label_B)
         # From tot.start_step on only: a real branch, so earlier steps do not pay for the value pass.
         on = step >= cfg.tot.start_step
@@ -456,12 +554,19 @@ def ema_update(decay, step, ema, params):
     return jax.tree.map(lambda e, p: (d * e + (1 - d) * p).astype(e.dtype), ema, params)
 
 
-def trm_steps(cfg, model, params, grids_NL, steps, noise=None):
-    """`steps` supervision steps from a fresh carry on digit grids (0 = blank): (predicted tokens after
-    each step [S, N, L], digit log-probs [N, L, C] after the last, log value [N] after step
-    v = min(tot.value_step, steps), halting logits after each step [S, N]). Only step v is
-    differentiable: the value loss trains through it. noise=(keys [N], scale): perturbed recursion
-    (see TRM), each supervision step with its own draws."""
+class TRMSteps(NamedTuple):
+    """What trm_steps returns: predicted tokens after each supervision step, the digit log-probs after the
+    last, the value head's log value after step min(tot.value_step, steps), halting logits after each."""
+    preds_SNL: jax.Array
+    logp_NLC: jax.Array
+    log_value_N: jax.Array
+    halt_SN: jax.Array
+
+
+def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
+    """`steps` supervision steps from a fresh carry on digit grids (0 = blank), as TRMSteps. Only step
+    v = min(tot.value_step, steps) is differentiable: the value loss trains through it. noise=(keys [N],
+    scale): perturbed recursion (see TRM), each supervision step with its own draws."""
     N, L = grids_NL.shape
     rows = lambda x: jnp.broadcast_to(x, (N, L)).astype(jnp.int32)
     tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
@@ -471,7 +576,7 @@ def trm_steps(cfg, model, params, grids_NL, steps, noise=None):
         def one(carry, xs):
             fresh_N, i = xs
             kick = None if noise is None else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
-            y, z, logits_NLV, q_N, log_v_N = nnx.merge(model, p)(tokens, pos, seg, *carry, fresh_N, kick)
+            y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry, fresh_N, kick)
             carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
             return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N, q_N)
         return one
@@ -485,7 +590,7 @@ def trm_steps(cfg, model, params, grids_NL, steps, noise=None):
     logits_NLV = l_after[-1] if steps > v else logits_NLV
     preds, q_SN = jnp.concatenate([p_before, p_v[None], p_after]), jnp.concatenate([q_before, q_v[None], q_after])
     # Digit d is token d + 1: the nine digit logits are tokens 2..10.
-    return preds, jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N, q_SN
+    return TRMSteps(preds, jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N, q_SN)
 
 
 def halt_decode(preds_SNL, q_SN, rule='first'):
@@ -508,27 +613,26 @@ def halt_decode(preds_SNL, q_SN, rule='first'):
     return kept(preds_SNL), kept(q_SN), passes_N
 
 
-def parallel_decode(cfg, model, params, q_BL, steps):
-    """decoder=trm_parallel: K = parallel.trajectories runs of the TRM per puzzle, each decoded by the
+def parallel_decode(cfg, graph, params, q_BL, steps):
+    """decoder=trm_parallel: J = parallel.trajectories runs of the TRM per puzzle, each decoded by the
     trm.eval_halt rule, the first without noise and the others with parallel.noise on the latent; the
     answer is the one the halting head is surest of (highest q; parallel.pick=random: a random one, the
     control). No Sudoku rule is used. The draws depend on the puzzle and the trajectory, not on the batch.
     Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every trajectory's)."""
     B, L = q_BL.shape
-    K = cfg.parallel.trajectories
-    split = lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), K)
-    keys_BK = jax.vmap(split)(puzzle_hash(q_BL))
-    scale_N = jnp.tile(jnp.arange(K) > 0, B) * cfg.parallel.noise
-    preds_SNL, _, _, q_SN = trm_steps(cfg, model, params, jnp.repeat(q_BL, K, axis=0), steps,
-                                      (keys_BK.reshape(B * K), scale_N[:, None, None]))
-    preds_SNL, q_SN, halt_N = halt_decode(preds_SNL, q_SN, cfg.trm.eval_halt)
+    J = cfg.parallel.trajectories
+    split = lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J)
+    keys_BJ = jax.vmap(split)(puzzle_hash(q_BL))
+    scale_N = jnp.tile(jnp.arange(J) > 0, B) * cfg.parallel.noise
+    run = trm_steps(cfg, graph, params, jnp.repeat(q_BL, J, axis=0), steps,
+                    (keys_BJ.reshape(B * J), scale_N[:, None, None]))
+    preds_SNL, q_SN, halt_N = halt_decode(run.preds_SNL, run.halt_SN, cfg.trm.eval_halt)
     if cfg.parallel.pick == 'random':
-        q_SN = jnp.broadcast_to(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1 << 20)))(keys_BK.ravel()),
+        q_SN = jnp.broadcast_to(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1 << 20)))(keys_BJ.ravel()),
                                 q_SN.shape)
-    best_SB = jnp.argmax(q_SN.reshape(steps, B, K), axis=-1)
-    preds_SBL = jnp.take_along_axis(preds_SNL.reshape(steps, B, K, L), best_SB[..., None, None], axis=2)[:, :, 0]
-    return preds_SBL, halt_N.reshape(B, K).sum(axis=1)
-
+    best_SB = jnp.argmax(q_SN.reshape(steps, B, J), axis=-1)
+    preds_SBL = jnp.take_along_axis(preds_SNL.reshape(steps, B, J, L), best_SB[..., None, None], axis=2)[:, :, 0]
+    return preds_SBL, halt_N.reshape(B, J).sum(axis=1)
 
 
 # ==================================================================================================
@@ -669,16 +773,31 @@ def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
     return g_EL, gain_E, top_E > NEG
 
 
-def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts, score='value',
-                logp_weight=0.0, key=None, frontier=0, rules=True, propagate=False):
+@dataclasses.dataclass(frozen=True)
+class Search:
+    """How tree_search expands and ranks states. The defaults are greedy decoding: one state, one one-cell
+    thought a step, ranked by log-prob, until the grid is full (the puzzle's own pass + one per move)."""
+    width: int = 1                     # states expanded per step (beam_width)
+    thoughts: int = 1                  # candidates proposed per expanded state (thoughts_per_step)
+    cells: int = 1                     # cells one thought fills (thought_cells)
+    max_depth: int = SUDOKU_LEN        # steps per puzzle at most
+    max_thoughts: int = SUDOKU_LEN + 1  # states evaluated per puzzle at most
+    score: str = 'logp'                # 'value' | 'logp' | 'shuffled': see tree_search
+    logp_weight: float = 0.0           # ranking: log value + this x the path's summed log-prob
+    frontier: int = 0                  # states held between steps (0 = width: a plain beam)
+    rules: bool = True                 # the Sudoku rules: legal moves, dead ends, a valid grid ends the search
+    propagate: bool = False            # with rules: every state gets the moves the rules force
+
+
+def tree_search(evaluate, q_BL, search, key=None):
     """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled function.
     evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N], halting logit [N]).
 
-    A thought fills `cells` blank cells: the state's most confident blank cell (highest top probability)
-    with one of its `thoughts` most likely digits, plus the cells-1 next most confident blanks at their
-    argmax. So the search branches where greedy decoding would commit, and keeps the alternatives while
-    they are plausible. Every candidate of every state in the beam is evaluated (one forward pass each:
-    the policy for its next thoughts and its value), duplicates are dropped, and the best `width`
+    A thought fills `search.cells` blank cells: the state's most confident blank cell (highest top
+    probability) with one of its `thoughts` most likely digits, plus the cells-1 next most confident blanks
+    at their argmax. So the search branches where greedy decoding would commit, and keeps the alternatives
+    while they are plausible. Every candidate of every state in the beam is evaluated (one forward pass
+    each: the policy for its next thoughts and its value), duplicates are dropped, and the best `width`
     continue, ranked by `score` (cum = the path's summed log-prob):
       'value'    log value + logp_weight x cum: ToT
       'logp'     cum only (plain beam search, no value head)
@@ -699,121 +818,134 @@ def tree_search(evaluate, q_BL, width, thoughts, cells, max_depth, max_thoughts,
     Returns (grids [B, L], states evaluated per puzzle [B]). Unsolved puzzles return the best candidate of
     the last step with its blanks filled by argmax."""
     B, L = q_BL.shape
-    W, E, NEG = width, thoughts, -jnp.inf
-    M = max(frontier, W)
-    key = jax.random.key(0) if key is None else key
-    settle = fill_forced if propagate else (lambda g: g)
-    q_BL = settle(q_BL)
-
-    def evaluate_BN(g_BNL):
-        logp, logv, q = evaluate(g_BNL.reshape(-1, L))
-        return logp.reshape(*g_BNL.shape, 9), logv.reshape(g_BNL.shape[:2]), q.reshape(g_BNL.shape[:2])
-
-    logp0, _, q0 = evaluate_BN(q_BL[:, None])
+    M = max(search.frontier, search.width)
+    q_BL = fill_forced(q_BL) if search.propagate else q_BL
+    logp0, _, q0 = evaluate_grids(evaluate, q_BL[:, None])
     held = {'grid': jnp.repeat(q_BL[:, None], M, axis=1), 'logp': jnp.repeat(logp0, M, axis=1),
-            'cum': jnp.zeros((B, M)), 'score': jnp.full((B, M), NEG).at[:, 0].set(0.0)}
+            'cum': jnp.zeros((B, M)), 'score': jnp.full((B, M), -jnp.inf).at[:, 0].set(0.0)}
     fill0 = fill_argmax(q_BL, logp0[:, 0])
-    done = finished(fill0, q0[:, 0], rules)
+    done = finished(fill0, q0[:, 0], search.rules)
     carry = {'held': held, 'done': done, 'stop': done, 'answer': fill0, 'fallback': fill0,
              'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'puzzle': puzzle_hash(q_BL)}
-
-    def body(c):
-        B, live_B = c['stop'].shape[0], ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
-        _, pop_BW = jax.lax.top_k(c['held']['score'], W)  # the W best held states are expanded
-        take = lambda x, i_BK: jnp.take_along_axis(x, i_BK.reshape(*i_BK.shape, *[1] * (x.ndim - 2)), axis=1)
-        bm = jax.tree.map(lambda x: take(x, pop_BW), c['held'])
-        rest = dict(c['held'], score=c['held']['score'].at[jnp.arange(B)[:, None], pop_BW].set(NEG))
-        expand = lambda g, lp: propose_thoughts(g, lp, E, cells, rules)
-        g, gain, ok = jax.vmap(jax.vmap(expand))(bm['grid'], bm['logp'])  # [B, W, E, ...]
-        g_BNL, N = settle(g.reshape(B, W * E, L)), W * E
-        alive_BN = (ok & (bm['score'][..., None] > NEG)).reshape(B, N)
-        alive_BN &= ~dead(g_BNL, rules)
-        cum_BN = (bm['cum'][..., None] + gain).reshape(B, N)
-        same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
-        alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
-        logp_BNLC, logv_BN, q_BN = evaluate_BN(g_BNL)
-        if score == 'logp':
-            s_BN = cum_BN
-        elif score == 'shuffled':
-            draw = lambda p: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, p), c['depth']), (N,))
-            perm_BN = jnp.argsort(jnp.where(alive_BN, jax.vmap(draw)(c['puzzle']), 2.0), axis=1)
-            s_BN = jnp.take_along_axis(logv_BN, perm_BN, axis=1) + logp_weight * cum_BN
-        else:
-            s_BN = logv_BN + logp_weight * cum_BN
-        s_BN = jnp.where(alive_BN, s_BN, NEG)
-        full_BN = jnp.all(g_BNL > 0, axis=-1)
-        fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
-        ok_BN = alive_BN & finished(fill_BNL, q_BN, rules)
-        pick = lambda x, i_B: take(x, i_B[:, None])[:, 0]
-        found_B = live_B & jnp.any(ok_BN, axis=1)
-        answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), c['answer'])
-        best_B = jnp.argmax(s_BN, axis=1)  # the best candidate, before full-but-wrong grids are dropped
-        fallback = pick(fill_BNL, best_B)
-        fallback = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], fallback, c['fallback'])
-        s_BN = jnp.where(full_BN, NEG, s_BN)  # a full grid either ended the search or broke a rule
-        # The M best of the new candidates (first: they win ties) and the states held but not expanded.
-        pool = jax.tree.map(lambda n, o: jnp.concatenate([n, o], axis=1),
-                            {'grid': g_BNL, 'logp': logp_BNLC, 'cum': cum_BN, 'score': s_BN}, rest)
-        top_BM, idx_BM = jax.lax.top_k(pool['score'], M)
-        new = jax.tree.map(lambda x: take(x, idx_BM), pool)
-        held = jax.tree.map(lambda n, o: jnp.where(live_B.reshape(B, *[1] * (n.ndim - 1)), n, o), new, c['held'])
-        evals = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0)
-        depth = c['depth'] + 1
-        done = c['done'] | found_B
-        stop = c['stop'] | done | (evals >= max_thoughts) | ~jnp.any(top_BM > NEG, axis=1) | (depth >= max_depth)
-        return {'held': held, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
-                'evals': evals, 'depth': depth, 'puzzle': c['puzzle']}
-
-    c = shrinking_loop(body, carry, shared=('depth',))
+    key = jax.random.key(0) if key is None else key
+    c = shrinking_loop(lambda c: search_step(evaluate, search, key, c), carry, shared=('depth',))
     return jnp.where(c['done'][:, None], c['answer'], c['fallback']), c['evals']
 
 
-def greedy(evaluate, q_BL, rules=True, propagate=False):
-    """Greedy decoding is the width-1 search with one one-cell thought: fill the surest legal move, run the
-    policy again, repeat until the grid is full, a move leads to a dead end, or the policy's answer is
-    finished. Forward passes: the puzzle's own + one per move."""
-    return tree_search(evaluate, q_BL, 1, 1, 1, SUDOKU_LEN, SUDOKU_LEN + 1, 'logp', rules=rules, propagate=propagate)
+def evaluate_grids(evaluate, g_BNL):
+    """evaluate on [B, N, L] grids, outputs shaped [B, N, ...]."""
+    logp, logv, q = evaluate(g_BNL.reshape(-1, g_BNL.shape[-1]))
+    return logp.reshape(*g_BNL.shape, 9), logv.reshape(g_BNL.shape[:2]), q.reshape(g_BNL.shape[:2])
+
+
+def take_rows(x_BN, i_BK):
+    """x[b, i[b, k]] for every b, k: the rows' chosen entries along axis 1."""
+    return jnp.take_along_axis(x_BN, i_BK.reshape(*i_BK.shape, *[1] * (x_BN.ndim - 2)), axis=1)
+
+
+def search_step(evaluate, search, key, c):
+    """One step of tree_search for every puzzle of the carry c: expand the best held states, evaluate
+    and rank their candidates, note a finished answer, hold the M best states for the next step."""
+    B, live_B = c['stop'].shape[0], ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
+    cand, rest = expand(c['held'], search)
+    g_BNL, alive_BN = cand['grid'], cand['alive']
+    logp_BNLC, logv_BN, q_BN = evaluate_grids(evaluate, g_BNL)
+    s_BN = jnp.where(alive_BN, rank(search, key, c, cand, logv_BN), -jnp.inf)
+    fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
+    ok_BN = alive_BN & finished(fill_BNL, q_BN, search.rules)
+    pick = lambda x, i_B: take_rows(x, i_B[:, None])[:, 0]
+    found_B = live_B & jnp.any(ok_BN, axis=1)
+    answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), c['answer'])
+    fallback = pick(fill_BNL, jnp.argmax(s_BN, axis=1))  # the best, before full-but-wrong grids are dropped
+    fallback = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], fallback, c['fallback'])
+    s_BN = jnp.where(jnp.all(g_BNL > 0, axis=-1), -jnp.inf, s_BN)  # a full grid ended the search or broke a rule
+    # The M best of the new candidates (first: they win ties) and the states held but not expanded.
+    pool = jax.tree.map(lambda n, o: jnp.concatenate([n, o], axis=1),
+                        {'grid': g_BNL, 'logp': logp_BNLC, 'cum': cand['cum'], 'score': s_BN}, rest)
+    top_BM, idx_BM = jax.lax.top_k(pool['score'], c['held']['score'].shape[1])
+    new = jax.tree.map(lambda x: take_rows(x, idx_BM), pool)
+    held = jax.tree.map(lambda n, o: jnp.where(live_B.reshape(B, *[1] * (n.ndim - 1)), n, o), new, c['held'])
+    evals = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0)
+    depth, done = c['depth'] + 1, c['done'] | found_B
+    stop = (c['stop'] | done | (evals >= search.max_thoughts) | ~jnp.any(top_BM > -jnp.inf, axis=1)
+            | (depth >= search.max_depth))
+    return {'held': held, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
+            'evals': evals, 'depth': depth, 'puzzle': c['puzzle']}
+
+
+def expand(held, search):
+    """The best `width` held states -> their candidates {grid [B, N, L], cum [B, N], alive [B, N]}
+    (N = width x thoughts; dead ends and repeated grids not alive), and the held states left over."""
+    B, L = held['grid'].shape[0], held['grid'].shape[-1]
+    _, pop_BW = jax.lax.top_k(held['score'], search.width)
+    bm = jax.tree.map(lambda x: take_rows(x, pop_BW), held)
+    rest = dict(held, score=held['score'].at[jnp.arange(B)[:, None], pop_BW].set(-jnp.inf))
+    propose = lambda g, lp: propose_thoughts(g, lp, search.thoughts, search.cells, search.rules)
+    g, gain, ok = jax.vmap(jax.vmap(propose))(bm['grid'], bm['logp'])  # [B, W, E, ...]
+    N = search.width * search.thoughts
+    g_BNL = g.reshape(B, N, L)
+    g_BNL = fill_forced(g_BNL) if search.propagate else g_BNL
+    alive_BN = (ok & (bm['score'][..., None] > -jnp.inf)).reshape(B, N) & ~dead(g_BNL, search.rules)
+    same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
+    alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
+    return {'grid': g_BNL, 'cum': (bm['cum'][..., None] + gain).reshape(B, N), 'alive': alive_BN}, rest
+
+
+def rank(search, key, c, cand, logv_BN):
+    """The candidates' scores by search.score (see tree_search)."""
+    if search.score == 'logp':
+        return cand['cum']
+    if search.score == 'shuffled':
+        N = logv_BN.shape[1]
+        draw = lambda p: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, p), c['depth']), (N,))
+        perm_BN = jnp.argsort(jnp.where(cand['alive'], jax.vmap(draw)(c['puzzle']), 2.0), axis=1)
+        logv_BN = jnp.take_along_axis(logv_BN, perm_BN, axis=1)
+    return logv_BN + search.logp_weight * cand['cum']
 
 
 # ==================================================================================================
-# Sudoku eval: decode a batch with cfg.decoder, score it on the host.
+# The Sudoku task: the TRM's train state and metrics, decoding with cfg.decoder, host-side scoring.
 # ==================================================================================================
 DECODERS = ('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot', 'tot_shuffled')
 
 
-def sudoku_decode(cfg, model, params, batch):
-    """Decodes a token batch with cfg.decoder: (predicted tokens [S, B, L] (S = supervision steps for
-    trm, 1 for the others), forward passes per puzzle [B], value-head log values and labels
-    of partial grids made from the batch (for its AUROC))."""
+def sudoku_search(cfg, decoder):
+    """The Search a decoder runs, from base.yml's keys (greedy: the defaults, width one)."""
+    rules = cfg.tot.rule_checks
+    if decoder == 'greedy':
+        return Search(rules=rules, propagate=rules and cfg.tot.propagate)
+    return Search(cfg.beam_width, cfg.thoughts_per_step, cfg.thought_cells, cfg.max_depth, cfg.max_thoughts,
+                  {'beam_logp': 'logp', 'tot': 'value', 'tot_shuffled': 'shuffled'}[decoder], cfg.tot.logp_weight,
+                  cfg.tot.frontier, rules, rules and cfg.tot.propagate)
+
+
+def sudoku_decode(cfg, graph, params, batch):
+    """Decodes a token batch with cfg.decoder: {predicted tokens [S, B, L] (S = supervision steps for
+    trm, 1 for the others), forward passes per puzzle [B], and the value head's log values and labels on
+    partial grids made from the batch (for its AUROC)}."""
     q_BL = batch['inputs'] - 1
     trm_depth = cfg.trm.eval_steps or cfg.trm.N_sup
     steps = trm_depth if cfg.decoder.startswith('trm') else max(cfg.tot.policy_steps, cfg.tot.value_step)
-    rules = cfg.tot.rule_checks
-    propagate = rules and cfg.tot.propagate
+
     def evaluate(g_NL):  # -> digit log-probs, log value, halting logit after the last step
-        _, logp_NLC, log_v_N, q_SN = trm_steps(cfg, model, params, g_NL, steps)
-        return logp_NLC, log_v_N, q_SN[-1]
+        run = trm_steps(cfg, graph, params, g_NL, steps)
+        return run.logp_NLC, run.log_value_N, run.halt_SN[-1]
     if cfg.decoder == 'trm':
-        preds_SBL, _, _, q_SB = trm_steps(cfg, model, params, q_BL, steps)
-        preds_SBL, _, passes_B = halt_decode(preds_SBL, q_SB, cfg.trm.eval_halt)
+        run = trm_steps(cfg, graph, params, q_BL, steps)
+        preds_SBL, _, passes_B = halt_decode(run.preds_SNL, run.halt_SN, cfg.trm.eval_halt)
     elif cfg.decoder == 'trm_parallel':
-        preds_SBL, passes_B = parallel_decode(cfg, model, params, q_BL, steps)
-    elif cfg.decoder == 'greedy':
-        grids_BL, passes_B = greedy(evaluate, q_BL, rules, propagate)
-        preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
+        preds_SBL, passes_B = parallel_decode(cfg, graph, params, q_BL, steps)
     else:
-        score = {'beam_logp': 'logp', 'tot': 'value', 'tot_shuffled': 'shuffled'}[cfg.decoder]
-        grids_BL, passes_B = tree_search(
-            evaluate, q_BL, cfg.beam_width, cfg.thoughts_per_step, cfg.thought_cells, cfg.max_depth,
-            cfg.max_thoughts, score, cfg.tot.logp_weight, jax.random.key(cfg.seed), cfg.tot.frontier, rules, propagate)
-        preds_SBL, passes_B = grids_BL[None] + 1, passes_B * steps
+        grids_BL, evals_B = tree_search(evaluate, q_BL, sudoku_search(cfg, cfg.decoder), jax.random.key(cfg.seed))
+        preds_SBL, passes_B = grids_BL[None] + 1, evals_B * steps
     partial_BL, label_B = puzzle_partial_states(jax.random.key(cfg.seed), q_BL, batch['targets'] - 1)
-    return preds_SBL, passes_B, trm_steps(cfg, model, params, partial_BL, cfg.tot.value_step)[2], label_B
+    log_value_B = trm_steps(cfg, graph, params, partial_BL, cfg.tot.value_step).log_value_N
+    return {'preds_SBL': preds_SBL, 'passes_B': passes_B, 'log_value_B': log_value_B, 'label_B': label_B}
 
 
 def sudoku_scores(preds_SBL, batch):
-    """Host-side scoring of one eval batch: (exact solves per step [S], right blank cells per step [S],
-    blank cells, puzzles, final digit grids [B, L]). Padding rows are skipped; givens are copied from the
+    """Host-side scoring of one eval batch: {exact solves per step [S], right blank cells per step [S],
+    blank cells, puzzles, final digit grids [B, L]}. Padding rows are skipped; givens are copied from the
     puzzle whatever the model said; a grid counts as solved only if it obeys the Sudoku rules and equals
     the label."""
     real = batch['segment_ids'][:, 0] > 0
@@ -822,9 +954,9 @@ def sudoku_scores(preds_SBL, batch):
     grids_SBL = np.where(blank_BL, np.asarray(preds_SBL)[:, real] - 1, q_BL)
     S, B = grids_SBL.shape[:2]
     valid_SB = solved(grids_SBL.reshape(-1, SUDOKU_LEN)).reshape(S, B)
-    exact_S = ((grids_SBL == a_BL).all(-1) & valid_SB).sum(1)
-    cells_S = ((grids_SBL == a_BL) & blank_BL).sum((1, 2))
-    return exact_S, cells_S, blank_BL.sum(), B, np.clip(grids_SBL[-1], 0, 9)
+    return {'exact_S': ((grids_SBL == a_BL).all(-1) & valid_SB).sum(1),
+            'cells_S': ((grids_SBL == a_BL) & blank_BL).sum((1, 2)), 'blanks': blank_BL.sum(), 'puzzles': B,
+            'grids_BL': np.clip(grids_SBL[-1], 0, 9)}
 
 
 def auroc(scores, labels):
@@ -833,3 +965,82 @@ def auroc(scores, labels):
     if not len(pos) or not len(neg):
         return float('nan')
     return float(np.mean((pos[:, None] > neg[None]) + 0.5 * (pos[:, None] == neg[None])))
+
+
+def sudoku_eval_result(cfg, outs, batches, ds, save_to=None):
+    """Exact (whole grid) and cell accuracy, forward passes and the value head's AUROC over every batch,
+    with per-step accuracies for decoder=trm; save_to: also the answers, in eval-file order, as a CSV."""
+    scores = [sudoku_scores(o['preds_SBL'], b) for o, b in zip(outs, batches)]
+    total = {k: sum(sc[k] for sc in scores) for k in ('exact_S', 'cells_S', 'blanks', 'puzzles')}
+    if save_to:  # the answers themselves, givens as in the puzzle
+        grids = np.concatenate([sc['grids_BL'] for sc in scores])[:len(ds.eval_q)]
+        data.write_sudoku_csv(os.path.join(save_to, 'predictions.csv'), ds.eval_q, grids)
+    exact_S, cells_S = total['exact_S'] / max(total['puzzles'], 1), total['cells_S'] / max(total['blanks'], 1)
+    real = [b['segment_ids'][:, 0] > 0 for b in batches]
+    cat = lambda k: np.concatenate([o[k][r] for o, r in zip(outs, real)])
+    result = {'exact_accuracy': float(exact_S[-1]), 'cell_accuracy': float(cells_S[-1]),
+              'num_puzzles': int(total['puzzles']), 'decoder': cfg.decoder,
+              'forward_passes': float(np.mean(cat('passes_B'))),
+              'value_auroc': auroc(cat('log_value_B'), cat('label_B').astype(bool))}
+    if len(exact_S) > 1:  # does recursion help? accuracy after each supervision step
+        result.update(exact_accuracy_per_step=[round(float(e), 4) for e in exact_S],
+                      cell_accuracy_per_step=[round(float(c), 4) for c in cells_S])
+    return result
+
+
+def sudoku_generate(cfg, graph, params, ds, rows):
+    """mode=generate: the grid for the puzzle given as prompt=, givens kept, checked against the rules.
+    The puzzle fills all `rows` rows, so the batch divides the mesh."""
+    q_L = data.parse_grid(cfg.prompt)
+    tokens = np.tile(q_L + 1, (rows, 1)).astype(np.int32)
+    batch = {'inputs': tokens, 'targets': tokens}  # targets unknown: only the value AUROC reads them
+    preds_L = np.asarray(jax.jit(lambda p, b: sudoku_decode(cfg, graph, p, b))(params, batch)['preds_SBL'])[-1, 0] - 1
+    grid_L = np.where(q_L == 0, np.clip(preds_L, 0, 9), q_L)
+    valid = bool(solved(grid_L[None])[0])
+    shown = '\n'.join(' '.join(map(str, grid_L[r * 9:(r + 1) * 9])) for r in range(9))
+    shown += f'\n{"a valid solution" if valid else "NOT a valid solution"} (decoder={cfg.decoder})'
+    return {'solution': ''.join(map(str, grid_L)), 'valid': valid}, shown, ''.join(map(str, grid_L)) + '\n'
+
+
+def sudoku_check(cfg):
+    """The puzzle task's own config rules: a message naming the key, or ''."""
+    if cfg.mode == 'export' or cfg.load_hf:
+        return f'{"mode=export" if cfg.mode == "export" else "load_hf"} is for task=lm (a TRM solver has no Llama form)'
+    if cfg.batch_ramp_start:
+        return 'batch_ramp_start: the ramp is for task=lm (the TRM carry holds grad_accum microbatches)'
+    if cfg.mode == 'generate' and data.parse_grid(cfg.prompt) is None:
+        return f'prompt={cfg.prompt!r}: give the puzzle as 81 characters, digits 1-9 and . or 0 for blanks, row by row'
+    return ''
+
+
+def trm_flops_per_token(cfg):
+    """Training FLOPs per cell per supervision step: T(n+1) forward net calls, of which the last n+1 also
+    run backward (2x), attention bidirectional over the 81 cells (the MLP mixer counted as attention)."""
+    T, n = cfg.trm.T, cfg.trm.n
+    return ((T * (n + 1) + 2 * (n + 1)) * cfg.num_layers * layer_flops(cfg, SUDOKU_LEN, False)
+            + 3 * 2 * cfg.d_model * cfg.vocab_size)
+
+
+def trm_step_metrics(sums, weight):
+    """Halting and solving rates of the step's slots, and the value head's accuracy (NaN before it trains)."""
+    out = {'halt_rate': sums['halted'] / weight, 'train_exact': sums['exact'] / weight,
+           'sup_steps': sums['halt_steps'] / jnp.maximum(sums['halted'], 1)}
+    if 'value_acc' in sums:  # share of partial grids the value head calls right (p > 0.5 iff right)
+        out['value_acc'] = jnp.where(sums['value_rows'] > 0, sums['value_acc'] / jnp.maximum(sums['value_rows'], 1),
+                                     jnp.nan)
+    return out
+
+
+SUDOKU = Task(
+    module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token,
+    eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
+    fixed=lambda cfg: {'vocab_size': data.SUDOKU_VOCAB, 'max_target_length': SUDOKU_LEN},
+    step_metrics=trm_step_metrics,
+    # The EMA and the carry are train state: checkpointed, so a resume is exact.
+    state=lambda cfg, params, rows: {'ema': params, 'carry': trm_carry(cfg, cfg.grad_accum, rows)},
+    state_axes=lambda param_axes: {'ema': param_axes, 'carry': {k: PartitionSpec(*v) for k, v in CARRY_AXES.items()}},
+    after_update=lambda cfg, state, params, carry: {
+        'carry': carry, 'ema': ema_update(cfg.trm.ema_decay, state['step'], state['ema'], params)},
+    eval_weights='ema', eval_all=True)
+
+TASKS = {'lm': LM, 'sudoku': SUDOKU}

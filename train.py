@@ -1,15 +1,16 @@
 """Train a GQA transformer with JAX: python train.py base.yml [key=value ...]
 
 Reads top to bottom in execution order, under banners: config, devices and mesh, sharding, state, the
-step, eval, checkpoints, metrics, the loop, the other modes (eval, export, generate, the TPU fit check),
-then run() and main(). Every knob lives in base.yml; hardware variants are overrides. The model and the
-puzzle heads' task code are in model.py, the data pipelines in data.py. Shape letters: model.py's header.
+step, eval, checkpoints, metrics, the loop, the other modes (export / import, the TPU fit check), run(),
+and last the command line with the process plumbing it needs. What is trained, the language model or the
+puzzle heads, is a model.Task picked once in run(); the data pipelines are in data.py. Shape letters:
+model.py's header.
 """
 import contextlib
 import dataclasses
 import difflib
-import glob
 import functools
+import glob
 import json
 import logging
 import math
@@ -20,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Annotated, Callable, Literal, NamedTuple
 
 from flax import nnx
 import jax
@@ -28,10 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pydantic
 import safetensors.numpy
 import yaml
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
+from pydantic import BeforeValidator, Field
 from tensorboardX import SummaryWriter
 
 import data
@@ -45,8 +48,84 @@ class ConfigError(Exception):
 
 
 # ==================================================================================================
-# Config: base.yml + key=value overrides, typed by the defaults, strict about names.
+# Config: every key declared once below with its type and bounds; base.yml holds its default and doc.
 # ==================================================================================================
+def _items(value):
+    """A list typed on the command line: 4,4,2 or YAML ([[batch, data]]); from a YAML file as it is."""
+    if isinstance(value, str):
+        return yaml.safe_load(value) if value.startswith('[') else [v.strip() for v in value.split(',')]
+    return value
+
+
+Count = Annotated[int, Field(ge=1)]            # at least one
+Off = Annotated[int, Field(ge=0)]              # a count where 0 means off, none or all
+Positive = Annotated[float, Field(gt=0)]
+NonNeg = Annotated[float, Field(ge=0)]
+Share = Annotated[float, Field(ge=0, le=1)]    # a probability or fraction
+Decay = Annotated[float, Field(ge=0, lt=1)]    # a moving-average decay: 1 would never move
+Ints = Annotated[tuple[int, ...], BeforeValidator(_items)]
+Names = Annotated[tuple[str, ...], BeforeValidator(_items)]
+AxisRule = tuple[str, str | tuple[str, ...] | None]
+
+
+class Keys(pydantic.BaseModel):
+    """Frozen (nothing changes a config once loaded; resolve() makes a new one), strict about names."""
+    model_config = pydantic.ConfigDict(frozen=True, extra='forbid', coerce_numbers_to_str=True, allow_inf_nan=False)
+
+
+# (type, keys): every key of base.yml, each once, grouped by type; what it means and its default are written
+# in base.yml. A dotted key lives in a section (trm.T: `T` of section `trm`).
+SCHEMA = [
+    (Count, 'steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads mlp_dim '
+            'max_target_length per_device_batch grad_accum batch_ramp_every sudoku_train_puzzles sudoku_eval_puzzles '
+            'beam_width max_depth max_thoughts trm.T trm.n trm.N_sup parallel.trajectories tot.policy_steps '
+            'tot.value_step'),
+    (Off, 'eval_every eval_batches checkpoint_every keep_checkpoints skip_nonfinite_steps top_k head_dim '
+          'batch_ramp_start warmup_steps prefetch trm.eval_steps tot.start_step tot.frontier'),
+    (Positive, 'rope_theta norm_eps learning_rate adam_eps'),
+    (NonNeg, 'temperature weight_decay grad_clip trm.halt_loss_weight parallel.noise tot.loss_weight tot.logp_weight'),
+    (Share, 'min_lr_ratio trm.halt_explore_prob'),
+    (Decay, 'adam_b1 adam_b2 trm.ema_decay'),
+    (bool, 'print_sharding resume platform_strict tie_embeddings scan_layers augment tot.rule_checks tot.propagate'),
+    (str, 'run_name output_dir compile_cache_dir load_params export_dir load_hf prompt compile_topology dataset_path '
+          'eval_path tfds_name data_dir train_split eval_split text_key tokenizer_path cache_dir'),
+    (Ints, 'mesh profile_steps'),
+    (Names, 'mesh_axes'),
+    (Annotated[tuple[AxisRule, ...], BeforeValidator(_items)], 'logical_axis_rules'),
+    (Annotated[int, Field(ge=0, lt=2 ** 31)], 'seed'),  # what every RNG here takes
+    (Annotated[int, Field(ge=0, le=81)], 'sudoku_blanks'),
+    (Annotated[int, Field(ge=1, le=9)], 'thoughts_per_step'),
+    (Annotated[int, Field(ge=1, le=81)], 'thought_cells'),
+    (Literal[tuple(model_lib.TASKS)], 'task'),
+    (Literal['train', 'eval', 'export', 'generate'], 'mode'),
+    (Literal['', 'cpu', 'gpu', 'tpu'], 'platform'),
+    (Literal['auto', 'float32', 'bfloat16', 'float16'], 'dtype'),
+    (Literal['float32', 'bfloat16'], 'weight_dtype'),
+    (Literal['none', 'full', 'save_dots'], 'remat'),
+    (Literal['xla', 'cudnn', 'einsum'], 'attention'),
+    (Literal['stdlib', 'files', 'tfds', 'synthetic'], 'dataset'),
+    (Literal[model_lib.DECODERS], 'decoder'),
+    (Literal['first', 'best', 'last'], 'trm.eval_halt'),
+    (Literal['attention', 'mlp'], 'trm.mixer'),
+    (Literal['halting', 'random'], 'parallel.pick'),
+]
+KEYS = [key for _, keys in SCHEMA for key in keys.split()]
+
+
+def make_schema(table):
+    """The config's pydantic model from the table: a field per key, a nested model per section."""
+    fields = {}
+    for typ, keys in table:
+        for key in keys.split():
+            section, _, name = key.rpartition('.')
+            fields.setdefault(section, {})[name] = (typ, ...)
+    sections = {name: (pydantic.create_model(name, __base__=Keys, **f), ...) for name, f in fields.items() if name}
+    return pydantic.create_model('Config', __base__=Keys, **fields.pop(''), **sections)
+
+
+Config = make_schema(SCHEMA)
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML silently keeps the last of two equal keys; a config that sets a key twice is a mistake."""
 
@@ -61,63 +140,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-class Config:
-    """The resolved keys as attributes (cfg.steps; nested sections: cfg.trm.T). Not a dict on purpose:
-    Flax freezes dict-valued module fields, and a plain object passes through untouched."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-    def __getitem__(self, key):  # cfg['trm.T'] reaches into sections
-        node = self
-        for part in key.split('.'):
-            node = node.__dict__[part]
-        return node
-
-    def to_dict(self):
-        return {k: v.to_dict() if isinstance(v, Config) else v for k, v in self.__dict__.items()}
-
-
-def _flatten(d, prefix=''):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f'{prefix}{k}.'))
-        else:
-            out[f'{prefix}{k}'] = v
-    return out
-
-
-def _parse(key, text, default):
-    """Parse an override string into the type of the key's default."""
-    def fail(kind):
-        raise ConfigError(f'{key}={text}: expected {kind} (the default is {default!r})')
-    if isinstance(default, bool):
-        if text.lower() in ('true', '1', 'yes'):
-            return True
-        if text.lower() in ('false', '0', 'no'):
-            return False
-        fail('true or false')
-    for typ, kind in ((int, 'an integer'), (float, 'a number')):
-        if isinstance(default, typ):
-            try:
-                return typ(text)
-            except ValueError:
-                fail(kind)
-    if isinstance(default, list):
-        if text.startswith('['):  # YAML for nested lists such as logical_axis_rules
-            try:
-                value = yaml.safe_load(text)
-            except yaml.YAMLError:
-                fail('a YAML list')
-            return value if isinstance(value, list) else fail('a YAML list')
-        elem = type(default[0]) if default else str
-        return [_parse(key, t.strip(), elem(0) if elem in (int, float) else '') for t in text.split(',')]
-    return text
-
-
 def load_config(path, overrides=()):
-    """base.yml + ['key=value', ...] -> Config. Raises ConfigError naming the key on any mistake."""
+    """A YAML file (base.yml) + ['key=value', ...] -> Config, both checked by the one schema. Raises
+    ConfigError naming the key on any mistake."""
     try:
         with open(path) as f:
             raw = yaml.load(f, _UniqueKeyLoader)
@@ -125,76 +150,72 @@ def load_config(path, overrides=()):
         raise ConfigError(f'cannot read config file {path}: {e.strerror}') from None
     except yaml.YAMLError as e:
         raise ConfigError(f'{path} is not valid YAML: {str(e).splitlines()[0]}') from None
-    flat, given = _flatten(raw or {}), set()
+    given = set()
     for item in overrides:
         key, eq, text = item.partition('=')
         if not eq:
             raise ConfigError(f'argument {item!r} is not key=value')
         if key in given:
             raise ConfigError(f'{key} is given twice on the command line; keep one')
-        if key not in flat:
-            close = difflib.get_close_matches(key, list(flat), n=1)
-            hint = f'; did you mean {close[0]}?' if close else f'; the keys are listed in {path}'
-            raise ConfigError(f'unknown key {key!r}{hint}')
+        if key not in KEYS:
+            raise ConfigError(unknown_key(key, path))
         given.add(key)
-        flat[key] = _parse(key, text, flat[key])
-    cfg = Config()
-    for key, value in flat.items():  # unflatten dotted keys into nested sections
-        node = cfg
-        *parents, leaf = key.split('.')
+        node, (*parents, leaf) = raw, key.split('.')
         for p in parents:
-            node = node.__dict__.setdefault(p, Config())
-        setattr(node, leaf, value)
-    return cfg
+            node = node.setdefault(p, {}) if isinstance(node, dict) else node
+        if isinstance(node, dict):
+            node[leaf] = text
+    try:
+        return Config.model_validate(raw)
+    except pydantic.ValidationError as e:
+        raise ConfigError(schema_error(e.errors()[0], path, raw)) from None
 
 
-CHOICES = {'task': ('lm', 'sudoku'), 'mode': ('train', 'eval', 'export', 'generate'),
-           'remat': ('none', 'full', 'save_dots'),
-           'dtype': ('auto', 'float32', 'bfloat16', 'float16'), 'weight_dtype': ('float32', 'bfloat16'),
-           'attention': ('xla', 'cudnn', 'einsum'), 'dataset': ('stdlib', 'files', 'tfds', 'synthetic'),
-           'platform': ('', 'cpu', 'gpu', 'tpu'), 'decoder': model_lib.DECODERS,
-           'parallel.pick': ('halting', 'random'), 'trm.eval_halt': ('first', 'best', 'last'),
-           'trm.mixer': ('attention', 'mlp')}
+def unknown_key(key, path):
+    close = difflib.get_close_matches(key, KEYS, n=1)
+    return f'unknown key {key!r}' + (f'; did you mean {close[0]}?' if close else f'; the keys are listed in {path}')
 
 
-# The valid range of every numeric key, checked at load time ('>= 1': counts; '>= 0': counts where 0 means
-# off or none; intervals for fractions). A value outside is a one-line error naming the key.
-RANGES = {
-    'seed': '>= 0', 'steps': '>= 1', 'log_every': '>= 1', 'eval_every': '>= 0', 'eval_batches': '>= 0',
-    'checkpoint_every': '>= 0', 'keep_checkpoints': '>= 0', 'skip_nonfinite_steps': '>= 0',
-    'max_new_tokens': '>= 1', 'temperature': '>= 0', 'top_k': '>= 0',
-    'vocab_size': '>= 1', 'd_model': '>= 1', 'num_layers': '>= 1', 'num_heads': '>= 1', 'num_kv_heads': '>= 1',
-    'head_dim': '>= 0', 'mlp_dim': '>= 1', 'max_target_length': '>= 1', 'rope_theta': '> 0', 'norm_eps': '> 0',
-    'per_device_batch': '>= 1', 'grad_accum': '>= 1', 'batch_ramp_start': '>= 0', 'batch_ramp_every': '>= 1',
-    'learning_rate': '> 0', 'warmup_steps': '>= 0', 'min_lr_ratio': '[0, 1]', 'weight_decay': '>= 0',
-    'adam_b1': '[0, 1)', 'adam_b2': '[0, 1)', 'adam_eps': '> 0', 'grad_clip': '>= 0', 'prefetch': '>= 0',
-    'sudoku_blanks': '[0, 81]', 'sudoku_train_puzzles': '>= 1', 'sudoku_eval_puzzles': '>= 1',
-    'trm.T': '>= 1', 'trm.n': '>= 1', 'trm.N_sup': '>= 1', 'trm.eval_steps': '>= 0',
-    'trm.halt_explore_prob': '[0, 1]', 'trm.halt_loss_weight': '>= 0', 'trm.ema_decay': '[0, 1)',
-    'beam_width': '>= 1', 'thoughts_per_step': '[1, 9]', 'max_depth': '>= 1', 'max_thoughts': '>= 1',
-    'thought_cells': '[1, 81]', 'tot.loss_weight': '>= 0', 'tot.start_step': '>= 0', 'tot.logp_weight': '>= 0',
-    'tot.policy_steps': '>= 1', 'tot.value_step': '>= 1', 'tot.frontier': '>= 0',
-    'parallel.trajectories': '>= 1', 'parallel.noise': '>= 0',
-}
+def schema_error(err, path, raw):
+    """pydantic's first complaint as our one line: the key, its value as typed, what it must be."""
+    names = [p for p in err['loc'] if isinstance(p, str)]
+    key, kind, value = '.'.join(names), err['type'], raw
+    for name in names:  # the whole value of the key (err['input'] is only the bad item of a list)
+        value = value.get(name) if isinstance(value, dict) else None
+    shown = value if isinstance(value, str) else json.dumps(value, default=str)  # as typed, or as YAML wrote it
+    if kind == 'extra_forbidden':
+        return unknown_key(key, path)
+    if key == 'logical_axis_rules':
+        return (f'logical_axis_rules={shown}: give a list of [logical axis, mesh axis or list of them or null] '
+                'pairs, e.g. [[batch, [data, fsdp]], [embed, fsdp]]')
+    if kind == 'missing':
+        return f'{path}: key {key} is missing; every key of base.yml must be set'
+    if kind == 'literal_error':
+        return f'{key}={value!r}: choose one of {err["ctx"]["expected"].replace(" or ", ", ")}'
+    if kind in ('greater_than', 'greater_than_equal', 'less_than', 'less_than_equal'):
+        return f'{key}={shown}: must be {bounds(names)}'
+    expected = {'int': 'an integer', 'float': 'a number', 'bool': 'true or false', 'string': 'text',
+                'model': 'a section of keys', 'dict': 'a section of keys', 'tuple': 'a list', 'list': 'a list',
+                'finite': 'a finite number'}
+    what = next((v for k, v in expected.items() if kind.startswith(k)), kind)
+    return f'{key}={shown}: expected {what}' + (' in each entry' if len(names) < len(err['loc']) else '')
 
 
-def in_range(value, rule):
-    """rule: '>= x', '> x', or an interval such as '[0, 1)'."""
-    if rule[0] in '[(':
-        lo, hi = (float(b) for b in rule[1:-1].split(','))
-        return (lo <= value if rule[0] == '[' else lo < value) and (value <= hi if rule[-1] == ']' else value < hi)
-    op, bound = rule.split()
-    return value >= float(bound) if op == '>=' else value > float(bound)
+def bounds(names):
+    """The allowed range of a numeric key from its schema declaration: '>= 1', '> 0', 'in [0, 1)'."""
+    model = Config
+    for name in names[:-1]:
+        model = model.model_fields[name].annotation
+    limits = {type(m).__name__: getattr(m, type(m).__name__.lower()) for m in model.model_fields[names[-1]].metadata}
+    lo = next((f'{"[" if k == "Ge" else "("}{v}' for k, v in limits.items() if k in ('Ge', 'Gt')), None)
+    hi = next((f'{v}{"]" if k == "Le" else ")"}' for k, v in limits.items() if k in ('Le', 'Lt')), None)
+    if lo and hi:
+        return f'in {lo}, {hi}'
+    return f'{">=" if lo[0] == "[" else ">"} {lo[1:]}' if lo else f'{"<=" if hi[-1] == "]" else "<"} {hi[:-1]}'
 
 
-def validate(cfg):
-    """Checks that need no devices; each message names the key and says what to change."""
-    for key, allowed in CHOICES.items():
-        if cfg[key] not in allowed:
-            raise ConfigError(f'{key}={cfg[key]!r}: choose one of {", ".join(repr(a) for a in allowed)}')
-    for key, rule in RANGES.items():
-        if not in_range(cfg[key], rule):
-            raise ConfigError(f'{key}={cfg[key]}: must be {rule}')
+def check(cfg, task):
+    """The rules that tie keys together, and the task's own; each message names the key and the fix."""
     if cfg.num_heads % cfg.num_kv_heads:
         raise ConfigError(f'num_heads={cfg.num_heads} must be a multiple of num_kv_heads={cfg.num_kv_heads}')
     if not cfg.head_dim and cfg.d_model % cfg.num_heads:
@@ -202,19 +223,23 @@ def validate(cfg):
                           'change one, or set head_dim explicitly')
     if model_lib.dims(cfg) % 2:
         raise ConfigError(f'head dim {model_lib.dims(cfg)} must be even for RoPE; set head_dim')
+    mesh = ','.join(map(str, cfg.mesh))
     if len(cfg.mesh) != len(cfg.mesh_axes):
-        raise ConfigError(f'mesh={cfg.mesh} has {len(cfg.mesh)} entries but mesh_axes={cfg.mesh_axes} '
+        raise ConfigError(f'mesh={mesh} has {len(cfg.mesh)} entries but mesh_axes={",".join(cfg.mesh_axes)} '
                           f'names {len(cfg.mesh_axes)}')
     if cfg.mesh.count(-1) > 1 or any(m == 0 or m < -1 for m in cfg.mesh):
-        raise ConfigError(f'mesh={",".join(map(str, cfg.mesh))}: use positive sizes and at most one -1')
+        raise ConfigError(f'mesh={mesh}: use positive sizes and at most one -1')
+    for name, axes in cfg.logical_axis_rules:
+        unknown = [a for a in (axes if isinstance(axes, tuple) else [axes]) if a is not None and a not in cfg.mesh_axes]
+        if unknown:
+            raise ConfigError(f'logical_axis_rules maps {name!r} to mesh axis {unknown[0]!r}, which mesh_axes='
+                              f'{",".join(cfg.mesh_axes)} does not name')
     a, b = (list(cfg.profile_steps) + [-1, -1])[:2]
     if len(cfg.profile_steps) != 2 or [a, b] != [0, 0] and not 1 <= a <= b <= cfg.steps:
         raise ConfigError(f'profile_steps={",".join(map(str, cfg.profile_steps))}: give two steps a,b with '
                           f'1 <= a <= b <= steps={cfg.steps} (0,0 = off)')
     if cfg.compile_topology and cfg.compile_topology not in TPU_SLICES:
         raise ConfigError(f'compile_topology={cfg.compile_topology}: choose one of {", ".join(TPU_SLICES)}')
-    if cfg.batch_ramp_start and cfg.task != 'lm':
-        raise ConfigError('batch_ramp_start: the ramp is for task=lm (the TRM carry holds grad_accum microbatches)')
     if cfg.batch_ramp_start > cfg.grad_accum:
         raise ConfigError(f'batch_ramp_start={cfg.batch_ramp_start}: the ramp starts at 1..grad_accum='
                           f'{cfg.grad_accum} microbatches (0 = off)')
@@ -223,95 +248,43 @@ def validate(cfg):
     if not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in ('.', '..'):
         raise ConfigError(f'run_name={cfg.run_name!r}: give a plain directory name (the run goes to '
                           'output_dir/run_name)')
-    rules = cfg.logical_axis_rules
-    if not isinstance(rules, list) or not all(isinstance(r, list) and len(r) == 2 for r in rules):
-        raise ConfigError(f'logical_axis_rules={rules!r}: give a list of [logical axis, mesh axis or list of them '
-                          'or null] pairs, e.g. [[batch, [data, fsdp]], [embed, fsdp]]')
-    for name, axes in rules:
-        unknown = [a for a in (axes if isinstance(axes, list) else [axes]) if a is not None and a not in cfg.mesh_axes]
-        if unknown:
-            raise ConfigError(f'logical_axis_rules maps {name!r} to mesh axis {unknown[0]!r}, which mesh_axes='
-                              f'{",".join(cfg.mesh_axes)} does not name')
-    if cfg.task == 'sudoku' and cfg.mode == 'generate':
-        sudoku_prompt(cfg)
+    if message := task.check(cfg):
+        raise ConfigError(message)
     check_paths(cfg)
 
 
 def check_paths(cfg):
     """Every path the user typed must exist, whatever else the run does (a resumable run directory would
-    otherwise hide a mistyped load_params)."""
+    otherwise hide a mistyped load_params). Data paths may be globs."""
+    matches = lambda pattern: any(os.path.isfile(f) for f in glob.iglob(os.path.expanduser(pattern), recursive=True))
     wanted = {'load_params': os.path.isdir, 'load_hf': os.path.isdir, 'tokenizer_path': os.path.isfile,
-              'data_dir': os.path.isdir}
-    if cfg.task == 'sudoku':
-        wanted.update(dataset_path=os.path.isfile, eval_path=os.path.isfile)
-    elif cfg.dataset == 'files':
-        glob_any = lambda pattern: any(os.path.isfile(f)
-                                       for f in glob.iglob(os.path.expanduser(pattern), recursive=True))
-        wanted.update(dataset_path=glob_any, eval_path=glob_any)
+              'data_dir': os.path.isdir, 'dataset_path': matches, 'eval_path': matches}
     for key, exists in wanted.items():
-        if cfg[key] and not exists(cfg[key]):
-            what = {os.path.isdir: 'no such directory', os.path.isfile: 'no such file'}.get(exists, 'matches no files')
-            raise ConfigError(f'{key}={cfg[key]}: {what}; fix the path (or set {key}= to leave it out)')
+        value = getattr(cfg, key)
+        if value and not exists(value):
+            what = ('no such directory' if exists is os.path.isdir else
+                    'matches no files' if any(c in value for c in '*?[') else 'no such file')
+            raise ConfigError(f'{key}={value}: {what}; fix the path (or set {key}= to leave it out)')
     if cfg.load_params and not checkpoint_steps(cfg.load_params)[1]:
         raise ConfigError(f'load_params={cfg.load_params}: no checkpoint there; give a run directory, its '
                           'checkpoints/ directory or one checkpoints/STEP directory')
 
 
-def checkpoint_steps(path):
-    """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
-    (the checkpoints directory, the steps found there)."""
-    path = path.rstrip('/')
-    if os.path.isdir(os.path.join(path, 'checkpoints')):
-        path = os.path.join(path, 'checkpoints')
-    if os.path.basename(path).isdigit() and os.path.isdir(path):
-        return os.path.dirname(path), [int(os.path.basename(path))]
-    return path, sorted(int(d) for d in (os.listdir(path) if os.path.isdir(path) else []) if d.isdigit())
+def resolve(cfg, task, platform):
+    """The config as run: dtype=auto made concrete (bfloat16 on TPU, GPU and CPUs with bf16 instructions,
+    float32 on other CPUs, where XLA:CPU's bf16 step is slower) and the values the task decides (the puzzle
+    vocabulary and length). Computed once; config.yml records the result."""
+    fixed = task.fixed(cfg)
+    if cfg.dtype == 'auto':
+        bf16 = platform != 'cpu' or cpu_has_bf16()
+        fixed['dtype'] = 'bfloat16' if bf16 else 'float32'
+        log(f'dtype=auto: {fixed["dtype"]} on {platform}' + ('' if bf16 else ' (a CPU without bf16 instructions)'))
+    return cfg.model_copy(update=fixed)
 
 
 # ==================================================================================================
 # Devices and mesh. Only this file builds the mesh.
 # ==================================================================================================
-def quiet_platforms():
-    """An installed libtpu (tests/requirements.txt brings it, for the TPU fit check) loads itself into every
-    JAX process and prints five lines of errors on a host without TPU chips. There, unless the user chose
-    platforms (JAX_PLATFORMS), JAX starts only the platforms the host has. The fit check loads libtpu itself."""
-    try:
-        from jax._src import hardware_utils  # what JAX itself reads at start-up: PCI vendor and device ids
-    except ImportError:  # a private module: if a later JAX moves it, leave JAX's own choice alone
-        return
-    if jax.config.jax_platforms or hardware_utils.num_available_tpu_chips_and_device_id()[0]:
-        return
-    plugin = lambda prefix: any(m.name.startswith(prefix) for m in pkgutil.iter_modules())
-    gpus = [name for name, has in (('cuda', hardware_utils.has_visible_nvidia_gpu() and plugin('jax_cuda')),
-                                   ('rocm', hardware_utils.num_available_amd_gpus() and plugin('jax_rocm'))) if has]
-    jax.config.update('jax_platforms', ','.join(gpus + ['cpu']))
-
-
-def init_distributed():
-    """Join a multi-process JAX system before any device is touched. Explicit JAX_* variables win;
-    otherwise only where JAX can detect the cluster itself (SLURM with several tasks, a Cloud TPU VM),
-    since initialize() with no arguments on a plain machine has nothing to find."""
-    names = ('JAX_COORDINATOR_ADDRESS', 'JAX_PROCESS_COUNT', 'JAX_PROCESS_INDEX')
-    given = [n for n in names if os.environ.get(n)]
-    if given and len(given) < len(names):
-        missing = ', '.join(n for n in names if n not in given)
-        raise ConfigError(f'{", ".join(given)} set but {missing} not: set all three for a multi-process run, or none')
-    if given:
-        try:
-            count, index = int(os.environ['JAX_PROCESS_COUNT']), int(os.environ['JAX_PROCESS_INDEX'])
-        except ValueError:
-            raise ConfigError('JAX_PROCESS_COUNT and JAX_PROCESS_INDEX must be integers') from None
-        jax.distributed.initialize(os.environ['JAX_COORDINATOR_ADDRESS'], count, index)
-        return
-    try:  # JAX sets this at import when the host has TPU chips and libtpu; the pod's hosts come from metadata
-        from jax._src.cloud_tpu_init import running_in_cloud_tpu_vm as tpu_vm
-    except ImportError:
-        tpu_vm = False
-    slurm = 'SLURM_JOB_ID' in os.environ and int(os.environ.get('SLURM_NTASKS', '1')) > 1
-    if slurm or tpu_vm:
-        jax.distributed.initialize()
-
-
 def pick_devices(cfg):
     """What JAX finds (TPU, then GPU, then CPU), or the platform asked for, with a loud fallback."""
     if cfg.platform:
@@ -331,15 +304,6 @@ def cpu_has_bf16():
     """Whether this CPU has bf16 instructions: avx512_bf16 or amx_bf16 among /proc/cpuinfo's flags."""
     flags = open('/proc/cpuinfo').read().split() if os.path.exists('/proc/cpuinfo') else []
     return 'avx512_bf16' in flags or 'amx_bf16' in flags
-
-
-def resolve_dtype(cfg, platform):
-    """dtype=auto: bfloat16 on TPU, GPU and CPUs with bf16 instructions, float32 on other CPUs (there XLA:CPU's
-    bf16 step is ~1.2x slower than float32: README, Performance). Sets cfg.dtype: config.yml records what ran."""
-    if cfg.dtype == 'auto':
-        bf16 = platform != 'cpu' or cpu_has_bf16()
-        cfg.dtype = 'bfloat16' if bf16 else 'float32'
-        log(f'dtype=auto: {cfg.dtype} on {platform}' + ('' if bf16 else ' (a CPU without bf16 instructions)'))
 
 
 def make_mesh(cfg, devices):
@@ -370,15 +334,10 @@ def warn_tpu_dims(cfg):
 # ==================================================================================================
 # Sharding: logical axis names -> mesh axes, through the one table in base.yml.
 # ==================================================================================================
-def axis_rules(cfg):
-    """logical_axis_rules as flax wants them: ((logical, mesh_axes_or_None), ...)."""
-    return tuple((name, tuple(ax) if isinstance(ax, list) else ax) for name, ax in cfg.logical_axis_rules)
-
-
 def mesh_spec(logical, shape, cfg, mesh):
     """One array's PartitionSpec. A dimension keeps the longest prefix of its mesh axes that divides it
     (and no mesh axis twice), so odd sizes stay replicated instead of failing."""
-    rules, used, out = dict(axis_rules(cfg)), set(), []
+    rules, used, out = dict(cfg.logical_axis_rules), set(), []
     for name, size in zip(tuple(logical) + (None,) * (len(shape) - len(logical)), shape):
         if name is not None and name not in rules:
             raise ConfigError(f'logical axis {name!r} has no entry in logical_axis_rules; add [{name}, null]')
@@ -406,6 +365,21 @@ def sharding_table(params, shardings):
     return '\n'.join(rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """How host batches become global arrays: the rows of one microbatch across every process, and the
+    shardings of train batches [A, B, L] (the microbatch axis whole) and of eval batches [B, L]."""
+    rows: int
+    length: int
+    step_sharding: NamedSharding
+    eval_sharding: NamedSharding
+
+
+def make_feed(cfg, mesh, rows):
+    spec = mesh_spec(('batch', 'length'), (rows, cfg.max_target_length), cfg, mesh)
+    return Feed(rows, cfg.max_target_length, NamedSharding(mesh, PartitionSpec(None, *spec)), NamedSharding(mesh, spec))
+
+
 def global_batch(local, sharding, rows):
     """Host-local numpy [..., rows_here, L] -> global jax arrays [..., rows, L]: each process passes only
     its own share, so this is correct on multi-host pods."""
@@ -413,8 +387,13 @@ def global_batch(local, sharding, rows):
             for k, v in local.items()}
 
 
+def to_host(tree):
+    """Every process gets the whole of each array (gathered across processes), as numpy."""
+    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+
+
 # ==================================================================================================
-# State: the model, the optimizer, and the train state created directly in its sharding.
+# State: the optimizer, and the train state created directly in its sharding.
 # ==================================================================================================
 def make_optimizer(cfg):
     """AdamW on a warmup + cosine schedule. Gradient clipping is not chained in here: the step does it,
@@ -428,50 +407,49 @@ def make_optimizer(cfg):
     return tx, schedule
 
 
-def state_layout(cfg, mesh, tx):
-    """(init function, shardings, abstract state): the state's shapes and placement, nothing allocated.
-    The parameters' logical axes come from the model; the optimizer's moments and the EMA take their
-    parameter's axes, the TRM carry shards over the batch, the rest replicates."""
-    def init(rng):
-        params = model_lib.init(cfg, rng)[1]
-        state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params)}
-        if cfg.task == 'sudoku':  # the EMA and the carry are train state: checkpointed, so resume is exact
-            state.update(ema=params, carry=model_lib.trm_carry(cfg, cfg.grad_accum, cfg.per_device_batch * mesh.size))
-        return state
+class Layout(NamedTuple):
+    init: Callable        # (rng, params or None) -> the train state
+    shardings: dict       # the state's NamedShardings
+    abstract: dict        # its shapes, dtypes and shardings, nothing allocated
+
+
+def state_layout(cfg, task, mesh, tx, rows):
+    """The train state's shapes and placement: step, params, the optimizer state and the task's own (the
+    TRM's EMA and carry). Parameters take the model's logical axes, the optimizer's moments their
+    parameter's, the task's state the axes it declares; the rest replicates."""
+    def init(rng, params=None):  # params: start from these (loaded) instead of a fresh init
+        params = model_lib.init(cfg, rng)[1] if params is None else params
+        return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params),
+                **task.state(cfg, params, rows)}
 
     shapes = jax.eval_shape(init, jax.random.key(cfg.seed))
     params = model_lib.abstract(cfg)[1]
     is_spec = lambda x: isinstance(x, PartitionSpec)
-    logical = {'step': PartitionSpec(), 'params': params,
+    logical = {'step': PartitionSpec(), 'params': params, **task.state_axes(params),
                'opt_state': optax.tree_map_params(tx, lambda _, spec: spec, shapes['opt_state'], params,
                                                   transform_non_params=lambda _: PartitionSpec(), is_leaf=is_spec)}
-    if cfg.task == 'sudoku':
-        logical.update(ema=params, carry={k: PartitionSpec(*v) for k, v in model_lib.CARRY_AXES.items()})
     shardings = shardings_for(logical, shapes, cfg, mesh)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    return init, shardings, abstract
+    return Layout(init, shardings, abstract)
 
 
-def init_state(cfg, mesh, tx):
-    """Build the train state directly in its sharding: no full copy ever sits on one device."""
-    init, shardings, _ = state_layout(cfg, mesh, tx)
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(axis_rules(cfg)):
-        state = jax.jit(init, out_shardings=shardings)(jax.random.key(cfg.seed))
-    return state, shardings
+def init_state(cfg, layout, params=None):
+    """Build the train state directly in its sharding (no full copy ever sits on one device), from a fresh
+    init or from given parameters. Called inside the run's mesh and axis rules."""
+    init = jax.jit(layout.init, out_shardings=layout.shardings)
+    return init(jax.random.key(cfg.seed)) if params is None else init(jax.random.key(cfg.seed), params)
 
 
 # ==================================================================================================
 # The step: scan over the microbatches summing token-weighted gradients, divide once, clip, AdamW.
 # ==================================================================================================
-def make_train_step(cfg, model, tx):
-    """The jitted step: (state, batch [A, B, L]) -> (new state, metrics). The loss function is the task's
-    (model.lm_loss or model.trm_loss); both return a loss summed over the microbatch and the weight it
-    stands for, so summing then dividing once makes grad_accum=4 x batch 2 equal grad_accum=1 x batch 8."""
-    loss_fn = model_lib.lm_loss if cfg.task == 'lm' else model_lib.trm_loss
-
+def make_train_step(cfg, task, graph, tx):
+    """The jitted step: (state, batch [A, B, L]) -> (new state, metrics). The task's loss returns a loss
+    summed over the microbatch and the weight it stands for, so summing then dividing once makes
+    grad_accum=4 x batch 2 equal grad_accum=1 x batch 8."""
     def train_step(state, batch_ABL):
         params = state['params']
-        grad_fn = jax.value_and_grad(lambda p, mb, c, k: loss_fn(cfg, model, p, mb, c, k, state['step']),
+        grad_fn = jax.value_and_grad(lambda p, mb, c, k: task.loss(cfg, graph, p, mb, c, k, state['step']),
                                      has_aux=True)
 
         def micro(acc, xs):  # one microbatch: add its gradient (float32) and loss to the running sums
@@ -494,21 +472,15 @@ def make_train_step(cfg, model, tx):
             over = grad_norm >= cfg.grad_clip
             grads = jax.tree.map(lambda g: jnp.where(over, g / grad_norm.astype(g.dtype) * cfg.grad_clip, g), grads)
         updates, opt_state = tx.update(grads, state['opt_state'], params)
-        new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
-                     'opt_state': opt_state}
+        new_params = optax.apply_updates(params, updates)
         if cfg.skip_nonfinite_steps:  # a NaN/inf step leaves params and optimizer untouched
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-            new_state.update(params=keep(new_state['params'], params), opt_state=keep(opt_state, state['opt_state']))
-        out = {'loss': loss / denom, 'grad_norm': grad_norm, 'tokens': sums['tokens']}
-        if cfg.task == 'sudoku':
-            new_state.update(carry=carry, ema=model_lib.ema_update(cfg.trm.ema_decay, state['step'], state['ema'],
-                                                                   new_state['params']))
-            out.update(halt_rate=sums['halted'] / denom, train_exact=sums['exact'] / denom,
-                       sup_steps=sums['halt_steps'] / jnp.maximum(sums['halted'], 1))
-            if 'value_acc' in sums:  # share of partial grids the value head calls right (p > 0.5 iff right)
-                out['value_acc'] = sums['value_acc'] / jnp.maximum(sums['value_rows'], 1)
-        return new_state, out
+            new_params, opt_state = keep(new_params, params), keep(opt_state, state['opt_state'])
+        new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state,
+                     **task.after_update(cfg, state, new_params, carry)}
+        return new_state, {'loss': loss / denom, 'grad_norm': grad_norm, 'tokens': sums['tokens'],
+                           **task.step_metrics(sums, denom)}
     return train_step
 
 
@@ -521,56 +493,22 @@ def accum_at(cfg, step):
 
 
 # ==================================================================================================
-# Eval: the LM's loss on fixed batches, or a puzzle decoder's accuracy (scored on the host).
+# Eval: the task's eval step on fixed batches, its metrics computed on the host.
 # ==================================================================================================
-def make_eval_step(cfg, model):
-    """(params, batch [B, L]) -> the LM's (summed loss, tokens), or model.sudoku_decode's outputs."""
-    if cfg.task == 'lm':
-        return lambda params, b: (lambda loss, sums: (loss, sums[0]['tokens']))(
-            *model_lib.lm_loss(cfg, model, params, b, None, None))
-    return lambda params, b: model_lib.sudoku_decode(cfg, model, params, b)
-
-
-def evaluate(cfg, s, eval_step, state, n_batches, write_predictions=False):
-    """Eval metrics on n fixed batches (the same every call, so curves compare). TRM evaluates its EMA."""
-    if not n_batches:
+def evaluate(cfg, task, eval_step, params, ds, feed, n_batches, save_to=None):
+    """The task's eval metrics on n fixed batches (the same every call, so curves compare; None: the whole
+    eval set), and the seconds they took. save_to: a directory for the task's answers (process 0 only)."""
+    if n_batches == 0:
         return {}
-    batches, t0 = s.ds.eval_batches(s.micro_rows // jax.process_count(), n_batches), time.perf_counter()
-    with jax.set_mesh(s.mesh), nnx.logical_axis_rules(axis_rules(cfg)):
-        params = state['ema'] if cfg.task == 'sudoku' else state['params']
-        outs = []
-        for i, b in enumerate(batches):
-            outs.append(eval_step(params, global_batch(b, s.eval_sh, s.micro_rows)))
-            if cfg.task == 'sudoku' and n_batches > 1:  # a search can take minutes a batch: say where it is
-                jax.block_until_ready(outs[-1])
-                log(f'eval: {i + 1}/{n_batches} batches decoded ({cfg.decoder}, {time.perf_counter() - t0:.0f}s)')
-    if cfg.task == 'sudoku':
-        return sudoku_eval_result(cfg, s, outs, batches, t0, write_predictions)
-    loss = float(sum(o[0] for o in outs)) / max(float(sum(o[1] for o in outs)), 1.0)
-    return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
-
-
-def sudoku_eval_result(cfg, s, outs, batches, t0, write_predictions):
-    """Scores decoded batches on the host: every process gathers all rows (puzzles, predictions) in
-    process order, so every process computes the same figures."""
-    gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    outs = [[gather(x) for x in o] for o in outs]
-    real = [gather(b['segment_ids'])[:, 0] > 0 for b in batches]
-    scores = [model_lib.sudoku_scores(o[0], {k: gather(b[k]) for k in ('inputs', 'targets', 'segment_ids')})
-              for o, b in zip(outs, batches)]
-    exact_S, cells_S, blanks, n = (sum(sc[i] for sc in scores) for i in range(4))
-    if write_predictions and jax.process_index() == 0:  # the answers themselves, givens as in the puzzle
-        data.write_sudoku_csv(os.path.join(s.run_dir, 'predictions.csv'), s.ds.eval_q,
-                              np.concatenate([sc[4] for sc in scores])[:len(s.ds.eval_q)])
-    exact_S, cells_S = exact_S / max(n, 1), cells_S / max(blanks, 1)
-    cat = lambda i: np.concatenate([o[i][r] for o, r in zip(outs, real)])
-    result = {'exact_accuracy': float(exact_S[-1]), 'cell_accuracy': float(cells_S[-1]), 'num_puzzles': int(n),
-              'decoder': cfg.decoder, 'forward_passes': float(np.mean(cat(1))),
-              'value_auroc': model_lib.auroc(cat(2), cat(3).astype(bool)), 'seconds': time.perf_counter() - t0}
-    if len(exact_S) > 1:  # does recursion help? accuracy after each supervision step
-        result.update(exact_accuracy_per_step=[round(float(e), 4) for e in exact_S],
-                      cell_accuracy_per_step=[round(float(c), 4) for c in cells_S])
-    return result
+    t0 = time.perf_counter()
+    batches, outs = ds.eval_batches(feed.rows // jax.process_count(), n_batches), []
+    for i, b in enumerate(batches):
+        outs.append(to_host(eval_step(params, global_batch(b, feed.eval_sharding, feed.rows))))
+        if len(batches) > 1 and time.perf_counter() - t0 > 10:  # a search can take minutes: say where it is
+            log(f'eval: {i + 1}/{len(batches)} batches ({time.perf_counter() - t0:.0f}s)')
+    result = task.eval_result(cfg, outs, [to_host(b) for b in batches], ds,
+                              save_to if jax.process_index() == 0 else None)
+    return {**result, 'seconds': time.perf_counter() - t0}
 
 
 # ==================================================================================================
@@ -584,13 +522,21 @@ class Preempted(Exception):
 DATA_STATE_BYTES = 256  # room for one lane's (one batch row's) data-iterator state as JSON
 
 
-def checkpoint_manager(directory, cfg, read_only=False):
+@contextlib.contextmanager
+def checkpoints(directory, cfg, read_only=False):
+    """The orbax CheckpointManager of a checkpoints/ directory, open for the block. Leaving the block, by
+    any path, lets a save still in flight land first, then closes the manager."""
     opts = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints or None, create=not read_only,
                                         cleanup_tmp_directories=not read_only, read_only=read_only,
                                         enable_async_checkpointing=True)
-    return ocp.CheckpointManager(os.path.abspath(directory), options=opts,
+    mngr = ocp.CheckpointManager(os.path.abspath(directory), options=opts,
                                  item_handlers={'train_state': ocp.PyTreeCheckpointHandler(),
                                                 'data_state': ocp.StandardCheckpointHandler()})
+    try:
+        yield mngr
+    finally:
+        mngr.wait_until_finished()
+        mngr.close()
 
 
 def data_state_array(lane_states):
@@ -638,29 +584,6 @@ def _check_shapes(mngr, step, abstract, part):
                               'or a new run_name / resume=false')
 
 
-@contextlib.contextmanager
-def _orbax_quiet():
-    """Reading a damaged step, orbax logs through absl and tensorstore's reads still in flight print a
-    traceback each from their threads (into a closed event loop): tens of lines on stderr for what the
-    trainer reports in one. File descriptor 2 goes to /dev/null meanwhile; after a failure the late reads
-    get a moment to land there too, and any later still are dropped. Exceptions still propagate."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    except Exception:
-        hook = sys.unraisablehook  # late reads may land after the moment below: drop those alone, for good
-        sys.unraisablehook = lambda u: None if str(u.exc_value) == 'Event loop is closed' else hook(u)
-        time.sleep(1.0)
-        raise
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def _read_step(mngr, step, abstract, part):
     """(state or its `part`, every lane's data state) of one step; Damaged if it cannot be read."""
     target = abstract[part] if part else abstract
@@ -691,7 +614,7 @@ def restore_checkpoint(mngr, abstract, steps=None, part=None, move_aside=False):
     damaged = []
     for step in sorted(steps or mngr.all_steps(), reverse=True):
         try:
-            with _orbax_quiet():
+            with quiet_stderr():
                 state, data_state = _read_step(mngr, step, abstract, part)
         except Damaged as e:
             damaged.append(step)
@@ -710,16 +633,51 @@ def restore_checkpoint(mngr, abstract, steps=None, part=None, move_aside=False):
     return None
 
 
+def checkpoint_steps(path):
+    """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
+    (the checkpoints directory, the steps found there)."""
+    path = path.rstrip('/')
+    if os.path.isdir(os.path.join(path, 'checkpoints')):
+        path = os.path.join(path, 'checkpoints')
+    if os.path.basename(path).isdigit() and os.path.isdir(path):
+        return os.path.dirname(path), [int(os.path.basename(path))]
+    return path, sorted(int(d) for d in (os.listdir(path) if os.path.isdir(path) else []) if d.isdigit())
+
+
 def load_params(path, abstract, cfg, part='params'):
-    """load_params=PATH: a run directory, its checkpoints/ directory, or one step directory in it."""
+    """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
+    (step, the state entry `part` of its newest readable checkpoint)."""
     path, steps = checkpoint_steps(path)
-    mngr = checkpoint_manager(path, cfg, read_only=True) if steps else None
-    found = steps and restore_checkpoint(mngr, abstract, steps, part=part)
+    with checkpoints(path, cfg, read_only=True) as mngr:
+        found = restore_checkpoint(mngr, abstract, steps, part=part)
     if not found:
         raise ConfigError(f'load_params={path}: no readable checkpoint there (see the warnings); give a run '
                           'directory or its checkpoints/STEP directory')
     log(f'loaded {part} from {path}/{found[0]}')
     return found[:2]
+
+
+def restore_or_init(cfg, task, mngr, layout):
+    """The train state: the newest readable checkpoint of this run (resume), else a fresh state, from
+    load_params / load_hf weights if given. Returns (state, every lane's data state or None, whether the
+    state holds trained parameters)."""
+    if cfg.resume and mngr.all_steps():
+        restored = restore_checkpoint(mngr, layout.abstract, move_aside=True)
+        if not restored:
+            raise ConfigError(f'no readable checkpoint in {mngr.directory} (steps {", ".join(map(str, mngr.all_steps()))} '
+                              'are damaged, see the warnings): move them away to start over, or set resume=false')
+        log(f'resuming from checkpoint {mngr.directory}/{restored[0]}')
+        return restored[1], restored[2], True
+    if cfg.load_params:  # training starts from another run's params; eval and generate read what the task evaluates
+        part = 'params' if cfg.mode == 'train' else task.eval_weights
+        step, params = load_params(cfg.load_params, layout.abstract, cfg, part)
+        state = init_state(cfg, layout, params)
+        if cfg.mode != 'train':  # reported with the eval: which training step this is
+            state['step'] = jnp.int32(step)
+        return state, None, True
+    if cfg.load_hf:
+        return init_state(cfg, layout, load_hf(cfg.load_hf, layout.abstract['params'], cfg)), None, True
+    return init_state(cfg, layout), None, False
 
 
 # ==================================================================================================
@@ -732,7 +690,7 @@ PEAK_BF16_FLOPS = {  # per JAX device (a v2/v3 device is one core = half a chip)
 }
 
 
-@functools.lru_cache  # once per process: tests and notebooks call run() many times
+@functools.lru_cache  # once per process: the machine's peak does not change between runs in it
 def device_peak_flops(dtype, device):
     """bf16 peak from the table; on CPU measured now with a matmul in the compute dtype (the machine is
     shared and noisy, so MFU is only meaningful against a peak taken in the same process)."""
@@ -782,11 +740,18 @@ def short_line(m, steps):
 
 class MetricsWriter:
     """One row of metrics to stdout, and on process 0 to metrics.jsonl and TensorBoard event files
-    (tensorboardX writes them without TensorFlow: tensorboard --logdir RUN_DIR)."""
+    (tensorboardX writes them without TensorFlow: tensorboard --logdir RUN_DIR). A resumed run first drops
+    the rows past its checkpoint, so every step appears once."""
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir, start_step):
         self.main = jax.process_index() == 0
-        self.file = open(os.path.join(run_dir, 'metrics.jsonl'), 'a') if self.main else None
+        path = os.path.join(run_dir, 'metrics.jsonl')
+        if self.main and start_step and os.path.exists(path):
+            with open(path) as f:
+                rows = [r for r in f if json.loads(r)['step'] <= start_step]
+            with open(path, 'w') as f:
+                f.writelines(rows)
+        self.file = open(path, 'a' if start_step else 'w') if self.main else None
         self.tb = SummaryWriter(run_dir) if self.main else None
 
     def write(self, m, steps):
@@ -805,6 +770,16 @@ class MetricsWriter:
             self.tb.close()
 
 
+def step_flops(cfg, task, devices):
+    """FLOPs per token and the peak they are measured against. On CPU the simulated devices share one
+    processor, so the peak measured there is the whole machine's."""
+    peak, source = device_peak_flops(cfg.dtype, devices[0])
+    log(f'peak: {peak / 1e12:.3f} TFLOP/s per device ({source})')
+    n = len(devices)
+    return {'per_token': task.flops_per_token(cfg), 'devices': n, 'peak_per_device': peak, 'peak_source': source,
+            'peak': peak if devices[0].platform == 'cpu' else peak * n}
+
+
 # ==================================================================================================
 # The loop: dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps.
 # ==================================================================================================
@@ -814,8 +789,9 @@ class StepLog:
     checkpoint reads them all first (drain()), so none of them sees a step whose loss was not checked.
     It also keeps the metrics window since the last log line and every step's time for the benchmark."""
 
-    def __init__(self, cfg, it, step, precompiled):
+    def __init__(self, cfg, it, step, precompiled, flops, writer):
         self.cfg, self.it, self.saved, self.precompiled = cfg, it, step, precompiled
+        self.flops, self.writer, self.schedule = flops, writer, make_optimizer(cfg)[1]
         self.pending = []                  # (step, dispatch time, device outputs), oldest first
         self.losses, self.extras = [], []  # the window: per step since the last log line
         self.tokens, self.timed = 0.0, 0
@@ -848,8 +824,8 @@ class StepLog:
     def check_finite(self, step, out):
         if np.isfinite(out['loss']) and np.isfinite(out['grad_norm']):
             self.losses.append(float(out['loss']))
-            self.extras.append({k: float(out[k]) for k in ('halt_rate', 'sup_steps', 'train_exact', 'value_acc')
-                                if k in out and (k != 'value_acc' or step > self.cfg.tot.start_step)})
+            self.extras.append({k: float(v) for k, v in out.items()  # the task's metrics; NaN = not measured
+                                if k not in ('loss', 'grad_norm', 'tokens') and np.isfinite(v)})
             return
         self.skipped += 1
         if self.skipped > self.cfg.skip_nonfinite_steps:
@@ -859,12 +835,12 @@ class StepLog:
         log(f'WARNING: non-finite loss at step {step}: update skipped ({self.skipped} of '
             f'skip_nonfinite_steps={self.cfg.skip_nonfinite_steps})')
 
-    def window(self, step, lr, flops, device):
+    def window(self, step):
         """The metrics row for the steps since the last row."""
-        out, dt = self.drain(0), max(time.perf_counter() - self.t_window, 1e-9)
+        out, dt, flops = self.drain(0), max(time.perf_counter() - self.t_window, 1e-9), self.flops
         tps, n_dev = self.tokens / dt, flops['devices']
         m = {'step': step, 'loss': float(np.mean(self.losses)) if self.losses else float('nan'),
-             'learning_rate': lr, 'grad_norm': float(out['grad_norm'])}
+             'learning_rate': float(self.schedule(step - 1)), 'grad_norm': float(out['grad_norm'])}
         if self.tokens:  # a window holding only the compiling first step has no rate to report
             m.update(tokens_per_sec=tps, tokens_per_sec_per_device=tps / n_dev,
                      tflops_per_device=tps * flops['per_token'] / n_dev / 1e12,
@@ -872,9 +848,9 @@ class StepLog:
                      step_seconds=dt / max(self.timed, 1))
         m.update(tokens_per_step=float(out['tokens']), data_wait_fraction=(self.it.wait_seconds - self.wait0) / dt,
                  host_rss_gb=host_rss_gb())
-        m.update({k: float(np.mean([e[k] for e in self.extras if k in e]))  # TRM
+        m.update({k: float(np.mean([e[k] for e in self.extras if k in e]))
                   for k in dict.fromkeys(k for e in self.extras for k in e)})
-        if (mem := device_peak_memory_gb(device)) is not None:
+        if (mem := device_peak_memory_gb(jax.local_devices()[0])) is not None:
             m['device_peak_memory_gb'] = mem
         return m
 
@@ -883,8 +859,9 @@ class StepLog:
         self.losses, self.extras, self.tokens, self.timed = [], [], 0.0, 0
         self.t_window, self.wait0 = time.perf_counter(), self.it.wait_seconds
 
-    def benchmark(self, tokens_per_step, flops, note):
+    def benchmark(self, tokens_per_step, note):
         """Medians over every timed step (the first, compiling, excluded), for the summary and one line."""
+        flops = self.flops
         if not self.step_times:
             return {}
         med = float(np.median(self.step_times))
@@ -916,96 +893,98 @@ def preemption_signals():
             signal.signal(sig, handler)
 
 
-def next_batch(cfg, s, it, step):
+class Steps(NamedTuple):
+    """The run's two compiled functions: a train step, and eval of a state on n fixed batches."""
+    train: Callable      # (state, batch [A, B, L]) -> (new state, metrics)
+    evaluate: Callable   # (state, n batches or None = all, save_to=None) -> eval metrics
+
+
+def next_batch(cfg, feed, it, step):
     """The A microbatches of update `step` as one global [A, B, L] batch. Data is read in microbatch units,
     so the batch ramp changes only how many a step takes."""
     A = accum_at(cfg, step)
     if cfg.batch_ramp_start and step % cfg.batch_ramp_every == 0:
-        log(f'batch ramp: step {step + 1} on: {A} x {s.micro_rows} = {A * s.micro_rows} examples per step')
+        log(f'batch ramp: step {step + 1} on: {A} x {feed.rows} = {A * feed.rows} examples per step')
     mbs = [next(it) for _ in range(A)]
-    return global_batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, s.step_sh, s.micro_rows)
+    return global_batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, feed.step_sharding, feed.rows)
 
 
-def train_loop(cfg, s, state, data_state, mngr, train_step, eval_step):
-    """Train from state['step'] to cfg.steps; returns the summary of the last metrics row and the benchmark."""
-    if int(state['step']) >= cfg.steps:
-        mngr.close()
-        log(f'{s.run_dir} is already at step {int(state["step"])} of steps={cfg.steps}: nothing to train '
-            '(raise steps= to go on)')
-        return {'step': int(state['step']), 'run_dir': s.run_dir}
-    flops = step_flops(cfg, s)
-    t_xla, compiled_gb = report_compiled_step(cfg, s, train_step, state) if cfg.task == 'lm' else (0.0, None)
-    step = int(state['step'])
-    it = s.ds.train_iter(s.micro_rows // jax.process_count(), state=data_state)
-    book, writer, summary = StepLog(cfg, it, step, precompiled=bool(t_xla)), MetricsWriter(s.run_dir), {}
+def train_loop(cfg, state, feed, steps, mngr, book, run_dir):
+    """Dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps. Returns the
+    last metrics row; a signal ends the loop with a checkpoint and Preempted."""
+    step, last = int(state['step']), {}
+    with preemption_signals() as caught:
+        while step < cfg.steps:
+            profile(cfg, book, step, run_dir)
+            t0 = time.perf_counter()
+            state, out = steps.train(state, next_batch(cfg, feed, book.it, step))
+            step += 1
+            book.dispatched(step, t0, out)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                last = book.window(step)
+                if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+                    last.update({k if k.startswith('eval') else f'eval_{k}': v
+                                 for k, v in steps.evaluate(state, cfg.eval_batches).items()})
+                book.writer.write(last, cfg.steps)
+                book.new_window()
+            preempted = caught or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
+                book.drain(0)  # a checkpoint holds only checked steps
+                save_checkpoint(mngr, step, state, book.it)  # async: training goes on while it writes
+                book.saved = step
+            if preempted:
+                raise Preempted(f'{caught[0] if caught else "preemption notice"}: saved checkpoint at step '
+                                f'{step} in {mngr.directory}; rerun the same command to resume')
+    profile(cfg, book, step, run_dir)
+    return last
+
+
+def profile(cfg, book, step, run_dir):
+    """profile_steps=a,b: a jax.profiler trace of steps a..b (1-based) into RUN_DIR/profile; called with the
+    steps done so far, before each dispatch and after the last."""
+    if step + 1 == cfg.profile_steps[0]:
+        book.drain(0)
+        jax.profiler.start_trace(os.path.join(run_dir, 'profile'))
+    if step == cfg.profile_steps[1] and step:
+        book.drain(0)
+        jax.profiler.stop_trace()
+        log(f'profile of steps {cfg.profile_steps[0]}-{step}: {run_dir}/profile')
+
+
+def train(cfg, state, it, feed, steps, mngr, run_dir, flops):
+    """mode=train: from state['step'] to cfg.steps; returns the last metrics row with the benchmark's medians."""
+    start = int(state['step'])
+    if start >= cfg.steps:
+        log(f'{run_dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise steps= to go on)')
+        return {'step': start, 'run_dir': run_dir}
+    t_xla, compiled_gb = report_compiled_step(cfg, steps.train, state, feed)
+    book = StepLog(cfg, it, start, bool(t_xla), flops, MetricsWriter(run_dir, start))
     try:
-        with preemption_signals() as caught, jax.set_mesh(s.mesh), nnx.logical_axis_rules(axis_rules(cfg)):
-            while step < cfg.steps:
-                if step + 1 == cfg.profile_steps[0]:
-                    book.drain(0)
-                    jax.profiler.start_trace(os.path.join(s.run_dir, 'profile'))
-                t0 = time.perf_counter()
-                state, out = train_step(state, next_batch(cfg, s, it, step))
-                step += 1
-                book.dispatched(step, t0, out)
-                if step == cfg.profile_steps[1]:
-                    book.drain(0)
-                    jax.profiler.stop_trace()
-                    log(f'profile of steps {cfg.profile_steps[0]}-{step}: {s.run_dir}/profile')
-                if step % cfg.log_every == 0 or step == cfg.steps:
-                    m = book.window(step, float(s.schedule(step - 1)), flops, s.devices[0])
-                    if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                        m.update({k if k.startswith('eval') else f'eval_{k}': v
-                                  for k, v in evaluate(cfg, s, eval_step, state, cfg.eval_batches).items()})
-                    writer.write(m, cfg.steps)
-                    summary.update(m)
-                    book.new_window()
-                preempted = caught or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
-                    book.drain(0)  # a checkpoint holds only checked steps
-                    save_checkpoint(mngr, step, state, it)  # async: training goes on while it writes
-                    book.saved = step
-                if preempted:
-                    raise Preempted(f'{caught[0] if caught else "preemption notice"}: saved checkpoint at step '
-                                    f'{step} in {mngr.directory}; rerun the same command to resume')
+        summary = train_loop(cfg, state, feed, steps, mngr, book, run_dir)
     finally:
-        mngr.wait_until_finished()  # a checkpoint in flight always lands, whatever stopped the loop
-        mngr.close()
         it.close()
-        writer.close()
-    summary.update(run_dir=s.run_dir, compile_seconds=t_xla + (book.first_step_seconds or 0),
-                   step_variants=train_step._cache_size())
-    mem = device_peak_memory_gb(s.devices[0])
-    summary.update(book.benchmark(summary.get('tokens_per_step', 0.0), flops, (
+        book.writer.close()
+    summary.update(run_dir=run_dir, compile_seconds=t_xla + (book.first_step_seconds or 0),
+                   step_variants=steps.train._cache_size())
+    mem = device_peak_memory_gb(jax.local_devices()[0])
+    summary.update(book.benchmark(summary.get('tokens_per_step', 0.0), (
         f'compile + first step {summary["compile_seconds"]:.1f}s; host RSS {host_rss_gb():.2f} GiB'
         + (f', device peak {mem:.2f} GiB' if mem is not None else '')
         + (f', compiled step {compiled_gb / GiB:.2f} GiB' if compiled_gb else ''))))
     log('done: ' + json.dumps({k: summary.get(k) for k in ('step', 'loss', 'eval_loss', 'tokens_per_sec', 'mfu',
                                                            'compile_seconds', 'run_dir')}))
-    log(f'checkpoints: {mngr.directory}; metrics: {s.run_dir}/metrics.jsonl '
-        f'(TensorBoard: tensorboard --logdir {s.run_dir})')
+    log(f'checkpoints: {mngr.directory}; metrics: {run_dir}/metrics.jsonl (TensorBoard: tensorboard --logdir {run_dir})')
     return summary
 
 
-def step_flops(cfg, s):
-    """FLOPs per token and the peak they are measured against. On CPU the simulated devices share one
-    processor, so the peak measured there is the whole machine's."""
-    peak, source = device_peak_flops(cfg.dtype, s.devices[0])
-    log(f'peak: {peak / 1e12:.3f} TFLOP/s per device ({source})')
-    n = len(s.devices)
-    return {'per_token': model_lib.flops_per_token(cfg), 'devices': n, 'peak_per_device': peak, 'peak_source': source,
-            'peak': peak if s.devices[0].platform == 'cpu' else peak * n}
-
-
-def report_compiled_step(cfg, s, train_step, state):
-    """Compiles the LM step before step 1 (the first call reuses it) to print the memory it will take
-    beside the config's estimate. Returns (compile seconds, compiled bytes per device or None)."""
+def report_compiled_step(cfg, train_step, state, feed):
+    """Compiles the step before step 1 (the first call reuses it) to print the memory it will take beside
+    the config's estimate. Returns (compile seconds, compiled bytes per device or None)."""
     t0 = time.perf_counter()
-    with jax.set_mesh(s.mesh), nnx.logical_axis_rules(axis_rules(cfg)):
-        batch = abstract_batch(accum_at(cfg, int(state['step'])), s.micro_rows, s.L, s.step_sh)
-        m = train_step.lower(state, batch).compile().memory_analysis()
+    batch = abstract_batch(accum_at(cfg, int(state['step'])), feed.rows, feed.length, feed.step_sharding)
+    m = train_step.lower(state, batch).compile().memory_analysis()
     t_xla = time.perf_counter() - t0
-    log(f'step compiled in {t_xla:.1f}s; ' + estimate_line(cfg, memory_estimate(cfg, s.abstract, s.mesh)))
+    log(f'step compiled in {t_xla:.1f}s; ' + estimate_line(cfg, memory_estimate(cfg, state, feed.step_sharding.mesh)))
     if m is None:
         return t_xla, None
     line, need = compiled_line(m)
@@ -1014,19 +993,28 @@ def report_compiled_step(cfg, s, train_step, state):
 
 
 # ==================================================================================================
-# Other modes: eval, Hugging Face export / import (safetensors), generation, solving one puzzle.
+# Other modes: eval, generation, Hugging Face export / import (safetensors).
 # ==================================================================================================
-def eval_mode(cfg, s, eval_step, state):
-    """mode=eval: the loaded parameters on the eval set (the LM: eval_batches; puzzles: all of them),
-    printed as one JSON line and written to eval.json (and the puzzles' answers to predictions.csv)."""
-    trm = cfg.task == 'sudoku'
-    n_batches = -(-len(s.ds.eval_records) // (s.micro_rows // jax.process_count())) if trm else cfg.eval_batches
-    result = {'step': int(state['step']), **evaluate(cfg, s, eval_step, state, n_batches, write_predictions=trm)}
+def eval_mode(cfg, task, steps, state, run_dir):
+    """mode=eval: the loaded parameters on the eval set (eval_batches, or all of it where the task says so),
+    printed as one JSON line and written to eval.json (and any answers the task writes beside it)."""
+    n_batches = None if task.eval_all else cfg.eval_batches
+    result = {'step': int(state['step']), **steps.evaluate(state, n_batches, save_to=run_dir)}
     if jax.process_index() == 0:
-        with open(os.path.join(s.run_dir, 'eval.json'), 'w') as f:
+        with open(os.path.join(run_dir, 'eval.json'), 'w') as f:
             json.dump(result, f)
     log(json.dumps(result))
     return result
+
+
+def generate_mode(cfg, task, graph, params, ds, run_dir, rows):
+    """mode=generate: the task's generation from prompt=, printed and written to RUN_DIR/generation.txt."""
+    summary, shown, text = task.generate(cfg, graph, params, ds, rows)
+    log(shown)
+    if jax.process_index() == 0:
+        with open(os.path.join(run_dir, 'generation.txt'), 'w', newline='') as f:
+            f.write(text)
+    return {**summary, 'run_dir': run_dir}
 
 
 # Our layer parameter -> HF tensor under model.layers.{i}. HF Linear weights are [out, in]; ours keep the
@@ -1071,7 +1059,7 @@ def export_hf(cfg, params, ds, out_dir):
     conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu',
             'attention_bias': False, 'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length,
             'torch_dtype': cfg.weight_dtype, 'bos_token_id': bos, 'eos_token_id': eos,
-            **{hf: model_lib.dims(cfg) if ours == 'head_dim' else cfg[ours] for ours, hf in _HF_KEYS.items()}}
+            **{hf: model_lib.dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in _HF_KEYS.items()}}
     if jax.process_index() == 0:
         try:
             os.makedirs(out_dir, exist_ok=True)
@@ -1111,7 +1099,7 @@ def load_hf(path, abstract_params, cfg):
     conf.setdefault('head_dim', conf.get('hidden_size', 0) // conf.get('num_attention_heads', 1))
     conf.setdefault('tie_word_embeddings', False)  # LlamaConfig's default
     for ours, hf in _HF_KEYS.items():
-        want = model_lib.dims(cfg) if ours == 'head_dim' else cfg[ours]
+        want = model_lib.dims(cfg) if ours == 'head_dim' else getattr(cfg, ours)
         if not (conf.get(hf) == want or isinstance(want, float) and math.isclose(conf.get(hf) or 0, want)):
             raise ConfigError(f'load_hf={path}: config.json has {hf}={conf.get(hf)} but {ours}={want}; '
                               f'set {ours}={conf.get(hf)}')
@@ -1130,92 +1118,6 @@ def load_hf(path, abstract_params, cfg):
         return jax.device_put(w.reshape(a.shape).astype(a.dtype), a.sharding)
     log(f'loaded Hugging Face checkpoint {path}')
     return jax.tree_util.tree_map_with_path(place, abstract_params)
-
-
-def generate(cfg, model, params, prompt_BP, key):
-    """prompt [B, P] -> [B, max_new_tokens] sampled tokens. The prompt fills the KV cache in one pass
-    (prefill); then a jitted scan of single-token steps: each new token costs one position, not the
-    whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles once."""
-    B, P = prompt_BP.shape
-    N, V = cfg.max_new_tokens, cfg.vocab_size
-
-    def sample(logits_BV, key):
-        if cfg.temperature == 0:
-            return jnp.argmax(logits_BV, -1).astype(jnp.int32)
-        if 0 < cfg.top_k < V:
-            kth_B1 = jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:]
-            logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
-        return jax.random.categorical(key, logits_BV / cfg.temperature).astype(jnp.int32)
-
-    def run_all(params, prompt_BP, key):
-        ones = lambda L: jnp.ones((B, L), jnp.int32)
-        logits_BPV, cache = nnx.merge(model, params)(prompt_BP, jnp.arange(P) * ones(P), ones(P),
-                                                     model_lib.init_cache(cfg, B, P + N))
-        keys = jax.random.split(key, N)
-
-        def step(carry, key):  # feed the last sampled token, sample the next
-            cache, tok_B, pos = carry
-            logits_B1V, cache = nnx.merge(model, params)(tok_B[:, None], pos * ones(1), ones(1), cache)
-            return (cache, sample(logits_B1V[:, -1], key), pos + 1), tok_B
-
-        (_, last_B, _), toks_NB = jax.lax.scan(step, (cache, sample(logits_BPV[:, -1], keys[0]), P), keys[1:])
-        return jnp.concatenate([toks_NB.T, last_B[:, None]], axis=1)
-    return jax.jit(run_all)(params, jnp.asarray(prompt_BP, jnp.int32), key)
-
-
-def sudoku_prompt(cfg):
-    """task=sudoku mode=generate: prompt= as a digit grid (81 characters row by row, '.' or '0' = blank)."""
-    text = cfg.prompt.replace('\n', '').replace(' ', '')
-    if len(text) != data.SUDOKU_LEN or any(c not in '.0123456789' for c in text):
-        raise ConfigError(f'prompt={cfg.prompt!r}: give the puzzle as 81 characters, digits 1-9 and . or 0 '
-                          'for blanks, row by row')
-    return np.array([0 if c == '.' else int(c) for c in text], np.int32)
-
-
-def solve_puzzle(cfg, s, params):
-    """task=sudoku mode=generate: the TRM's grid for one puzzle given as prompt= (81 characters, '.' or '0'
-    for blanks), givens kept, checked against the rules; printed and written to solution.txt."""
-    q_L = sudoku_prompt(cfg)
-    rows = s.mesh.size  # the same puzzle on every device keeps the batch divisible by the mesh
-    tile = lambda x: np.tile(x, (rows, 1)).astype(np.int32)
-    batch = {'inputs': tile(q_L + 1), 'targets': tile(q_L + 1)}  # targets: unknown (only the value AUROC reads them)
-    with jax.set_mesh(s.mesh), nnx.logical_axis_rules(axis_rules(cfg)):
-        preds_L = np.asarray(jax.jit(make_eval_step(cfg, s.model))(params, batch)[0])[-1, 0] - 1
-    grid_L = np.where(q_L == 0, np.clip(preds_L, 0, 9), q_L)
-    valid = bool(data.solved(grid_L[None])[0])
-    shown = '\n'.join(' '.join(map(str, grid_L[r * 9:(r + 1) * 9])) for r in range(9))
-    log(f'{shown}\n{"a valid solution" if valid else "NOT a valid solution"} (decoder={cfg.decoder})')
-    if jax.process_index() == 0:
-        with open(os.path.join(s.run_dir, 'solution.txt'), 'w') as f:
-            f.write(''.join(map(str, grid_L)) + '\n')
-    return {'solution': ''.join(map(str, grid_L)), 'valid': valid, 'run_dir': s.run_dir}
-
-
-def export_or_generate(cfg, s, params):
-    """mode=export / mode=generate on loaded parameters."""
-    if cfg.task == 'sudoku' and cfg.mode == 'generate':
-        return solve_puzzle(cfg, s, params)
-    if cfg.task != 'lm':
-        raise ConfigError(f'mode={cfg.mode} supports task=lm only (a TRM solver has no Llama export)')
-    if cfg.mode == 'export':
-        out_dir = cfg.export_dir or os.path.join(s.run_dir, 'hf')
-        export_hf(cfg, params, s.ds, out_dir)
-        return {'export_dir': out_dir}
-    if s.ds.tokenizer is None:
-        raise ConfigError('mode=generate needs a tokenizer: use a text dataset (dataset=synthetic has none)')
-    prompt = np.asarray([[s.ds.bos_id] + s.ds.tokenizer.encode(cfg.prompt)], np.int32)
-    if prompt.shape[1] + cfg.max_new_tokens > cfg.max_target_length:
-        log(f'WARNING: prompt + max_new_tokens = {prompt.shape[1] + cfg.max_new_tokens} tokens, more than the '
-            f'max_target_length={cfg.max_target_length} the model was trained on')
-    with jax.set_mesh(s.mesh):
-        tokens = np.asarray(generate(cfg, s.model, params, prompt, jax.random.key(cfg.seed)))[0].tolist()
-    tokens = tokens[:tokens.index(s.ds.eos_id)] if s.ds.eos_id in tokens else tokens  # eos ends the document
-    text = s.ds.tokenizer.decode(tokens)
-    log(f'prompt: {cfg.prompt}\ncontinuation: {text}')
-    if jax.process_index() == 0:
-        with open(os.path.join(s.run_dir, 'generation.txt'), 'w', newline='') as f:
-            f.write(text)
-    return {'prompt': cfg.prompt, 'tokens': tokens, 'generation': text, 'run_dir': s.run_dir}
 
 
 # ==================================================================================================
@@ -1274,7 +1176,7 @@ def compiled_line(m):
             f'({GB(m.alias_size_in_bytes)} reusing donated arguments) = {GB(need)}', need)
 
 
-def compile_for_topology(cfg):
+def compile_for_topology(cfg, task):
     """compile_topology=v4-64: lower and compile the real train step for that TPU slice on this machine
     (libtpu describes the chips; no TPU needed), and say whether it fits the slice's HBM. Nothing runs."""
     topology, chips, hbm = TPU_SLICES[cfg.compile_topology]
@@ -1289,19 +1191,18 @@ def compile_for_topology(cfg):
     GB = lambda b: f'{b / GiB:.2f} GiB'
     log(f'AOT compile for {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {GB(hbm)} HBM each')
     warn_tpu_dims(cfg)
-    mesh = make_mesh(cfg, devices)
-    model, (tx, _) = model_lib.abstract(cfg)[0], make_optimizer(cfg)
-    _, state_sh, abstract = state_layout(cfg, mesh, tx)
-    est = memory_estimate(cfg, abstract, mesh)
-    n_params = sum(x.size for x in jax.tree.leaves(abstract['params']))
+    mesh, tx = make_mesh(cfg, devices), make_optimizer(cfg)[0]
+    feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
+    layout = state_layout(cfg, task, mesh, tx, feed.rows)
+    est = memory_estimate(cfg, layout.abstract, mesh)
+    n_params = sum(x.size for x in jax.tree.leaves(layout.abstract['params']))
     log(f'model: {n_params / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}; ' + estimate_line(cfg, est))
-    rows, L = cfg.per_device_batch * len(devices), cfg.max_target_length
-    step_sh = NamedSharding(mesh, PartitionSpec(None, *mesh_spec(('batch', 'length'), (rows, L), cfg, mesh)))
-    batch = abstract_batch(cfg.grad_accum, rows, L, step_sh)
+    batch = abstract_batch(cfg.grad_accum, feed.rows, feed.length, feed.step_sharding)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(axis_rules(cfg)):
-        lowered = jax.jit(make_train_step(cfg, model, tx), in_shardings=(state_sh, step_sh),
-                          out_shardings=(state_sh, None), donate_argnums=0).lower(abstract, batch)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
+        lowered = jax.jit(make_train_step(cfg, task, model_lib.abstract(cfg)[0], tx), donate_argnums=0,
+                          in_shardings=(layout.shardings, feed.step_sharding),
+                          out_shardings=(layout.shardings, None)).lower(layout.abstract, batch)
     try:
         m = lowered.compile().memory_analysis()
         line, need = compiled_line(m)
@@ -1315,44 +1216,29 @@ def compile_for_topology(cfg):
         need, memory, fits = None, None, False
         log(f'compiler: {str(e).splitlines()[0]}\nper device: more than the {GB(hbm)} HBM: does not fit')
     if not fits:
-        tips = [f'remat=full (now {cfg.remat}): keep only each layer input, recompute the rest'] \
-            if cfg.remat != 'full' else []
-        if cfg.per_device_batch > 1:
-            tips.append(f'per_device_batch={cfg.per_device_batch // 2} grad_accum={cfg.grad_accum * 2}: the same '
-                        'batch per update in half-size microbatches')
-        if 'fsdp' in mesh.shape and mesh.shape['fsdp'] < len(devices):
-            tips.append(f'more fsdp (now {mesh.shape["fsdp"]} of {len(devices)} devices), e.g. mesh=1,-1,1: '
-                        'parameters and optimizer state sharded over every device')
-        tips.append('or a smaller model (d_model, num_layers, mlp_dim) / a larger slice')
-        log('to fit, try: ' + '; '.join(tips))
+        log('to fit, try: ' + '; '.join(fit_advice(cfg, mesh)))
     return {'fits': fits, 'bytes_per_device': need, 'hbm_bytes': hbm, 'estimate': est, 'memory': memory}
+
+
+def fit_advice(cfg, mesh):
+    """What to change when the step does not fit, most effective first."""
+    tips = [f'remat=full (now {cfg.remat}): keep only each layer input, recompute the rest'] if cfg.remat != 'full' else []
+    if cfg.per_device_batch > 1:
+        tips.append(f'per_device_batch={cfg.per_device_batch // 2} grad_accum={cfg.grad_accum * 2}: the same '
+                    'batch per update in half-size microbatches')
+    if 'fsdp' in mesh.shape and mesh.shape['fsdp'] < mesh.size:
+        tips.append(f'more fsdp (now {mesh.shape["fsdp"]} of {mesh.size} devices), e.g. mesh=1,-1,1: '
+                    'parameters and optimizer state sharded over every device')
+    return tips + ['or a smaller model (d_model, num_layers, mlp_dim) / a larger slice']
 
 
 # ==================================================================================================
 # run: everything above, in the order the data flows.
 # ==================================================================================================
-@dataclasses.dataclass
-class Setup:
-    """What run() builds once and every mode reads: the devices and mesh, the run directory, the data, the
-    model and optimizer, the state's layout, and the batch geometry."""
-    devices: list
-    mesh: Any
-    run_dir: str
-    ds: Any
-    model: Any
-    tx: Any
-    schedule: Any
-    state_sh: Any          # the train state's NamedShardings
-    abstract: Any          # the train state's shapes, dtypes and shardings (nothing allocated)
-    micro_rows: int        # examples per microbatch, whole system
-    L: int                 # tokens per example
-    step_sh: Any           # [A, B, L] train batches: microbatch axis unsharded
-    eval_sh: Any           # [B, L] eval batches
-
-
-def prepare_run_dir(cfg):
-    """output_dir/run_name with the resolved config in it. resume=false moves an earlier run's
-    checkpoints and metrics aside (renamed, never deleted) so the new run starts clean."""
+def prepare_run_dir(cfg, derived):
+    """output_dir/run_name with the resolved config in it (the derived figures as a comment on top).
+    resume=false moves an earlier run's checkpoints and metrics aside (renamed, never deleted) so the new
+    run starts clean."""
     run_dir = os.path.join(cfg.output_dir, cfg.run_name)
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -1364,7 +1250,7 @@ def prepare_run_dir(cfg):
                     log(f'resume=false: moved the earlier {name} aside to {name}.replaced-{stamp}')
         name = 'config.yml' if cfg.mode == 'train' else f'config.{cfg.mode}.yml'  # keep the training record
         with open(os.path.join(run_dir, name), 'w') as f:
-            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+            f.write(f'# {derived}\n' + yaml.safe_dump(cfg.model_dump(mode='json'), sort_keys=False))
     except OSError as e:
         raise ConfigError(f'output_dir={cfg.output_dir}: cannot write {run_dir} ({e.strerror}); '
                           'choose a writable output_dir') from None
@@ -1376,111 +1262,88 @@ def prepare_run_dir(cfg):
     return run_dir
 
 
-def setup(cfg, devices):
-    """Mesh, run directory, data, model, optimizer and the state's layout; prints the batch arithmetic."""
-    if devices[0].platform == 'tpu':
-        warn_tpu_dims(cfg)
-    mesh, n_dev = make_mesh(cfg, devices), len(devices)
-    run_dir = prepare_run_dir(cfg)
-    micro_rows = cfg.per_device_batch * n_dev
-    L = cfg.max_target_length if cfg.task == 'lm' else data.SUDOKU_LEN
-    log(f'devices: {n_dev} x {devices[0].device_kind} ({devices[0].platform}), {jax.process_count()} process(es); '
-        f'mesh {dict(mesh.shape)}')
-    log(f'batch: {cfg.per_device_batch}/device x {n_dev} devices x {cfg.grad_accum} accum = '
-        f'{micro_rows * cfg.grad_accum} examples = {micro_rows * cfg.grad_accum * L} tokens per step')
+def describe(cfg, devices, mesh, rows):
+    """The batch arithmetic, printed at start and kept in config.yml."""
+    log(f'devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), {jax.process_count()} '
+        f'process(es); mesh {dict(mesh.shape)}')
+    batch = (f'batch: {cfg.per_device_batch}/device x {len(devices)} devices x {cfg.grad_accum} accum = '
+             f'{rows * cfg.grad_accum} examples = {rows * cfg.grad_accum * cfg.max_target_length} tokens per step')
+    log(batch)
     if cfg.batch_ramp_start:
         log(f'batch ramp: {cfg.batch_ramp_start} accum at step 0, x2 every {cfg.batch_ramp_every} steps up to '
             f'{cfg.grad_accum}')
-    ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log)
-    if ds.vocab_size != cfg.vocab_size and cfg.task == 'lm':
-        raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
-                          f'set vocab_size={ds.vocab_size}')
-    model, (tx, schedule) = model_lib.abstract(cfg)[0], make_optimizer(cfg)  # the model's graph: no arrays
-    _, state_sh, abstract = state_layout(cfg, mesh, tx)
-    batch_spec = mesh_spec(('batch', 'length'), (micro_rows, L), cfg, mesh)
-    return Setup(devices, mesh, run_dir, ds, model, tx, schedule, state_sh, abstract, micro_rows, L,
-                 NamedSharding(mesh, PartitionSpec(None, *batch_spec)), NamedSharding(mesh, batch_spec))
-
-
-def restore_or_init(cfg, s, mngr):
-    """The train state: the newest readable checkpoint of this run (resume), else a fresh init in place,
-    optionally with load_params / load_hf weights. Returns (state, data-iterator state, whether the state
-    holds trained parameters)."""
-    restored = None
-    if cfg.resume and mngr.all_steps():
-        restored = restore_checkpoint(mngr, s.abstract, move_aside=True)
-        if not restored:
-            steps = ', '.join(map(str, mngr.all_steps()))
-            raise ConfigError(f'no readable checkpoint in {mngr.directory} (steps {steps} '
-                              'are damaged, see the warnings): move them away to start over, or set resume=false')
-    if restored:
-        start, state, data_state = restored
-        log(f'resuming from checkpoint {mngr.directory}/{start}')
-        path = os.path.join(s.run_dir, 'metrics.jsonl')
-        if jax.process_index() == 0 and os.path.exists(path):  # drop rows past the resume point
-            with open(path) as f:
-                rows = [r for r in f if json.loads(r)['step'] <= start]
-            with open(path, 'w') as f:
-                f.writelines(rows)
-        return state, data_state, True
-    state = init_state(cfg, s.mesh, s.tx)[0]
-    trm = cfg.task == 'sudoku'
-    if cfg.load_params and trm and cfg.mode in ('eval', 'generate'):  # TRM evaluates its EMA weights
-        loaded_step, state['ema'] = load_params(cfg.load_params, s.abstract, cfg, 'ema')
-        state['step'] = jnp.int32(loaded_step)  # reported with the eval: which training step this is
-    elif cfg.load_params:
-        state['params'] = load_params(cfg.load_params, s.abstract, cfg)[1]
-        if trm:
-            state['ema'] = state['params']
-    if cfg.load_hf:
-        state['params'] = load_hf(cfg.load_hf, s.abstract['params'], cfg)
-    return state, None, bool(cfg.load_params or cfg.load_hf)
+    return batch
 
 
 def run(cfg, devices=None):
     """Train, evaluate, export or generate per cfg; returns a summary dict. `devices` lets tests pick a subset."""
-    validate(cfg)
+    task = model_lib.TASKS[cfg.task]  # what is trained: the one place train.py asks
+    check(cfg, task)
     if cfg.compile_cache_dir:  # before the first compile; every program is cached, however quick to compile
         jax.config.update('jax_compilation_cache_dir', os.path.abspath(cfg.compile_cache_dir))
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
-    if cfg.task == 'sudoku':  # the puzzle tokens fix the vocabulary; vocab_size is the text tokenizer's
-        cfg.vocab_size = data.SUDOKU_VOCAB
     if cfg.compile_topology:
-        resolve_dtype(cfg, 'tpu')
-        return compile_for_topology(cfg)
+        return compile_for_topology(resolve(cfg, task, 'tpu'), task)
     devices = devices or pick_devices(cfg)
-    resolve_dtype(cfg, devices[0].platform)
-    s = setup(cfg, devices)
-    mngr = checkpoint_manager(os.path.join(s.run_dir, 'checkpoints'), cfg)
-    state, data_state, trained = restore_or_init(cfg, s, mngr)
-    log(f'model: {sum(x.size for x in jax.tree.leaves(state["params"])) / 1e6:.2f}M parameters, '
-        f'{model_lib.flops_per_token(cfg) / 1e6:.1f} MFLOPs per token (train)')
-    if cfg.print_sharding:
-        log(sharding_table(state['params'], s.state_sh['params']))
-    if cfg.mode != 'train' and not trained:
-        raise ConfigError(f'mode={cfg.mode} needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, or '
-                          f'run_name= a run with checkpoints (none in {s.run_dir}/checkpoints)')
-    if cfg.mode in ('export', 'generate'):
-        mngr.close()
-        return export_or_generate(cfg, s, state['ema'] if cfg.task == 'sudoku' else state['params'])
-    with jax.set_mesh(s.mesh), nnx.logical_axis_rules(axis_rules(cfg)):
-        train_step = jax.jit(make_train_step(cfg, s.model, s.tx), in_shardings=(s.state_sh, s.step_sh),
-                             out_shardings=(s.state_sh, None), donate_argnums=0)
-        eval_step = jax.jit(make_eval_step(cfg, s.model), in_shardings=(s.state_sh['params'], s.eval_sh))
-    if cfg.mode == 'eval':
-        mngr.close()
-        return eval_mode(cfg, s, eval_step, state)
-    return train_loop(cfg, s, state, data_state, mngr, train_step, eval_step)
+    cfg = resolve(cfg, task, devices[0].platform)
+    if devices[0].platform == 'tpu':
+        warn_tpu_dims(cfg)
+    mesh = make_mesh(cfg, devices)
+    feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
+    run_dir = prepare_run_dir(cfg, describe(cfg, devices, mesh, feed.rows))
+    ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log)
+    if ds.vocab_size != cfg.vocab_size:
+        raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
+                          f'set vocab_size={ds.vocab_size}')
+    graph, tx = model_lib.abstract(cfg)[0], make_optimizer(cfg)[0]  # the model's graph: no arrays
+    layout = state_layout(cfg, task, mesh, tx, feed.rows)
+    flops = step_flops(cfg, task, devices) if cfg.mode == 'train' else None  # its probe runs outside the mesh
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules), \
+            checkpoints(os.path.join(run_dir, 'checkpoints'), cfg) as mngr:
+        state, data_state, trained = restore_or_init(cfg, task, mngr, layout)
+        log(f'model: {sum(x.size for x in jax.tree.leaves(state["params"])) / 1e6:.2f}M parameters, '
+            f'{task.flops_per_token(cfg) / 1e6:.1f} MFLOPs per token (train)')
+        if cfg.print_sharding:
+            log(sharding_table(state['params'], layout.shardings['params']))
+        if cfg.mode != 'train' and not trained:
+            raise ConfigError(f'mode={cfg.mode} needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, or '
+                              f'run_name= a run with checkpoints (none in {run_dir}/checkpoints)')
+        if cfg.mode == 'export':
+            out_dir = cfg.export_dir or os.path.join(run_dir, 'hf')
+            export_hf(cfg, state['params'], ds, out_dir)
+            return {'export_dir': out_dir}
+        if cfg.mode == 'generate':
+            return generate_mode(cfg, task, graph, state[task.eval_weights], ds, run_dir, mesh.size)
+        steps = compile_steps(cfg, task, graph, tx, layout, ds, feed)
+        if cfg.mode == 'eval':
+            return eval_mode(cfg, task, steps, state, run_dir)
+        it = ds.train_iter(feed.rows // jax.process_count(), state=data_state)
+        return train(cfg, state, it, feed, steps, mngr, run_dir, flops)
 
 
+def compile_steps(cfg, task, graph, tx, layout, ds, feed):
+    """The jitted train step (the state donated: updated in place) and eval of a state's eval weights."""
+    train_step = jax.jit(make_train_step(cfg, task, graph, tx), in_shardings=(layout.shardings, feed.step_sharding),
+                         out_shardings=(layout.shardings, None), donate_argnums=0)
+    eval_step = jax.jit(functools.partial(task.eval_step, cfg, graph),
+                        in_shardings=(layout.shardings['params'], feed.eval_sharding))
+    evaluate_state = lambda state, n, save_to=None: evaluate(cfg, task, eval_step, state[task.eval_weights], ds,
+                                                             feed, n, save_to)
+    return Steps(train_step, evaluate_state)
+
+
+# ==================================================================================================
+# The command line, and the process plumbing it needs: which platforms to start, joining a multi-process
+# system, and keeping library noise off stderr. Kept here so the trainer above reads without it.
+# ==================================================================================================
 def main(argv):
     if len(argv) < 2 or argv[1] in ('-h', '--help'):
         print(__doc__.strip().splitlines()[0])
         return 0 if len(argv) >= 2 else 2
     try:
         cfg = load_config(argv[1], argv[2:])
-        logging.getLogger('absl').setLevel(logging.ERROR)  # orbax and tfds narrate through absl warnings
-        quiet_platforms()
+        quiet_libraries()
+        start_platforms()
         init_distributed()
         if run(cfg).get('fits') is False:
             return DOES_NOT_FIT
@@ -1494,6 +1357,80 @@ def main(argv):
         print(f'stopped: {e}', file=sys.stderr)
         return 75  # EX_TEMPFAIL: schedulers can requeue on it
     return 0
+
+
+def quiet_libraries():
+    """orbax and tfds narrate through absl warnings (a local build as a download, our per-glob builder
+    config): noise around the trainer's own lines."""
+    logging.getLogger('absl').setLevel(logging.ERROR)
+
+
+def pci_vendors():
+    """The PCI vendor ids of this host's devices (Linux sysfs): what accelerators it has, without starting
+    any of them. Google 0x1ae0 = TPU chips, NVIDIA 0x10de, AMD 0x1002."""
+    vendors = set()
+    for path in glob.glob('/sys/bus/pci/devices/*/vendor'):
+        with open(path) as f:
+            vendors.add(f.read().strip())
+    return vendors
+
+
+def start_platforms():
+    """An installed libtpu (tests/requirements.txt brings it, for the TPU fit check) loads itself into every
+    JAX process and prints five lines of errors on a host without TPU chips. There, unless the user chose
+    platforms (JAX_PLATFORMS), JAX starts only what the host has: a GPU whose JAX plugin is installed, and
+    the CPU. The fit check loads libtpu itself."""
+    vendors = pci_vendors()
+    if jax.config.jax_platforms or '0x1ae0' in vendors:
+        return
+    plugins = [m.name for m in pkgutil.iter_modules()]
+    gpus = [name for name, vendor in (('cuda', '0x10de'), ('rocm', '0x1002'))
+            if vendor in vendors and any(p.startswith(f'jax_{name}') for p in plugins)]
+    jax.config.update('jax_platforms', ','.join(gpus + ['cpu']))
+
+
+def init_distributed():
+    """Join a multi-process JAX system before any device is touched. Explicit JAX_* variables win;
+    otherwise only where JAX can detect the cluster itself (SLURM with several tasks, a Cloud TPU VM),
+    since initialize() with no arguments on a plain machine has nothing to find."""
+    names = ('JAX_COORDINATOR_ADDRESS', 'JAX_PROCESS_COUNT', 'JAX_PROCESS_INDEX')
+    given = [n for n in names if os.environ.get(n)]
+    if given and len(given) < len(names):
+        missing = ', '.join(n for n in names if n not in given)
+        raise ConfigError(f'{", ".join(given)} set but {missing} not: set all three for a multi-process run, or none')
+    if given:
+        try:
+            count, index = int(os.environ['JAX_PROCESS_COUNT']), int(os.environ['JAX_PROCESS_INDEX'])
+        except ValueError:
+            raise ConfigError('JAX_PROCESS_COUNT and JAX_PROCESS_INDEX must be integers') from None
+        jax.distributed.initialize(os.environ['JAX_COORDINATOR_ADDRESS'], count, index)
+        return
+    slurm = 'SLURM_JOB_ID' in os.environ and int(os.environ.get('SLURM_NTASKS', '1')) > 1
+    if slurm or '0x1ae0' in pci_vendors():  # a Cloud TPU VM: JAX reads the slice's hosts from its metadata
+        jax.distributed.initialize()
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Around reading a checkpoint step: for a damaged one, orbax logs through absl and tensorstore's reads
+    still in flight print a traceback each from their threads (into a closed event loop): tens of lines on
+    stderr for what the trainer reports in one. File descriptor 2 goes to /dev/null meanwhile; after a failure the late reads
+    get a moment to land there too, and any later still are dropped. Exceptions still propagate."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    except Exception:
+        hook = sys.unraisablehook  # late reads may land after the moment below: drop those alone, for good
+        sys.unraisablehook = lambda u: None if str(u.exc_value) == 'Event loop is closed' else hook(u)
+        time.sleep(1.0)
+        raise
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 if __name__ == '__main__':

@@ -242,8 +242,8 @@ def main():
     sys.path.insert(0, ROOT)
     import model as model_lib
     import train
-    flops = model_lib.flops_per_token(train.load_config(os.path.join(ROOT, 'base.yml'),
-                                                        [f'{k}={v}' for k, v in DIMS.items()]))
+    flops = model_lib.lm_flops_per_token(train.load_config(os.path.join(ROOT, 'base.yml'),
+                                                           [f'{k}={v}' for k, v in DIMS.items()]))
     tokens = os.path.join(out, 'tokens.npz')
     write_tokens(tokens, args.steps)
     variants = [v for v in args.variants.split(',') if v in OURS or args.torch_python]

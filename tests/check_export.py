@@ -23,7 +23,7 @@ def main(run, hf, *keys):
     cfg = train.load_config(os.path.join(os.path.dirname(train.__file__), 'base.yml'),
                             ['dtype=float32', 'mesh=1,1,1', *keys])
     mesh = train.make_mesh(cfg, jax.devices()[:1])
-    _, _, abstract = train.state_layout(cfg, mesh, train.make_optimizer(cfg)[0])
+    abstract = train.state_layout(cfg, model.TASKS['lm'], mesh, train.make_optimizer(cfg)[0], 1).abstract
     params = train.load_params(run, abstract, cfg)[1]
     sp = spm.SentencePieceProcessor(model_file=os.path.join(hf, 'tokenizer.model'))
     text = open(train.__file__).read()  # any text: the trainer's own source

@@ -48,11 +48,32 @@ def args(tmp_path, *overrides, preset=LM):
 
 
 def config(tmp_path, *overrides, preset=LM):
-    """The Config a user would get from `python train.py base.yml <args>`, before run() touches it."""
+    """The Config `python train.py base.yml <args>` runs with on this CPU: loaded, then resolved as run()
+    resolves it (the task's fixed values, such as the puzzle vocabulary; dtype=auto made concrete)."""
     cfg = train.load_config(BASE, args(tmp_path, *overrides, preset=preset))
-    if cfg.task == 'sudoku':  # what run() sets: the puzzle tokens fix the vocabulary
-        cfg.vocab_size = train.data.SUDOKU_VOCAB
-    return cfg
+    return train.resolve(cfg, train.model_lib.TASKS[cfg.task], 'cpu')
+
+
+def train_state(cfg, devices):
+    """(mesh, layout, train state, optimizer) of cfg on these devices, built as run() builds them."""
+    mesh, tx = train.make_mesh(cfg, devices), train.make_optimizer(cfg)[0]
+    task = train.model_lib.TASKS[cfg.task]
+    layout = train.state_layout(cfg, task, mesh, tx, cfg.per_device_batch * len(devices))
+    with jax.set_mesh(mesh), train.nnx.logical_axis_rules(cfg.logical_axis_rules):
+        return mesh, layout, train.init_state(cfg, layout), tx
+
+
+def train_step(cfg, mesh, tx):
+    """cfg's jitted train step (not donating its state), under the mesh's axis rules."""
+    graph = train.model_lib.abstract(cfg)[0]
+    with jax.set_mesh(mesh), train.nnx.logical_axis_rules(cfg.logical_axis_rules):
+        return jax.jit(train.make_train_step(cfg, train.model_lib.TASKS[cfg.task], graph, tx))
+
+
+def read_checkpoint(run_dir, step):
+    """Checkpoint `step` of a run as orbax restores it (no target: plain arrays)."""
+    with train.checkpoints(os.path.join(run_dir, 'checkpoints'), train.load_config(BASE), read_only=True) as mngr:
+        return mngr.restore(step)
 
 
 def metrics(run_dir):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import train
-from conftest import ENV, ROOT, config, losses, metrics
+from conftest import ENV, ROOT, config, losses, metrics, read_checkpoint
 
 # A small real-text run: local files through the tfds builder + a trained sentencepiece model.
 TEXT = ['dataset=files', 'vocab_size=512', 'd_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2',
@@ -149,10 +149,8 @@ def test_shape_mismatch_and_load_params(tmp_path):
     # load_params starts a fresh run (step 0, new optimizer) from the other run's weights.
     cfg = config(tmp_path, 'steps=1', 'run_name=finetune', f'load_params={tmp_path}/default', 'checkpoint_every=0')
     train.run(cfg, jax.devices()[:1])
-    mngr = train.checkpoint_manager(tmp_path / 'default' / 'checkpoints', cfg, read_only=True)
-    a = mngr.restore(2)['train_state']['params']
-    mngr = train.checkpoint_manager(tmp_path / 'finetune' / 'checkpoints', cfg, read_only=True)
-    b = mngr.restore(1)['train_state']
+    a = read_checkpoint(tmp_path / 'default', 2)['train_state']['params']
+    b = read_checkpoint(tmp_path / 'finetune', 1)['train_state']
     assert int(b['step']) == 1
     jax.tree.map(np.testing.assert_array_equal, a, b['params'])  # warmup's first step has lr 0: as loaded
 
@@ -198,11 +196,10 @@ def test_a_checkpoint_from_before_grain_resumes_with_the_data_started_over(tmp_p
     per process) still resumes: the train state as saved, one warning line, the data order from its start."""
     ref = train.run(config(tmp_path, 'steps=3', 'checkpoint_every=3', 'run_name=ref'), jax.devices()[:1])
     cfg = config(tmp_path, 'steps=5', 'run_name=old')
-    saved = train.checkpoint_manager(os.path.join(ref['run_dir'], 'checkpoints'), cfg, read_only=True).restore(3)
-    old = train.checkpoint_manager(tmp_path / 'old' / 'checkpoints', cfg)
-    old.save(3, args=train.ocp.args.Composite(train_state=train.ocp.args.PyTreeSave(saved['train_state']),
-                                              data_state=train.ocp.args.StandardSave({'position': np.array([3])})))
-    old.wait_until_finished()
+    saved = read_checkpoint(ref['run_dir'], 3)
+    with train.checkpoints(tmp_path / 'old' / 'checkpoints', cfg) as old:
+        old.save(3, args=train.ocp.args.Composite(train_state=train.ocp.args.PyTreeSave(saved['train_state']),
+                                                  data_state=train.ocp.args.StandardSave({'position': np.array([3])})))
     capsys.readouterr()
     s = train.run(cfg, jax.devices()[:1])
     out = capsys.readouterr().out

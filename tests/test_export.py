@@ -10,7 +10,7 @@ import pytest
 
 import model as model_lib
 import train
-from conftest import VOCAB, config, init_model, write_corpus
+from conftest import VOCAB, config, init_model, read_checkpoint, train_state, write_corpus
 
 DEVICES = 4  # fsdp=4: export gathers sharded parameters, import places them back sharded
 
@@ -34,9 +34,8 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
     """Exported names/shapes/dtypes are Llama's; re-import gives identical parameters and logits."""
     keys = [f'scan_layers={scan}', f'tie_embeddings={tie}', 'seed=3']
     cfg = config(tmp_path, *keys)
-    mesh = train.make_mesh(cfg, jax.devices()[:DEVICES])
-    tx = train.make_optimizer(cfg)[0]
-    ours = train.init_state(cfg, mesh, tx)[0]['params']  # sharded over fsdp=4
+    mesh, layout, state, _ = train_state(cfg, jax.devices()[:DEVICES])
+    ours = state['params']  # sharded over fsdp=4
     hf = str(tmp_path / 'hf')
     train.export_hf(cfg, ours, train.data.make_dataset(cfg), hf)
 
@@ -68,8 +67,7 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
     assert conf['tie_word_embeddings'] == (tie == 'true')
 
     # Round trip: the same parameters in the same placement, so the same logits.
-    abstract = train.state_layout(cfg, mesh, tx)[2]
-    back = train.load_hf(hf, abstract['params'], cfg)
+    back = train.load_hf(hf, layout.abstract['params'], cfg)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), ours, back)
     assert jax.tree.map(lambda a: a.sharding.spec, ours) == jax.tree.map(lambda a: a.sharding.spec, back)
     tokens = np.random.default_rng(0).integers(0, V, (2, 32)).astype(np.int32)
@@ -80,9 +78,9 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
 
     # A config that disagrees with the checkpoint is one line naming the key; so is a missing directory.
     with pytest.raises(train.ConfigError, match='hidden_size=64 but d_model=32; set d_model=64'):
-        train.load_hf(hf, abstract['params'], config(tmp_path, *keys, 'd_model=32'))
+        train.load_hf(hf, layout.abstract['params'], config(tmp_path, *keys, 'd_model=32'))
     with pytest.raises(train.ConfigError, match='cannot read .*config.json'):
-        train.load_hf(str(tmp_path / 'nope'), abstract['params'], cfg)
+        train.load_hf(str(tmp_path / 'nope'), layout.abstract['params'], cfg)
 
 
 @pytest.mark.parametrize('scan', ['true', 'false'])
@@ -91,13 +89,13 @@ def test_kv_cache_generation_equals_full_recompute(tmp_path, scan):
     cfg = config(tmp_path, f'scan_layers={scan}', 'temperature=0', 'max_new_tokens=12')
     graph, params = init_model(cfg, seed=1)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 5)).astype(np.int32)
-    got = np.asarray(train.generate(cfg, graph, params, prompt, jax.random.key(0)))
+    got = np.asarray(model_lib.generate(cfg, graph, params, prompt, jax.random.key(0)))
     np.testing.assert_array_equal(got, _greedy_full_recompute(cfg, params, prompt, 12))
     if scan == 'false':
         return
     # Sampling with top_k=1 is greedy whatever the temperature.
     hot = config(tmp_path, f'scan_layers={scan}', 'max_new_tokens=12', 'temperature=2.0', 'top_k=1')
-    np.testing.assert_array_equal(np.asarray(train.generate(hot, graph, params, prompt, jax.random.key(0))), got)
+    np.testing.assert_array_equal(np.asarray(model_lib.generate(hot, graph, params, prompt, jax.random.key(0))), got)
 
 
 def test_cli_export_and_generate(tmp_path, capsys):
@@ -107,7 +105,7 @@ def test_cli_export_and_generate(tmp_path, capsys):
     write_corpus(corpus, 12, 'train', 0)
     text = ['dataset=files', f'dataset_path={corpus}/*.txt', f'vocab_size={VOCAB}', f'cache_dir={tmp_path}/cache']
     cfg = config(tmp_path, *text)
-    params = train.init_state(cfg, train.make_mesh(cfg, jax.devices()[:1]), train.make_optimizer(cfg)[0])[0]['params']
+    params = train_state(cfg, jax.devices()[:1])[2]['params']
     first, hf = str(tmp_path / 'first'), str(tmp_path / 'hf')
     train.export_hf(cfg, params, train.data.make_dataset(cfg), first)
     train.run(config(tmp_path, *text, 'mode=export', f'load_hf={first}', f'export_dir={hf}'), jax.devices()[:1])
@@ -132,8 +130,7 @@ def test_load_hf_starts_training_from_the_imported_weights(tmp_path):
     train.run(config(tmp_path, 'mode=export', 'run_name=src', f'export_dir={tmp_path}/hf'), jax.devices()[:1])
     cfg = config(tmp_path, 'steps=1', 'run_name=tuned', f'load_hf={tmp_path}/hf')
     train.run(cfg, jax.devices()[:1])
-    read = lambda run, step: train.checkpoint_manager(tmp_path / run / 'checkpoints', cfg, read_only=True).restore(
-        step)['train_state']
+    read = lambda run, step: read_checkpoint(tmp_path / run, step)['train_state']
     src, tuned = read('src', 2), read('tuned', 1)
     assert int(tuned['step']) == 1
     jax.tree.map(np.testing.assert_array_equal, src['params'], tuned['params'])

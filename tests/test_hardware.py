@@ -41,7 +41,8 @@ def test_readme_has_every_preset():
     assert list(README) == ['CPU', '1x H100 / H200 GPU', *(f'TPU {s}' for s in train.TPU_SLICES)], list(README)
     for hardware, (overrides, _) in README.items():
         try:
-            train.validate(train.load_config(BASE, overrides))
+            cfg = train.load_config(BASE, overrides)
+            train.check(cfg, train.model_lib.TASKS[cfg.task])
         except train.ConfigError as e:
             pytest.fail(f'README row {hardware!r}: {e}')
 
@@ -53,7 +54,8 @@ def test_readme_cpu_row_trains_in_the_dtype_of_the_cpu(tmp_path, monkeypatch, bf
     one with them (the CPU's flags are patched, so both run here), as config.yml records."""
     monkeypatch.setattr(train, 'cpu_has_bf16', lambda: bf16)
     overrides, _ = README['CPU']
-    cfg = config(tmp_path, 'steps=3', 'dataset=synthetic', 'eval_batches=0', 'log_every=1', preset=overrides)
+    cfg = train.load_config(BASE, args(tmp_path, 'steps=3', 'dataset=synthetic', 'eval_batches=0', 'log_every=1',
+                                       preset=overrides))
     assert cfg.dtype == 'auto'
     summary = train.run(cfg, jax.devices()[:1])
     with open(os.path.join(summary['run_dir'], 'config.yml')) as f:
@@ -66,13 +68,11 @@ def test_readme_cpu_row_trains_in_the_dtype_of_the_cpu(tmp_path, monkeypatch, bf
 
 def test_dtype_auto_is_bfloat16_on_accelerators_and_explicit_dtypes_stay(tmp_path, monkeypatch):
     monkeypatch.setattr(train, 'cpu_has_bf16', lambda: False)
+    lm = train.model_lib.TASKS['lm']
     for platform, want in (('tpu', 'bfloat16'), ('gpu', 'bfloat16'), ('cpu', 'float32')):
-        cfg = config(tmp_path, 'dtype=auto')
-        train.resolve_dtype(cfg, platform)
-        assert cfg.dtype == want, platform
-    cfg = config(tmp_path, 'dtype=bfloat16')
-    train.resolve_dtype(cfg, 'cpu')
-    assert cfg.dtype == 'bfloat16'
+        cfg = train.load_config(BASE, args(tmp_path, 'dtype=auto'))
+        assert train.resolve(cfg, lm, platform).dtype == want and cfg.dtype == 'auto', platform
+    assert train.resolve(config(tmp_path, 'dtype=bfloat16'), lm, 'cpu').dtype == 'bfloat16'
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import data
 import model as model_lib
 import train
 from conftest import BASE, SUDOKU, args, config, init_trm, metrics, sudoku_batch
+from model import Search
 
 
 def oracle(a_BL):
@@ -33,7 +34,7 @@ def easy(n, seed=0, blanks=30):
 def test_oracle_value_solves_easy_puzzles_and_log_prob_alone_does_not():
     for blanks in (30, 58):
         q, a = easy(4, blanks=blanks)
-        search = lambda score: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000, score)
+        search = lambda score: model_lib.tree_search(oracle(a), q, Search(2, 9, 1, 81, 10_000, score))
         grids, evals = jax.jit(lambda: search('value'))()
         np.testing.assert_array_equal(grids, a)
         assert bool(data.solved(grids).all()) and (np.asarray(evals) <= 10_000).all()
@@ -55,14 +56,14 @@ def test_finished_puzzles_leave_the_batch_without_changing_a_result():
         np.testing.assert_array_equal(grids, np.concatenate([g for g, _ in parts]))
         np.testing.assert_array_equal(counts, np.concatenate([n for _, n in parts]))
         return grids, counts
-    grids, evals = as_in_batches_of_4(lambda q: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000))
+    grids, evals = as_in_batches_of_4(lambda q: model_lib.tree_search(oracle(a), q, Search(2, 9, 1, 81, 10_000, 'value')))
     np.testing.assert_array_equal(grids, a)
     assert int(evals[:12].max()) < int(evals[12:].min())
     # The shuffled-value control draws per puzzle: its grids do not depend on the batch around a puzzle.
-    as_in_batches_of_4(lambda q: model_lib.tree_search(oracle(a), q, 2, 9, 1, 81, 10_000, 'shuffled'))
+    as_in_batches_of_4(lambda q: model_lib.tree_search(oracle(a), q, Search(2, 9, 1, 81, 10_000, 'shuffled')))
     # Greedy decoding leaves the batch the same way (with the uniform policy it fills the 4-blank puzzles
     # in 4 moves; the 40-blank ones go on, in the batch of 4, until they hit a dead end).
-    _, passes = as_in_batches_of_4(lambda q: model_lib.greedy(oracle(a), q))
+    _, passes = as_in_batches_of_4(lambda q: model_lib.tree_search(oracle(a), q, Search()))
     assert int(passes[:12].max()) < int(passes[12:].max())
 
 
@@ -84,8 +85,8 @@ def test_a_policy_answer_that_obeys_the_rules_ends_the_search():
     """Every evaluated state's argmax fill is checked: a policy that already knows the solution costs
     the puzzle's one pass, in greedy and in the search; one wrong digit in its answer costs more."""
     q, a = easy(2, blanks=50)
-    both = jax.jit(lambda w: (model_lib.tree_search(known_policy(q, a, w), q, 2, 2, 1, 81, 10_000),
-                              model_lib.greedy(known_policy(q, a, w), q)))
+    both = jax.jit(lambda w: (model_lib.tree_search(known_policy(q, a, w), q, Search(2, 2, 1, 81, 10_000, 'value')),
+                              model_lib.tree_search(known_policy(q, a, w), q, Search())))
     for wrong in (False, True):
         (grids, evals), (greedy, passes) = both(wrong)
         np.testing.assert_array_equal(grids, a)
@@ -99,9 +100,9 @@ def test_without_rule_checks_the_halting_head_ends_the_search():
     pass per move). With one wrong surest digit, nothing rejects it: greedy commits to it, while the
     search also tries the right sibling, which the halting head accepts."""
     q, a = easy(2, blanks=50)
-    decode = jax.jit(lambda w, h: (model_lib.tree_search(known_policy(q, a, w, h), q, 2, 2, 1, 81, 10_000,
-                                                         rules=False),
-                                   model_lib.greedy(known_policy(q, a, w, h), q, rules=False)))
+    decode = jax.jit(lambda w, h: (model_lib.tree_search(known_policy(q, a, w, h), q,
+                                                         Search(2, 2, 1, 81, 10_000, 'value', rules=False)),
+                                   model_lib.tree_search(known_policy(q, a, w, h), q, Search(rules=False))))
     (grids, evals), (greedy, passes) = decode(False, True)
     np.testing.assert_array_equal(grids, a)
     np.testing.assert_array_equal(greedy, a)
@@ -152,8 +153,8 @@ def test_forced_moves_match_plain_python_and_make_a_solver():
     forced = np.asarray(jax.jit(model_lib.fill_forced)(q))
     assert forced.tolist() == [forced_in_plain_python(g) for g in q.tolist()]
     assert ((forced == 0) | (forced == np.asarray(a))).all() and (forced > 0).sum() > (q > 0).sum()
-    search = jax.jit(lambda p: model_lib.tree_search(fewest_options, q, 1, 9, 1, 500, 2_000, frontier=64,
-                                                     propagate=p), static_argnums=0)
+    search = jax.jit(lambda p: model_lib.tree_search(fewest_options, q, Search(1, 9, 1, 500, 2_000, 'value', frontier=64,
+                                                                                    propagate=p)), static_argnums=0)
     (solver, evals), (_, plain_evals) = search(True), search(False)
     np.testing.assert_array_equal(solver, a)
     assert int(np.sum(evals)) * 4 < int(np.sum(plain_evals)), (evals, plain_evals)
@@ -179,7 +180,7 @@ def test_frontier_backtracks_where_the_beam_commits():
         v_N = jnp.where(jnp.all((g_NL == 0) | (g_NL == a_NL), -1), 0.5, 0.01)
         v_N = jnp.where(jnp.all(g_NL == d_NL, -1), 0.9, v_N)
         return jnp.log(p_NLC), jnp.log(v_N), jnp.zeros(len(g_NL))
-    search = lambda frontier: model_lib.tree_search(evaluate, q, 1, 2, 1, 500, 10_000, frontier=frontier)
+    search = lambda frontier: model_lib.tree_search(evaluate, q, Search(1, 2, 1, 500, 10_000, 'value', frontier=frontier))
     beam, _ = jax.jit(lambda: search(0))()
     best_first, evals = jax.jit(lambda: search(8))()
     assert not bool((beam == a).all(-1).any())
@@ -192,7 +193,7 @@ def test_max_depth_and_max_thoughts_cut_the_search_short():
     stops it after 3 steps (at most 1 + 3 x W x E states), max_thoughts=20 once 20 states were evaluated."""
     q, a = easy(2, blanks=40)
     W, E = 2, 9
-    search = jax.jit(lambda depth, thoughts: model_lib.tree_search(oracle(a), q, W, E, 1, depth, thoughts),
+    search = jax.jit(lambda depth, thoughts: model_lib.tree_search(oracle(a), q, Search(W, E, 1, depth, thoughts, 'value')),
                      static_argnums=(0, 1))
     full, full_evals = search(81, 10_000)
     np.testing.assert_array_equal(full, a)
@@ -232,7 +233,7 @@ def test_greedy_is_the_width_one_search_and_compiles_once():
     """decoder=greedy runs tree_search with one state and one one-cell thought: it matches a plain-Python
     greedy loop grid for grid and pass for pass, and other puzzles reuse the one compiled search."""
     q, _ = easy(4, blanks=45)
-    search = jax.jit(lambda q: model_lib.greedy(hashed_policy, q))
+    search = jax.jit(lambda q: model_lib.tree_search(hashed_policy, q, Search()))
     grids, passes = search(q)
     want = [plain_greedy(hashed_policy, q_L) for q_L in q]
     np.testing.assert_array_equal(grids, np.stack([g for g, _ in want]))
@@ -266,7 +267,7 @@ def test_partial_states_labels_and_where_the_value_is_read(tmp_path):
     # The value is read after supervision step tot.value_step (2 here) however many steps run after it.
     cfg = config(tmp_path, 'tot.value_step=2', preset=SUDOKU)
     m, params, _ = init_trm(cfg, sudoku_batch(2))
-    log_v = {n: jax.jit(lambda g, n=n: model_lib.trm_steps(cfg, m, params, g, n)[2])(g) for n in (1, 2, 3)}
+    log_v = {n: jax.jit(lambda g, n=n: model_lib.trm_steps(cfg, m, params, g, n).log_value_N)(g) for n in (1, 2, 3)}
     assert log_v[2].shape == (64,)
     np.testing.assert_array_equal(log_v[3], log_v[2])
     assert not np.allclose(log_v[1], log_v[2])
@@ -319,4 +320,4 @@ def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys, monkeypatch)
     assert train.main(['train.py', BASE, *args(tmp_path, *common, 'mode=generate', 'run_name=gen',
                                                f'load_params={s["run_dir"]}', f'prompt={puzzle}', preset=SUDOKU)]) == 0
     assert 'a valid solution' in capsys.readouterr().out
-    assert open(os.path.join(tmp_path, 'gen', 'solution.txt')).read().strip() == ''.join(map(str, a[0]))
+    assert open(os.path.join(tmp_path, 'gen', 'generation.txt')).read().strip() == ''.join(map(str, a[0]))

@@ -12,7 +12,7 @@ import pytest
 
 import model as model_lib
 import train
-from conftest import BASE, ROOT, args, config, init_model, losses, metrics
+from conftest import BASE, ROOT, args, config, init_model, losses, metrics, train_state, train_step
 
 
 # ---- the step's math ------------------------------------------------------------------------------
@@ -31,13 +31,8 @@ def test_mesh_invariance(tmp_path):
 
 
 def _state_and_step(cfg, n_devices=1):
-    mesh = train.make_mesh(cfg, jax.devices()[:n_devices])
-    model = model_lib.abstract(cfg)[0]
-    tx, schedule = train.make_optimizer(cfg)
-    state, _ = train.init_state(cfg, mesh, tx)
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(train.axis_rules(cfg)):
-        step = jax.jit(train.make_train_step(cfg, model, tx))
-    return mesh, state, step
+    mesh, _, state, tx = train_state(cfg, jax.devices()[:n_devices])
+    return mesh, state, train_step(cfg, mesh, tx)
 
 
 def _batch(cfg, rows, seed=0):
@@ -230,9 +225,8 @@ def test_gqa_shares_kv_heads(tmp_path):
 # ---- mesh and sharding ----------------------------------------------------------------------------
 def test_big_parameters_are_sharded_on_4_4_2(tmp_path):
     cfg = config(tmp_path, 'mesh=4,4,2', 'd_model=128', 'mlp_dim=256', 'vocab_size=256', 'scan_layers=true')
-    mesh = train.make_mesh(cfg, jax.devices())
-    tx, _ = train.make_optimizer(cfg)
-    state, shardings = train.init_state(cfg, mesh, tx)
+    _, layout, state, _ = train_state(cfg, jax.devices())
+    shardings = layout.shardings
     for path, x in jax.tree_util.tree_leaves_with_path(state):
         if x.size >= 4096:
             assert not x.sharding.is_fully_replicated, jax.tree_util.keystr(path)
@@ -269,8 +263,8 @@ def test_duplicate_key_in_yaml(tmp_path):
 
 def test_override_types(tmp_path):
     cfg = config(tmp_path, 'mesh=4,4,2', 'learning_rate=1', 'scan_layers=false', 'logical_axis_rules=[[batch, data]]')
-    assert cfg.mesh == [4, 4, 2] and cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
-    assert cfg.scan_layers is False and cfg.logical_axis_rules == [['batch', 'data']]
+    assert cfg.mesh == (4, 4, 2) and cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
+    assert cfg.scan_layers is False and cfg.logical_axis_rules == (('batch', 'data'),)
 
 
 def test_run_writes_config_metrics_and_tensorboard(tmp_path):

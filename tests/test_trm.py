@@ -129,8 +129,9 @@ def test_scoring_overwrites_givens_and_checks_rules():
     preds = np.array(b['targets'])[None].repeat(2, 0)  # [S=2, B, L]: every blank right ...
     preds[:, 0, q[0] != 0] = 2  # ... but row 0's givens predicted wrong: overwritten, still solved
     preds[1, 1, :81][q[1] == 0] = 2  # step 2: row 1's blanks all "1": wrong and against the rules
-    exact_S, cells_S, blanks, n, grids = model_lib.sudoku_scores(preds, b)
-    assert n == 3 and blanks == (q == 0).sum()
+    sc = model_lib.sudoku_scores(preds, b)
+    exact_S, cells_S, grids, blanks = sc['exact_S'], sc['cells_S'], sc['grids_BL'], sc['blanks']
+    assert sc['puzzles'] == 3 and blanks == (q == 0).sum()
     np.testing.assert_array_equal(exact_S, [3, 2])
     np.testing.assert_array_equal(grids[0], a[0])
     assert cells_S[0] == blanks and cells_S[1] == blanks - (q[1] == 0).sum() + (a[1][q[1] == 0] == 1).sum()
