@@ -26,7 +26,6 @@ import fcntl
 import hashlib
 import io
 import itertools
-import logging
 import os
 import random
 import sys
@@ -171,19 +170,6 @@ def _announced(log, what):
         log(f'{what}: done in {time.perf_counter() - start:.1f}s')
 
 
-@contextlib.contextmanager
-def _quiet_tfds():
-    """tfds warns through absl about our per-glob builder config (and narrates a local build as a download on
-    stdout, which the build redirects): noise around the trainer's own lines."""
-    absl = logging.getLogger('absl')
-    level = absl.level
-    absl.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        absl.setLevel(level)
-
-
 # ---- synthetic tokens --------------------------------------------------------------------------
 
 class SyntheticData(_Data):
@@ -314,16 +300,15 @@ def _file_sources(cfg, log=None):
     import tensorflow_datasets as tfds
     train_files, eval_files = _split_files(cfg)
     name = 'files_' + _fingerprint(train_files, eval_files)
-    with _quiet_tfds():
-        with _locked(cfg.cache_dir):  # the builder reads what is prepared when made: after another process built it
-            builder = _text_files_builder(name, train_files, eval_files, cfg.cache_dir)
-            if not builder.is_prepared():
-                tfds.disable_progress_bar()
-                with _announced(log, f'building the text dataset from {len(train_files)} + {len(eval_files)} '
-                                     f'files into {cfg.cache_dir}'), contextlib.redirect_stdout(io.StringIO()):
-                    builder.download_and_prepare(file_format='array_record', download_config=tfds.download.DownloadConfig(
-                        compute_stats=tfds.download.ComputeStatsMode.SKIP))
-        source = builder.as_data_source()
+    with _locked(cfg.cache_dir):  # the builder reads what is prepared when made: after another process built it
+        builder = _text_files_builder(name, train_files, eval_files, cfg.cache_dir)
+        if not builder.is_prepared():
+            tfds.disable_progress_bar()
+            with _announced(log, f'building the text dataset from {len(train_files)} + {len(eval_files)} '
+                                 f'files into {cfg.cache_dir}'), contextlib.redirect_stdout(io.StringIO()):
+                builder.download_and_prepare(file_format='array_record', download_config=tfds.download.DownloadConfig(
+                    compute_stats=tfds.download.ComputeStatsMode.SKIP))
+    source = builder.as_data_source()
     return _Texts(source['train'], 'text'), _Texts(source['eval'], 'text'), name
 
 

@@ -393,6 +393,75 @@ def lm_check(cfg):
 
 
 # ==================================================================================================
+# The Hugging Face Llama layout: our parameters <-> LlamaForCausalLM's tensors and config.
+# ==================================================================================================
+# Our layer parameter -> HF tensor under model.layers.{i}. HF Linear weights are [out, in]; ours keep the
+# input axis first ('in': wq [D,H,K]) or the output axis last ('out': wo [H,K,D]). Both use rotate-half
+# RoPE, so q and k need no permutation.
+HF_LAYER = (('self_attn.q_proj', ('attn', 'wq'), 'in'), ('self_attn.k_proj', ('attn', 'wk'), 'in'),
+             ('self_attn.v_proj', ('attn', 'wv'), 'in'), ('self_attn.o_proj', ('attn', 'wo'), 'out'),
+             ('mlp.gate_proj', ('mlp', 'w_gate'), 'in'), ('mlp.up_proj', ('mlp', 'w_up'), 'in'),
+             ('mlp.down_proj', ('mlp', 'w_down'), 'out'), ('input_layernorm', ('attn_norm', 'scale'), None),
+             ('post_attention_layernorm', ('mlp_norm', 'scale'), None))
+HF_KEYS = {'d_model': 'hidden_size', 'mlp_dim': 'intermediate_size', 'num_heads': 'num_attention_heads',
+            'num_kv_heads': 'num_key_value_heads', 'head_dim': 'head_dim', 'num_layers': 'num_hidden_layers',
+            'vocab_size': 'vocab_size', 'norm_eps': 'rms_norm_eps', 'rope_theta': 'rope_theta',
+            'tie_embeddings': 'tie_word_embeddings'}
+
+
+def hf_names(cfg):
+    """[(HF tensor name, our params path, index in the scanned layer stack or None, layout)]."""
+    out = [('model.embed_tokens.weight', ('embed',), None, None),
+           ('model.norm.weight', ('final_norm', 'scale'), None, None)]
+    if not cfg.tie_embeddings:
+        out.append(('lm_head.weight', ('lm_head',), None, 'in'))
+    for i in range(cfg.num_layers):
+        layer, idx = (('layers',), i) if cfg.scan_layers else (('layers', i), None)
+        out += [(f'model.layers.{i}.{hf}.weight', ('trunk', *layer, *ours), idx, how) for hf, ours, how in HF_LAYER]
+    return out
+
+
+def to_hf(cfg, params):
+    """Our params (host arrays) -> ({HF tensor name: array}, HF config.json without the token ids)."""
+    tensors = {}
+    for name, path, i, how in hf_names(cfg):
+        w = params
+        for k in path:
+            w = w[k]
+        w = w if i is None else w[i]
+        if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
+            w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
+        tensors[name] = np.ascontiguousarray(w)  # safetensors writes an array's buffer as it lies in memory
+    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu',
+            'attention_bias': False, 'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length,
+            'torch_dtype': cfg.weight_dtype,
+            **{hf: dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in HF_KEYS.items()}}
+    return tensors, conf
+
+
+def from_hf(cfg, tensors, conf):
+    """A HF Llama checkpoint -> {our params path: array in our axis order, layers stacked}; ValueError
+    naming the key where it and the config disagree."""
+    conf.setdefault('rope_theta', (conf.get('rope_parameters') or {}).get('rope_theta'))  # transformers 5 nests it
+    conf.setdefault('head_dim', conf.get('hidden_size', 0) // conf.get('num_attention_heads', 1))
+    conf.setdefault('tie_word_embeddings', False)  # LlamaConfig's default
+    for ours, hf in HF_KEYS.items():
+        want = dims(cfg) if ours == 'head_dim' else getattr(cfg, ours)
+        if not (conf.get(hf) == want or isinstance(want, float) and math.isclose(conf.get(hf) or 0, want)):
+            raise ValueError(f'config.json has {hf}={conf.get(hf)} but {ours}={want}; set {ours}={conf.get(hf)}')
+    for key, plain in (('hidden_act', 'silu'), ('attention_bias', False), ('mlp_bias', False), ('rope_scaling', None)):
+        if conf.get(key, plain) != plain:
+            raise ValueError(f'{key}={conf[key]!r} is not supported (plain Llama: {plain!r})')
+    flat = {}
+    for name, p, i, how in hf_names(cfg):
+        if name not in tensors:
+            raise ValueError(f'model.safetensors has no tensor {name}')
+        w = tensors[name] if how is None else tensors[name].T  # reshaped to our layout by the caller
+        flat[p] = w if i is None else flat.get(p, []) + [w]
+    return {p: np.asarray(w) for p, w in flat.items()}  # a list of layers stacks on a leading axis
+
+
+# ==================================================================================================
 # The task interface: all train.py knows about what it trains.
 # ==================================================================================================
 @dataclasses.dataclass(frozen=True)

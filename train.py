@@ -192,26 +192,15 @@ def schema_error(err, path, raw):
         return f'{path}: key {key} is missing; every key of base.yml must be set'
     if kind == 'literal_error':
         return f'{key}={value!r}: choose one of {err["ctx"]["expected"].replace(" or ", ", ")}'
-    if kind in ('greater_than', 'greater_than_equal', 'less_than', 'less_than_equal'):
-        return f'{key}={shown}: must be {bounds(names)}'
+    ops = {'greater_than': '>', 'greater_than_equal': '>=', 'less_than': '<', 'less_than_equal': '<='}
+    if kind in ops:
+        bound = next(iter(err['ctx'].values()))
+        return f'{key}={shown}: must be {ops[kind]} {f"{bound:g}" if isinstance(bound, float) else bound}'
     expected = {'int': 'an integer', 'float': 'a number', 'bool': 'true or false', 'string': 'text',
                 'model': 'a section of keys', 'dict': 'a section of keys', 'tuple': 'a list', 'list': 'a list',
                 'finite': 'a finite number'}
     what = next((v for k, v in expected.items() if kind.startswith(k)), kind)
     return f'{key}={shown}: expected {what}' + (' in each entry' if len(names) < len(err['loc']) else '')
-
-
-def bounds(names):
-    """The allowed range of a numeric key from its schema declaration: '>= 1', '> 0', 'in [0, 1)'."""
-    model = Config
-    for name in names[:-1]:
-        model = model.model_fields[name].annotation
-    limits = {type(m).__name__: getattr(m, type(m).__name__.lower()) for m in model.model_fields[names[-1]].metadata}
-    lo = next((f'{"[" if k == "Ge" else "("}{v}' for k, v in limits.items() if k in ('Ge', 'Gt')), None)
-    hi = next((f'{v}{"]" if k == "Le" else ")"}' for k, v in limits.items() if k in ('Le', 'Lt')), None)
-    if lo and hi:
-        return f'in {lo}, {hi}'
-    return f'{">=" if lo[0] == "[" else ">"} {lo[1:]}' if lo else f'{"<=" if hi[-1] == "]" else "<"} {hi[:-1]}'
 
 
 def check(cfg, task):
@@ -614,8 +603,7 @@ def restore_checkpoint(mngr, abstract, steps=None, part=None, move_aside=False):
     damaged = []
     for step in sorted(steps or mngr.all_steps(), reverse=True):
         try:
-            with quiet_stderr():
-                state, data_state = _read_step(mngr, step, abstract, part)
+            state, data_state = _read_step(mngr, step, abstract, part)
         except Damaged as e:
             damaged.append(step)
             log(f'WARNING: checkpoint {mngr.directory}/{step} is damaged ({e}); trying the one before it')
@@ -957,7 +945,9 @@ def train(cfg, state, it, feed, steps, mngr, run_dir, flops):
     if start >= cfg.steps:
         log(f'{run_dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise steps= to go on)')
         return {'step': start, 'run_dir': run_dir}
-    t_xla, compiled_gb = report_compiled_step(cfg, steps.train, state, feed)
+    t_xla, m = compile_step(cfg, steps.train, state, feed, accum_at(cfg, start))
+    line, compiled_gb = compiled_line(m) if m else ('', None)
+    log(f'step compiled in {t_xla:.1f}s; {line}')
     book = StepLog(cfg, it, start, bool(t_xla), flops, MetricsWriter(run_dir, start))
     try:
         summary = train_loop(cfg, state, feed, steps, mngr, book, run_dir)
@@ -977,19 +967,13 @@ def train(cfg, state, it, feed, steps, mngr, run_dir, flops):
     return summary
 
 
-def report_compiled_step(cfg, train_step, state, feed):
-    """Compiles the step before step 1 (the first call reuses it) to print the memory it will take beside
-    the config's estimate. Returns (compile seconds, compiled bytes per device or None)."""
+def compile_step(cfg, train_step, state, feed, A):
+    """Compile the step for this state and an [A, B, L] batch ahead of its first call (which then reuses the
+    program), printing the config's memory estimate first. Returns (seconds, the compiler's memory analysis)."""
     t0 = time.perf_counter()
-    batch = abstract_batch(accum_at(cfg, int(state['step'])), feed.rows, feed.length, feed.step_sharding)
-    m = train_step.lower(state, batch).compile().memory_analysis()
-    t_xla = time.perf_counter() - t0
-    log(f'step compiled in {t_xla:.1f}s; ' + estimate_line(cfg, memory_estimate(cfg, state, feed.step_sharding.mesh)))
-    if m is None:
-        return t_xla, None
-    line, need = compiled_line(m)
-    log(line)
-    return t_xla, need
+    log(estimate_line(cfg, memory_estimate(cfg, state, feed.step_sharding.mesh)))
+    m = train_step.lower(state, abstract_batch(A, feed.rows, feed.length, feed.step_sharding)).compile()
+    return time.perf_counter() - t0, m.memory_analysis()
 
 
 # ==================================================================================================
@@ -1017,56 +1001,17 @@ def generate_mode(cfg, task, graph, params, ds, run_dir, rows):
     return {**summary, 'run_dir': run_dir}
 
 
-# Our layer parameter -> HF tensor under model.layers.{i}. HF Linear weights are [out, in]; ours keep the
-# input axis first ('in': wq [D,H,K]) or the output axis last ('out': wo [H,K,D]). Both use rotate-half
-# RoPE, so q and k need no permutation.
-_HF_LAYER = (('self_attn.q_proj', ('attn', 'wq'), 'in'), ('self_attn.k_proj', ('attn', 'wk'), 'in'),
-             ('self_attn.v_proj', ('attn', 'wv'), 'in'), ('self_attn.o_proj', ('attn', 'wo'), 'out'),
-             ('mlp.gate_proj', ('mlp', 'w_gate'), 'in'), ('mlp.up_proj', ('mlp', 'w_up'), 'in'),
-             ('mlp.down_proj', ('mlp', 'w_down'), 'out'), ('input_layernorm', ('attn_norm', 'scale'), None),
-             ('post_attention_layernorm', ('mlp_norm', 'scale'), None))
-_HF_KEYS = {'d_model': 'hidden_size', 'mlp_dim': 'intermediate_size', 'num_heads': 'num_attention_heads',
-            'num_kv_heads': 'num_key_value_heads', 'head_dim': 'head_dim', 'num_layers': 'num_hidden_layers',
-            'vocab_size': 'vocab_size', 'norm_eps': 'rms_norm_eps', 'rope_theta': 'rope_theta',
-            'tie_embeddings': 'tie_word_embeddings'}
-
-
-def hf_names(cfg):
-    """[(HF tensor name, our params path, index in the scanned layer stack or None, layout)]."""
-    out = [('model.embed_tokens.weight', ('embed',), None, None),
-           ('model.norm.weight', ('final_norm', 'scale'), None, None)]
-    if not cfg.tie_embeddings:
-        out.append(('lm_head.weight', ('lm_head',), None, 'in'))
-    for i in range(cfg.num_layers):
-        layer, idx = (('layers',), i) if cfg.scan_layers else (('layers', i), None)
-        out += [(f'model.layers.{i}.{hf}.weight', ('trunk', *layer, *ours), idx, how) for hf, ours, how in _HF_LAYER]
-    return out
-
-
 def export_hf(cfg, params, ds, out_dir):
     """mode=export: config.json, model.safetensors (weight dtype), tokenizer.model (+ tokenizer_config.json)."""
-    host = multihost_utils.process_allgather(params, tiled=True)  # whole arrays on every host
-    tensors = {}
-    for name, path, i, how in hf_names(cfg):
-        w = host
-        for k in path:
-            w = w[k]
-        w = w if i is None else w[i]
-        if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
-            w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
-        tensors[name] = np.ascontiguousarray(w)  # safetensors writes an array's buffer as it lies in memory
+    tensors, conf = model_lib.to_hf(cfg, multihost_utils.process_allgather(params, tiled=True))  # whole arrays
     bos, eos = (ds.bos_id, ds.eos_id) if ds.tokenizer else (None, None)
-    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu',
-            'attention_bias': False, 'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length,
-            'torch_dtype': cfg.weight_dtype, 'bos_token_id': bos, 'eos_token_id': eos,
-            **{hf: model_lib.dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in _HF_KEYS.items()}}
     if jax.process_index() == 0:
         try:
             os.makedirs(out_dir, exist_ok=True)
             # transformers wants the metadata format=pt.
             safetensors.numpy.save_file(tensors, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
             with open(os.path.join(out_dir, 'config.json'), 'w') as f:
-                json.dump(conf, f, indent=2)
+                json.dump({**conf, 'bos_token_id': bos, 'eos_token_id': eos}, f, indent=2)
             if ds.tokenizer:
                 with open(os.path.join(out_dir, 'tokenizer.model'), 'wb') as f:
                     f.write(ds.tokenizer.serialized_model_proto())
@@ -1090,33 +1035,17 @@ def load_hf(path, abstract_params, cfg):
         with open(os.path.join(path, 'config.json')) as f:
             conf = json.load(f)
         tensors = safetensors.numpy.load_file(os.path.join(path, 'model.safetensors'))
+        params = model_lib.from_hf(cfg, tensors, conf)
     except OSError as e:
         raise ConfigError(f'load_hf={path}: cannot read {e.filename} ({e.strerror}); give a directory with '
                           'config.json and one model.safetensors') from None
     except (safetensors.SafetensorError, json.JSONDecodeError) as e:
         raise ConfigError(f'load_hf={path}: config.json or model.safetensors is damaged ({str(e)[:200]})') from None
-    conf.setdefault('rope_theta', (conf.get('rope_parameters') or {}).get('rope_theta'))  # transformers 5 nests it
-    conf.setdefault('head_dim', conf.get('hidden_size', 0) // conf.get('num_attention_heads', 1))
-    conf.setdefault('tie_word_embeddings', False)  # LlamaConfig's default
-    for ours, hf in _HF_KEYS.items():
-        want = model_lib.dims(cfg) if ours == 'head_dim' else getattr(cfg, ours)
-        if not (conf.get(hf) == want or isinstance(want, float) and math.isclose(conf.get(hf) or 0, want)):
-            raise ConfigError(f'load_hf={path}: config.json has {hf}={conf.get(hf)} but {ours}={want}; '
-                              f'set {ours}={conf.get(hf)}')
-    for key, plain in (('hidden_act', 'silu'), ('attention_bias', False), ('mlp_bias', False), ('rope_scaling', None)):
-        if conf.get(key, plain) != plain:
-            raise ConfigError(f'load_hf={path}: {key}={conf[key]!r} is not supported (plain Llama: {plain!r})')
-    flat = {}
-    for name, p, i, how in hf_names(cfg):
-        if name not in tensors:
-            raise ConfigError(f'load_hf={path}: model.safetensors has no tensor {name}')
-        w = tensors[name] if how is None else tensors[name].T  # reshaped to our layout below
-        flat[p] = w if i is None else flat.get(p, []) + [w]
-
-    def place(keypath, a):
-        w = np.asarray(flat[tuple(k.key for k in keypath)])  # a list of layers stacks on a leading axis
-        return jax.device_put(w.reshape(a.shape).astype(a.dtype), a.sharding)
+    except ValueError as e:  # the checkpoint and the config disagree
+        raise ConfigError(f'load_hf={path}: {e}') from None
     log(f'loaded Hugging Face checkpoint {path}')
+    place = lambda keypath, a: jax.device_put(params[tuple(k.key for k in keypath)].reshape(a.shape).astype(a.dtype),
+                                             a.sharding)
     return jax.tree_util.tree_map_with_path(place, abstract_params)
 
 
@@ -1176,9 +1105,8 @@ def compiled_line(m):
             f'({GB(m.alias_size_in_bytes)} reusing donated arguments) = {GB(need)}', need)
 
 
-def compile_for_topology(cfg, task):
-    """compile_topology=v4-64: lower and compile the real train step for that TPU slice on this machine
-    (libtpu describes the chips; no TPU needed), and say whether it fits the slice's HBM. Nothing runs."""
+def tpu_slice(cfg):
+    """compile_topology=v4-64: that slice's devices as libtpu describes them, on any machine (no TPU needed)."""
     topology, chips, hbm = TPU_SLICES[cfg.compile_topology]
     try:
         from jax.experimental import topologies
@@ -1188,36 +1116,32 @@ def compile_for_topology(cfg, task):
         raise ConfigError(f'compile_topology={cfg.compile_topology}: libtpu cannot describe the slice (is the '
                           f'wheel installed? pip install -r tests/requirements.txt): {str(e).splitlines()[0][:200]}'
                           ) from None
-    GB = lambda b: f'{b / GiB:.2f} GiB'
-    log(f'AOT compile for {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {GB(hbm)} HBM each')
-    warn_tpu_dims(cfg)
-    mesh, tx = make_mesh(cfg, devices), make_optimizer(cfg)[0]
-    feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
-    layout = state_layout(cfg, task, mesh, tx, feed.rows)
-    est = memory_estimate(cfg, layout.abstract, mesh)
+    log(f'AOT compile for {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {hbm / GiB:.2f} GiB '
+        'HBM each')
+    return devices
+
+
+def fit_check(cfg, train_step, layout, feed):
+    """Compile the real train step for the slice of compile_topology and say whether it fits its HBM, with
+    what to change when it does not. Nothing runs, no data is read."""
+    hbm, mesh = TPU_SLICES[cfg.compile_topology][2], feed.step_sharding.mesh
     n_params = sum(x.size for x in jax.tree.leaves(layout.abstract['params']))
-    log(f'model: {n_params / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}; ' + estimate_line(cfg, est))
-    batch = abstract_batch(cfg.grad_accum, feed.rows, feed.length, feed.step_sharding)
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
-        lowered = jax.jit(make_train_step(cfg, task, model_lib.abstract(cfg)[0], tx), donate_argnums=0,
-                          in_shardings=(layout.shardings, feed.step_sharding),
-                          out_shardings=(layout.shardings, None)).lower(layout.abstract, batch)
+    log(f'model: {n_params / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}')
     try:
-        m = lowered.compile().memory_analysis()
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
+            seconds, m = compile_step(cfg, train_step, layout.abstract, feed, cfg.grad_accum)
         line, need = compiled_line(m)
         memory = {k: getattr(m, f'{k}_size_in_bytes') for k in ('argument', 'temp', 'output', 'alias')}
         fits = need <= hbm
-        log(f'compiled in {time.perf_counter() - t0:.1f}s; {line} of {GB(hbm)} HBM: '
-            f'{"fits" if fits else "does not fit"}')
+        log(f'compiled in {seconds:.1f}s; {line} of {hbm / GiB:.2f} GiB HBM: {"fits" if fits else "does not fit"}')
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program over its HBM
         if 'RESOURCE_EXHAUSTED' not in str(e):
             raise
         need, memory, fits = None, None, False
-        log(f'compiler: {str(e).splitlines()[0]}\nper device: more than the {GB(hbm)} HBM: does not fit')
+        log(f'compiler: {str(e).splitlines()[0]}\nper device: more than the {hbm / GiB:.2f} GiB HBM: does not fit')
     if not fits:
         log('to fit, try: ' + '; '.join(fit_advice(cfg, mesh)))
-    return {'fits': fits, 'bytes_per_device': need, 'hbm_bytes': hbm, 'estimate': est, 'memory': memory}
+    return {'fits': fits, 'bytes_per_device': need, 'hbm_bytes': hbm, 'memory': memory}
 
 
 def fit_advice(cfg, mesh):
@@ -1282,21 +1206,22 @@ def run(cfg, devices=None):
     if cfg.compile_cache_dir:  # before the first compile; every program is cached, however quick to compile
         jax.config.update('jax_compilation_cache_dir', os.path.abspath(cfg.compile_cache_dir))
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
-    if cfg.compile_topology:
-        return compile_for_topology(resolve(cfg, task, 'tpu'), task)
-    devices = devices or pick_devices(cfg)
+    devices = tpu_slice(cfg) if cfg.compile_topology else devices or pick_devices(cfg)
     cfg = resolve(cfg, task, devices[0].platform)
     if devices[0].platform == 'tpu':
         warn_tpu_dims(cfg)
     mesh = make_mesh(cfg, devices)
     feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
-    run_dir = prepare_run_dir(cfg, describe(cfg, devices, mesh, feed.rows))
+    batch = describe(cfg, devices, mesh, feed.rows)
+    graph, tx = model_lib.abstract(cfg)[0], make_optimizer(cfg)[0]  # the model's graph: no arrays
+    layout = state_layout(cfg, task, mesh, tx, feed.rows)
+    if cfg.compile_topology:
+        return fit_check(cfg, compile_steps(cfg, task, graph, tx, layout, None, feed).train, layout, feed)
+    run_dir = prepare_run_dir(cfg, batch)
     ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log)
     if ds.vocab_size != cfg.vocab_size:
         raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
                           f'set vocab_size={ds.vocab_size}')
-    graph, tx = model_lib.abstract(cfg)[0], make_optimizer(cfg)[0]  # the model's graph: no arrays
-    layout = state_layout(cfg, task, mesh, tx, feed.rows)
     flops = step_flops(cfg, task, devices) if cfg.mode == 'train' else None  # its probe runs outside the mesh
     with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules), \
             checkpoints(os.path.join(run_dir, 'checkpoints'), cfg) as mngr:
@@ -1360,9 +1285,14 @@ def main(argv):
 
 
 def quiet_libraries():
-    """orbax and tfds narrate through absl warnings (a local build as a download, our per-glob builder
-    config): noise around the trainer's own lines."""
+    """Library noise off stderr, for what the trainer reports in one line: orbax and tfds narrate through
+    absl warnings (a local build as a download, our per-glob builder config); reading a damaged checkpoint,
+    the tensorstore reads orbax left in flight fail later, each logged by asyncio and raised once more into
+    a closed event loop."""
     logging.getLogger('absl').setLevel(logging.ERROR)
+    logging.getLogger('asyncio').setLevel(logging.CRITICAL)
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: None if str(u.exc_value) == 'Event loop is closed' else hook(u)
 
 
 def pci_vendors():
@@ -1408,29 +1338,6 @@ def init_distributed():
     slurm = 'SLURM_JOB_ID' in os.environ and int(os.environ.get('SLURM_NTASKS', '1')) > 1
     if slurm or '0x1ae0' in pci_vendors():  # a Cloud TPU VM: JAX reads the slice's hosts from its metadata
         jax.distributed.initialize()
-
-
-@contextlib.contextmanager
-def quiet_stderr():
-    """Around reading a checkpoint step: for a damaged one, orbax logs through absl and tensorstore's reads
-    still in flight print a traceback each from their threads (into a closed event loop): tens of lines on
-    stderr for what the trainer reports in one. File descriptor 2 goes to /dev/null meanwhile; after a failure the late reads
-    get a moment to land there too, and any later still are dropped. Exceptions still propagate."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    except Exception:
-        hook = sys.unraisablehook  # late reads may land after the moment below: drop those alone, for good
-        sys.unraisablehook = lambda u: None if str(u.exc_value) == 'Event loop is closed' else hook(u)
-        time.sleep(1.0)
-        raise
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 if __name__ == '__main__':

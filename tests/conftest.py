@@ -29,6 +29,8 @@ ENV = {**os.environ, 'JAX_PLATFORMS': 'cpu'}  # for trainer subprocesses: CPU on
 
 import train  # noqa: E402  (after sys.path)
 
+train.quiet_libraries()  # what main() does before a run: the tests that call run() check its stderr too
+
 # A tiny LM: unrolled layers compile faster (tests that need the scan say so); synthetic tokens need no files.
 LM = ['d_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2', 'mlp_dim=128', 'max_target_length=32',
       'vocab_size=128', 'dataset=synthetic', 'dtype=float32', 'log_every=1', 'eval_every=0', 'eval_batches=0',
