@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import io
 import itertools
+import json
 import os
 import random
 import sys
@@ -437,6 +438,18 @@ class TextData(_Data):
         self.eos_id = self.tokenizer.eos_id()
         self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
         self._order = grain.MapDataset.source(train_texts).shuffle(seed=cfg.seed).repeat().map(self.encode)
+
+    def save_tokenizer(self, out_dir):
+        """The tokenizer as Hugging Face reads a Llama one: tokenizer.model + tokenizer_config.json."""
+        with open(os.path.join(out_dir, 'tokenizer.model'), 'wb') as f:
+            f.write(self.tokenizer.serialized_model_proto())
+        piece = self.tokenizer.id_to_piece
+        with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
+            json.dump({'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(self.bos_id),
+                       'eos_token': piece(self.eos_id), 'unk_token': piece(self.tokenizer.unk_id()),
+                       'add_bos_token': True, 'add_eos_token': False,
+                       'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
+                       'model_max_length': self.cfg.max_target_length}, f, indent=2)
 
     def encode(self, text):
         """A document's tokens: bos, text, eos (so every token, the first included, is a target)."""

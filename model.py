@@ -75,12 +75,11 @@ def constrain(x, axes):
 def dot(eq, x, w, dtype, out_dtype=None):
     """einsum in the compute dtype with float32 accumulation, result in the compute dtype (or out_dtype).
 
-    preferred_element_type=float32 matters beyond precision: on CPU a bf16 x bf16 -> bf16 dot is no
-    faster than float32, while bf16 inputs accumulating in float32 run ~1.8x faster on CPUs with
-    bf16 matrix instructions (AVX-512 BF16).
+    preferred_element_type=float32 matters beyond precision: CPUs with bf16 matrix instructions (AVX-512
+    BF16) run bf16 inputs accumulating in float32 at their bf16 speed, a bf16 -> bf16 dot at float32's.
     When x's trailing axes contract with w's leading ones (every projection here) it runs as one 2-D
     matmul [rows, in] x [in, out]: XLA:CPU differentiates that into plain matmuls, while the 3-D einsum
-    made it copy a transposed activation for each weight gradient (MLP fwd+bwd 1.8x slower).
+    made it copy a transposed activation for each weight gradient.
     """
     (lhs, rhs), out = eq.split('->')[0].split(','), eq.split('->')[1]
     n = len(set(lhs) & set(rhs))
@@ -107,7 +106,7 @@ def rope_table(positions_BL, K, theta, num_positions):
     """(cos, sin) [B, L, 1, K/2] of the rotary angles (rotate-half convention, Hugging Face Llama), float32.
     Gathered from a table for positions 0..num_positions-1 made with numpy at trace time, once per forward
     for all layers: computed in the graph, XLA:CPU recomputes cos/sin inside every fusion that uses them
-    (per head, layer and pass), ~6% of an unscanned CPU step. A position past the table reads NaN
+    (per head, layer and pass). A position past the table reads NaN
     (jnp.take's fill), never a wrong angle."""
     inv_freq_k = 1.0 / theta ** (np.arange(0, K, 2, dtype=np.float32) / K)
     angles_Tk = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq_k
@@ -144,7 +143,7 @@ def kv_cache(cache, k_BLGK, v_BLGK, positions_BL):
 def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
     """attention=einsum: jax.nn.dot_product_attention's math (float32 scores and softmax) in a layout
     XLA:CPU runs well. The R = H/G query heads sharing a kv head are stacked along the length, so each kv
-    head is one [R*L, K] x [K, T] matmul; the dot_product_attention layout costs ~1.5x more fwd+bwd on CPU
+    head is one [R*L, K] x [K, T] matmul; the dot_product_attention layout costs more fwd+bwd on CPU
     (transposed copies of the [B, H, L, T] scores)."""
     B, L, H, K = q_BLHK.shape
     T, G = k_BTGK.shape[1], k_BTGK.shape[2]
@@ -468,7 +467,8 @@ def from_hf(cfg, tensors, conf):
 class Task:
     """What differs between the language model and the puzzle heads. train.py picks one from TASKS by
     cfg.task and reads nothing else task-specific. Functions take the config first, then (graph, params)
-    where they run the model; the defaults are what a task without extra state does."""
+    where they run the model; the defaults are what a task without extra state does. A state entry named
+    'carry' ([A microbatches, ...]) reaches the loss, one microbatch's slice each, and comes back updated."""
     module: type                  # the nnx.Module, built as module(cfg, rngs)
     loss: Callable                # (cfg, graph, params, microbatch, carry, key, step) -> (summed loss, (sums, carry))
     flops_per_token: Callable     # (cfg) -> training FLOPs per token

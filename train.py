@@ -148,8 +148,10 @@ def load_config(path, overrides=()):
             raw = yaml.load(f, _UniqueKeyLoader)
     except OSError as e:
         raise ConfigError(f'cannot read config file {path}: {e.strerror}') from None
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: bytes that are not text
         raise ConfigError(f'{path} is not valid YAML: {str(e).splitlines()[0]}') from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f'{path}: expected key: value lines at the top level, as in base.yml')
     given = set()
     for item in overrides:
         key, eq, text = item.partition('=')
@@ -777,15 +779,12 @@ class StepLog:
     checkpoint reads them all first (drain()), so none of them sees a step whose loss was not checked.
     It also keeps the metrics window since the last log line and every step's time for the benchmark."""
 
-    def __init__(self, cfg, it, step, precompiled, flops, writer):
-        self.cfg, self.it, self.saved, self.precompiled = cfg, it, step, precompiled
+    def __init__(self, cfg, it, step, flops, writer):
+        self.cfg, self.it, self.saved = cfg, it, step
         self.flops, self.writer, self.schedule = flops, writer, make_optimizer(cfg)[1]
-        self.pending = []                  # (step, dispatch time, device outputs), oldest first
-        self.losses, self.extras = [], []  # the window: per step since the last log line
-        self.tokens, self.timed = 0.0, 0
-        self.t_window, self.wait0 = time.perf_counter(), it.wait_seconds
-        self.step_times, self.t_done, self.first_step_seconds, self.last = [], None, None, None
-        self.skipped = 0
+        self.pending, self.step_times, self.skipped = [], [], 0  # (step, dispatch time, outputs) oldest first
+        self.t_done = self.first_step_seconds = self.last = None
+        self.new_window()
 
     def dispatched(self, step, t0, out):
         self.pending.append((step, t0, out))
@@ -797,9 +796,9 @@ class StepLog:
             step, t0, out = self.pending.pop(0)
             out = self.last = jax.device_get(out)
             now = time.perf_counter()
-            if self.first_step_seconds is None:  # compile (unless precompiled) + run: not a timed step
+            if self.first_step_seconds is None:  # warms up (the program was compiled before): not a timed step
                 self.first_step_seconds = now - t0
-                log(f'first step ({"run" if self.precompiled else "compile + run"}): {now - t0:.1f}s')
+                log(f'first step: {now - t0:.1f}s')
                 self.t_window, self.wait0 = now, self.it.wait_seconds
             else:
                 self.tokens += float(out['tokens'])
@@ -843,8 +842,9 @@ class StepLog:
         return m
 
     def new_window(self):
-        """Called after the row is written (and any eval has run), so eval time counts in no window."""
-        self.losses, self.extras, self.tokens, self.timed = [], [], 0.0, 0
+        """The metrics window starts: called after a row is written (and any eval has run), so eval time
+        counts in no window."""
+        self.losses, self.extras, self.tokens, self.timed = [], [], 0.0, 0  # per step since the last row
         self.t_window, self.wait0 = time.perf_counter(), self.it.wait_seconds
 
     def benchmark(self, tokens_per_step, note):
@@ -948,7 +948,7 @@ def train(cfg, state, it, feed, steps, mngr, run_dir, flops):
     t_xla, m = compile_step(cfg, steps.train, state, feed, accum_at(cfg, start))
     line, compiled_gb = compiled_line(m) if m else ('', None)
     log(f'step compiled in {t_xla:.1f}s; {line}')
-    book = StepLog(cfg, it, start, bool(t_xla), flops, MetricsWriter(run_dir, start))
+    book = StepLog(cfg, it, start, flops, MetricsWriter(run_dir, start))
     try:
         summary = train_loop(cfg, state, feed, steps, mngr, book, run_dir)
     finally:
@@ -1013,14 +1013,7 @@ def export_hf(cfg, params, ds, out_dir):
             with open(os.path.join(out_dir, 'config.json'), 'w') as f:
                 json.dump({**conf, 'bos_token_id': bos, 'eos_token_id': eos}, f, indent=2)
             if ds.tokenizer:
-                with open(os.path.join(out_dir, 'tokenizer.model'), 'wb') as f:
-                    f.write(ds.tokenizer.serialized_model_proto())
-                piece = ds.tokenizer.id_to_piece
-                with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
-                    json.dump({'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(bos), 'eos_token': piece(eos),
-                               'unk_token': piece(ds.tokenizer.unk_id()), 'add_bos_token': True, 'add_eos_token': False,
-                               'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
-                               'model_max_length': cfg.max_target_length}, f, indent=2)
+                ds.save_tokenizer(out_dir)
         except OSError as e:
             raise ConfigError(f'export_dir={out_dir}: cannot write there ({e.strerror}); choose a writable '
                               'directory') from None
@@ -1270,18 +1263,11 @@ def main(argv):
         quiet_libraries()
         start_platforms()
         init_distributed()
-        if run(cfg).get('fits') is False:
-            return DOES_NOT_FIT
-    except (ConfigError, data.DataError) as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
-    except FloatingPointError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 3
-    except Preempted as e:
-        print(f'stopped: {e}', file=sys.stderr)
-        return 75  # EX_TEMPFAIL: schedulers can requeue on it
-    return 0
+        return DOES_NOT_FIT if run(cfg).get('fits') is False else 0
+    except (ConfigError, data.DataError, FloatingPointError, Preempted) as e:  # one line, no traceback
+        print(f'{"stopped" if isinstance(e, Preempted) else "error"}: {e}', file=sys.stderr)
+        # 3: the loss went non-finite; 75 (EX_TEMPFAIL): preempted with a checkpoint, schedulers requeue on it
+        return {FloatingPointError: 3, Preempted: 75}.get(type(e), 2)
 
 
 def quiet_libraries():
