@@ -1,10 +1,12 @@
 """Shared by every test file: 32 simulated CPU devices (a v4-64-sized mesh, set before JAX touches a
-device), one persistent compile cache per test session, and the helpers that build configs the way a
-user does (base.yml + key=value overrides through train.load_config) and read a run's metrics."""
+device), one persistent compile cache per test session, the presets of the tiny runs, the helpers that
+build configs the way a user does (base.yml + key=value overrides through train.load_config) and read a
+run's metrics, and the trainer as a program for the tests that need it in a process of its own."""
 import atexit
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -31,10 +33,16 @@ import train  # noqa: E402  (after sys.path)
 
 train.quiet_libraries()  # what main() does before a run: the tests that call run() check its stderr too
 
+VOCAB = 320  # smallest comfortable byte-fallback BPE for write_corpus's text (256 bytes + chars + merges)
+
+# One preset per kind of run; a test adds its own key=value overrides (a later key wins).
 # A tiny LM: unrolled layers compile faster (tests that need the scan say so); synthetic tokens need no files.
 LM = ['d_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2', 'mlp_dim=128', 'max_target_length=32',
       'vocab_size=128', 'dataset=synthetic', 'dtype=float32', 'log_every=1', 'eval_every=0', 'eval_batches=0',
       'prefetch=0', 'scan_layers=false']
+# The same tiny LM reading text: local files (a test adds dataset_path=, its corpus) through the tfds builder
+# and a sentencepiece model trained to VOCAB tokens.
+TEXT = [o for o in LM if not o.startswith(('dataset=', 'vocab_size='))] + ['dataset=files', f'vocab_size={VOCAB}']
 # A tiny TRM; the value head trains only where a test turns it on (its pass costs extra supervision steps),
 # and 64 + 32 generated puzzles instead of the default 2,500 (generating them takes ~15 s).
 SUDOKU = ['task=sudoku', 'd_model=32', 'num_layers=1', 'num_heads=2', 'num_kv_heads=2', 'mlp_dim=64',
@@ -92,9 +100,6 @@ def losses(run_dir):
 
 
 # ---- small data the tests make ---------------------------------------------------------------------
-VOCAB = 320  # smallest comfortable byte-fallback BPE for write_corpus's text (256 bytes + chars + merges)
-
-
 def write_corpus(root, n, tag, seed):
     """n documents of made-up words, first line names the document; lengths span a few rows."""
     import random
@@ -123,3 +128,53 @@ def init_trm(cfg, batch):
     """(TRM graph, params, a random (y, z) state) for the batch's shape."""
     yz = jax.random.normal(jax.random.key(1), (batch['inputs'].shape[0], 81, cfg.d_model))
     return (*init_model(cfg), yz)
+
+
+# ---- the trainer in a process of its own ------------------------------------------------------------
+# For the tests that need a fresh process: several processes joining one JAX system, or stderr exactly as a
+# user's terminal gets it (file descriptor 2: C++ libraries' lines count too). `python -c TRAINER COMMANDS`
+# runs train.main on each command line of the JSON list COMMANDS ([config file, key=value, ...] each) in turn
+# and prints one JSON line: per command, [exit code, what it wrote to file descriptor 2] (an exception that
+# escapes main: exit code 1 and its traceback). With ROWS_FILE set it also writes down every microbatch the
+# data pipeline hands the trainer, a line of JSON each, in ROWS_FILE.<process index>.
+TRAINER = """
+import json, os, sys, tempfile, traceback
+import data, jax, train
+if os.environ.get('ROWS_FILE'):
+    read = data.Batches.__next__
+    def recorded(self):
+        batch = read(self)
+        with open(f"{os.environ['ROWS_FILE']}.{jax.process_index()}", 'a') as f:
+            f.write(json.dumps({k: v.tolist() for k, v in batch.items()}) + '\\n')
+        return batch
+    data.Batches.__next__ = recorded
+results = []
+for command in json.loads(sys.argv[1]):
+    with tempfile.TemporaryFile('w+') as err:
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = train.main(['train.py', *command])
+        except BaseException:
+            code = 1
+            traceback.print_exc()
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        err.seek(0)
+        results.append([code, err.read()])
+print(json.dumps(results))
+"""
+
+
+def start_trainer(commands, **env):
+    """TRAINER on these command lines in a new process, run from the repository with the session's
+    environment for trainers plus env; its stdout and stderr piped."""
+    return subprocess.Popen([sys.executable, '-c', TRAINER, json.dumps(commands)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**ENV, **env})
+
+
+def trainer_results(process, timeout=300):
+    """(stdout, [[exit code, stderr], ...] one per command line) of a start_trainer process, once it has ended."""
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0 and out.strip(), f'exit {process.returncode}:\n{out[-2000:]}\n{err[-2000:]}'
+    return out, json.loads(out.strip().splitlines()[-1])

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import train
-from conftest import ENV, ROOT, config, losses, metrics, read_checkpoint
+from conftest import ENV, ROOT, TEXT, args, config, losses, metrics, read_checkpoint, train_state, train_step
 
-# A small real-text run: local files through the tfds builder + a trained sentencepiece model.
-TEXT = ['dataset=files', 'vocab_size=512', 'd_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2',
-        'mlp_dim=128', 'max_target_length=64', 'per_device_batch=4', 'grad_accum=2', 'dtype=float32',
-        'log_every=1', 'eval_every=0', 'eval_batches=1', 'checkpoint_every=10', 'steps=20', 'prefetch=2']
+# The text run interrupted below: real code (the first 40 stdlib modules, documents spanning many rows), two
+# microbatches per step, a checkpoint at step 10, the data read ahead on the prefetch thread.
+INTERRUPTED = ['vocab_size=512', 'max_target_length=64', 'per_device_batch=4', 'grad_accum=2', 'eval_batches=1',
+               'checkpoint_every=10', 'steps=20', 'prefetch=2']
 
 
 @pytest.fixture(scope='module')
@@ -30,8 +30,8 @@ def corpus(tmp_path_factory):
 
 
 def cli(corpus, out, *extra):
-    return [sys.executable, 'train.py', 'base.yml', *TEXT, f'dataset_path={corpus}/*.py', f'output_dir={out}',
-            f'cache_dir={out}/cache', *extra]
+    return [sys.executable, 'train.py', 'base.yml',
+            *args(out, f'dataset_path={corpus}/*.py', *INTERRUPTED, *extra, preset=TEXT)]
 
 
 def run_losses(out, run='default'):
@@ -168,11 +168,49 @@ def test_eval_mode_and_resume_false(tmp_path):
     assert [r['step'] for r in metrics(s['run_dir'])] == [1]
 
 
+def _same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
 def test_skip_nonfinite_steps(tmp_path, capsys):
+    """A step whose loss is non-finite (here a NaN in the loss mask, as a corrupt record would give) leaves the
+    parameters and the optimizer state bit for bit as they were, while a finite step from the same state changes
+    every one of them. A run skips skip_nonfinite_steps such steps, one warning line each, its checkpoints across
+    them holding the same parameters and optimizer state, then stops naming the step."""
+    cfg = config(tmp_path, 'warmup_steps=0', 'skip_nonfinite_steps=1')  # the first update at the peak rate
+    mesh, _, state, tx = train_state(cfg, jax.devices()[:1])
+    step = train_step(cfg, mesh, tx)
+    rng, (A, B, L) = np.random.default_rng(0), (1, 4, cfg.max_target_length)
+    good = {'inputs': rng.integers(0, cfg.vocab_size, (A, B, L)), 'targets': rng.integers(0, cfg.vocab_size, (A, B, L)),
+            'positions': np.broadcast_to(np.arange(L), (A, B, L)), 'segment_ids': np.ones((A, B, L))}
+    good = {k: v.astype(np.int32) for k, v in good.items()} | {'loss_mask': np.ones((A, B, L), np.float32)}
+    bad = {**good, 'loss_mask': good['loss_mask'].copy()}
+    bad['loss_mask'][0, 1, 5] = np.nan
+    with jax.set_mesh(mesh):
+        skipped, out_bad = step(state, bad)
+        stepped, out_good = step(state, good)
+    assert not np.isfinite(out_bad['loss']) and np.isfinite(out_good['loss']), (out_bad, out_good)
+    for part in ('params', 'opt_state'):
+        before, leaves = jax.tree.leaves(state[part]), jax.tree_util.tree_leaves_with_path(skipped[part])
+        assert len(leaves) == len(before) and len(before) > 3
+        for (path, after), was in zip(leaves, before):
+            assert _same_bits(after, was), f'{part}{jax.tree_util.keystr(path)} changed in a skipped step'
+        for (path, after), was in zip(jax.tree_util.tree_leaves_with_path(stepped[part]), before):
+            assert not _same_bits(after, was), f'{part}{jax.tree_util.keystr(path)} unchanged by a finite step'
+
     with pytest.raises(FloatingPointError, match=r'at step \d+'):
         train.run(config(tmp_path, 'steps=50', 'learning_rate=1e12', 'warmup_steps=0', 'grad_clip=0',
-                       'skip_nonfinite_steps=2', 'checkpoint_every=1'), jax.devices()[:1])
-    assert capsys.readouterr().out.count('update skipped') == 2
+                         'skip_nonfinite_steps=2', 'checkpoint_every=1', 'run_name=diverges'), jax.devices()[:1])
+    out = capsys.readouterr().out
+    assert out.count('update skipped') == 2
+    first = int(out.split('non-finite loss at step ')[1].split(':')[0])  # then first + 1, and first + 2 stops
+    run_dir = tmp_path / 'diverges'
+    assert sorted(int(s) for s in os.listdir(run_dir / 'checkpoints')) == [first - 1, first, first + 1]
+    states = [read_checkpoint(run_dir, s)['train_state'] for s in (first - 1, first, first + 1)]
+    for later in states[1:]:
+        for part in ('params', 'opt_state'):
+            assert all(jax.tree.leaves(jax.tree.map(_same_bits, later[part], states[0][part]))), part
 
 
 def test_unwritable_output_dir(tmp_path):

@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import grain
 import jax
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 import data
-from conftest import ROOT, VOCAB, config, write_corpus
+from conftest import ROOT, SUDOKU, TEXT, VOCAB, config, write_corpus
 
 
 @pytest.fixture(scope='module')
@@ -25,9 +24,9 @@ def corpus(tmp_path_factory):
 
 
 def files_cfg(tmp_path, corpus, *overrides):
-    """base.yml reading the module's corpus with dataset=files; key=value overrides, a later key wins."""
-    return config(tmp_path, 'dataset=files', f'dataset_path={corpus}/train/*.txt', f'eval_path={corpus}/eval/*.txt',
-                  f'vocab_size={VOCAB}', 'max_target_length=32', 'prefetch=2', *overrides, preset=())
+    """The TEXT preset reading the module's corpus, read ahead; key=value overrides, a later key wins."""
+    return config(tmp_path, f'dataset_path={corpus}/train/*.txt', f'eval_path={corpus}/eval/*.txt', 'prefetch=2',
+                  *overrides, preset=TEXT)
 
 
 def documents(batches, eos):
@@ -197,7 +196,7 @@ def test_default_stdlib_dataset(tmp_path):
 
 
 def test_synthetic_global_batch_does_not_depend_on_process_count(tmp_path):
-    cfg = config(tmp_path, 'dataset=synthetic', 'vocab_size=50', 'max_target_length=16', preset=())
+    cfg = config(tmp_path, 'vocab_size=50', 'max_target_length=16')  # the LM preset: synthetic tokens
     one = data.make_dataset(cfg).train_iter(8)
     two = [data.make_dataset(cfg, p, 2).train_iter(4) for p in range(2)]
     for _ in range(3):
@@ -219,7 +218,7 @@ def test_user_errors_name_the_key(tmp_path, corpus):
     with pytest.raises(data.DataError, match='tfds_name='):
         data.make_dataset(config(tmp_path, 'dataset=tfds', 'tfds_name=no_such_dataset_xyz', preset=()))
     with pytest.raises(data.DataError, match='dataset_path='):
-        data.make_dataset(config(tmp_path, 'task=sudoku', f'dataset_path={tmp_path}/missing.csv', preset=()))
+        data.make_dataset(config(tmp_path, f'dataset_path={tmp_path}/missing.csv', preset=SUDOKU))
 
 
 def test_vocab_mismatch(tmp_path, corpus):
@@ -248,34 +247,65 @@ def test_prefetch_thread_errors_reraise_and_close_stops():
     assert started and not any(t.is_alive() for t in started)
 
 
-def test_wait_seconds_is_time_blocked_on_data():
+def test_wait_seconds_is_time_blocked_on_data(monkeypatch):
     """wait_seconds (the trainer logs it as data wait) is the time next() spent blocked on the producer:
-    all of the production without prefetch; with prefetch ahead of a slower consumer, next to nothing after
-    the first batch, and none of the consumer's own time. Lower bounds are exact; the one upper bound
-    leaves 0.1 s of scheduling noise for three gets from a filled queue."""
-    produced = []
+    all of the production without prefetch; with prefetch ahead of a slower consumer, the first batch's
+    production and nothing after it, none of the consumer's own time. data.py's clock is a fake one, moved
+    only by the work the test stands for (making a row: 0.05 s; the consumer's step: 0.12 s), and each row
+    is made only once the test lets it, so every wait is exact, whatever the machine's scheduling."""
+    class Clock:
+        def __init__(self):
+            self.now, self.lock, self.on_read = 0.0, threading.Lock(), None
+
+        def perf_counter(self):
+            hook, self.on_read = self.on_read, None
+            if hook:  # the first read inside next(): let the producer start now
+                hook()
+            with self.lock:
+                return self.now
+
+        def work(self, seconds):
+            with self.lock:
+                self.now += seconds
+
+    clock = Clock()
+    monkeypatch.setattr(data, 'time', clock)  # data.py's `time` alone; JAX and grain keep the real one
+    allowed, made = [threading.Event() for _ in range(4)], [threading.Event() for _ in range(4)]
 
     def row(i):
-        start = time.perf_counter()
-        time.sleep(0.05)
-        produced.append(time.perf_counter() - start)
+        assert allowed[i].wait(timeout=10), f'row {i} never allowed'
+        clock.work(0.05)
+        made[i].set()
         return {'i': i}
 
-    batches = lambda n: [grain.MapDataset.range(n).map(row).to_iter_dataset(data._READ)]  # one lane
-    it = data.Batches(batches(4), prefetch=0)
-    for _ in range(4):
-        next(it)
-    assert it.wait_seconds >= sum(produced) >= 4 * 0.05  # each next() ran the producer
-
-    it = data.Batches(batches(4), prefetch=2)
-    next(it)
-    first = it.wait_seconds
-    for _ in range(3):
-        time.sleep(0.12)  # the "train step", longer than a batch takes: the queue is full again by the next()
-        next(it)
+    batches = lambda: [grain.MapDataset.range(4).map(row).to_iter_dataset(data._READ)]  # one lane
+    for e in allowed:
+        e.set()
+    it = data.Batches(batches(), prefetch=0)
+    for i in range(4):
+        assert next(it)['i'].tolist() == [i]
+    assert it.wait_seconds == pytest.approx(4 * 0.05)  # each next() ran the producer
     it.close()
+
+    for e in allowed + made:
+        e.clear()
+    it = data.Batches(batches(), prefetch=2)
+    try:
+        clock.on_read = allowed[0].set  # the first batch is made while next() waits for it
+        assert next(it)['i'].tolist() == [0]
+        first = it.wait_seconds
+        assert first == pytest.approx(0.05)
+        for i in range(1, 4):
+            clock.work(0.12)  # the consumer's "train step", longer than a batch takes: meanwhile ...
+            allowed[i].set()
+            assert made[i].wait(timeout=10), f'batch {i} was not made ahead of next()'  # ... the next is ready
+            assert next(it)['i'].tolist() == [i]
+    finally:
+        for e in allowed:
+            e.set()
+        it.close()
     # Unhidden, these three batches would cost 0.15 s of waiting; the consumer's own 0.36 s must not count.
-    assert it.state() == [{'next_index': 4}] and it.wait_seconds - first < 0.1, (first, it.wait_seconds)
+    assert it.state() == [{'next_index': 4}] and it.wait_seconds == first, (first, it.wait_seconds)
 
 
 # ---- Sudoku -------------------------------------------------------------------------------------
@@ -376,8 +406,7 @@ def test_sudoku_dataset_train_eval_disjoint(tmp_path, monkeypatch):
             q, a = np.concatenate([tq, q]), np.concatenate([ta, a])
         return q, a
     monkeypatch.setattr(data, 'generate_sudoku', overlapping)
-    cfg = config(tmp_path, 'task=sudoku', 'sudoku_train_puzzles=20', 'sudoku_eval_puzzles=8', 'sudoku_blanks=40',
-                 preset=())
+    cfg = config(tmp_path, 'sudoku_train_puzzles=20', 'sudoku_eval_puzzles=8', 'sudoku_blanks=40', preset=SUDOKU)
     ds = data.make_dataset(cfg)
     assert ds.vocab_size == 11 and len(ds.train_q) == 20 and len(ds.eval_q) == 8  # the 3 repeats dropped
     train = {s.tobytes() for s in ds.train_a}
@@ -403,8 +432,8 @@ def test_augment_keeps_puzzles_valid():
 
 @pytest.mark.parametrize('prefetch', [0, 2])
 def test_sudoku_resume_is_exact(tmp_path, prefetch):
-    cfg = config(tmp_path, 'task=sudoku', 'sudoku_train_puzzles=10', 'sudoku_eval_puzzles=4', 'sudoku_blanks=30',
-                 f'prefetch={prefetch}', preset=())
+    cfg = config(tmp_path, 'sudoku_train_puzzles=10', 'sudoku_eval_puzzles=4', 'sudoku_blanks=30',
+                 f'prefetch={prefetch}', preset=SUDOKU)
     ds = data.make_dataset(cfg)
     it = ds.train_iter(4)
     for _ in range(3):
@@ -429,7 +458,7 @@ def test_sudoku_csv_roundtrip_and_cli(tmp_path):
     data.write_sudoku_csv(str(tmp_path / 'copy.csv'), q, a)
     q2, a2 = data.read_sudoku_csv(str(tmp_path / 'copy.csv'))
     assert np.array_equal(q, q2) and np.array_equal(a, a2)
-    cfg = config(tmp_path, 'task=sudoku', f'dataset_path={out}', f'eval_path={tmp_path}/copy.csv', preset=())
+    cfg = config(tmp_path, f'dataset_path={out}', f'eval_path={tmp_path}/copy.csv', preset=SUDOKU)
     assert len(data.make_dataset(cfg).eval_q) == 3
 
 

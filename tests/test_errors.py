@@ -1,9 +1,5 @@
 """Bad input, as a user meets it: every case below runs through the command line and must exit non-zero
-with one line on stderr (file descriptor 2, so C++ libraries count too) and no traceback. The README's
-table shows a sample of these cases, each with its message."""
-import json
-import os
-import re
+with one line on stderr (file descriptor 2, so C++ libraries count too) and no traceback."""
 import subprocess
 import sys
 
@@ -11,8 +7,7 @@ import jax
 import pytest
 
 import train
-from conftest import ENV, ROOT, VOCAB, config, write_corpus
-from conftest import args as run_args
+from conftest import ENV, LM, ROOT, TEXT, args, config, start_trainer, trainer_results, write_corpus
 
 # (arguments after `python train.py`, the line stderr shows); {tmp} is a scratch directory the fixture
 # fills with the files some cases need. A first argument ending in .yml replaces base.yml.
@@ -73,17 +68,27 @@ CASES = [
                                                      "1-9 and . or 0 for blanks, row by row"),
     (['platform=tpu', 'platform_strict=true'], 'error: platform=tpu: no tpu devices here (JAX found cpu); drop '
                                                'platform= or set platform_strict=false'),
-    (['output_dir={tmp}/damaged', 'dataset=synthetic', 'd_model=64', 'num_layers=2', 'num_heads=4', 'mlp_dim=128',
-      'vocab_size=128', 'max_target_length=32'],
+    (['output_dir={tmp}/damaged', *LM],  # the run the fixture trained, its checkpoints then garbled
      'error: no readable checkpoint in {tmp}/damaged/default/checkpoints (steps 2, 4 are damaged, see the '
      'warnings): move them away to start over, or set resume=false'),
 ]
 
 
+def command(case, tmp):
+    """A case's arguments as its command line after `python train.py`: base.yml first unless it names another
+    config file, the run directories under tmp unless it names its own."""
+    argv = [a.replace('{tmp}', str(tmp)) for a in case]
+    argv = argv if argv[0].endswith('.yml') else ['base.yml', *argv]
+    for key, value in (('output_dir', f'{tmp}/runs'), ('cache_dir', f'{tmp}/cache')):
+        if not any(a.startswith(f'{key}=') for a in argv):
+            argv.append(f'{key}={value}')
+    return argv
+
+
 @pytest.fixture(scope='module')
 def results(tmp_path_factory):
     """Every case through `train.main` in one fresh one-device process (a process per case spent ~2 s a
-    case importing JAX), each case's file descriptor 2 in its own file."""
+    case importing JAX), each case's file descriptor 2 captured on its own."""
     tmp = tmp_path_factory.mktemp('bad')
     (tmp / 'a-file').write_text('')
     (tmp / 'broken.yml').write_text('steps: [1, 2\n')
@@ -92,28 +97,8 @@ def results(tmp_path_factory):
     train.run(config(tmp / 'damaged', 'steps=4', 'checkpoint_every=2'), jax.devices()[:1])  # then both steps garbled
     for step in ('2', '4'):
         (tmp / 'damaged' / 'default' / 'checkpoints' / step / 'train_state' / '_sharding').write_text('garbage')
-    cases = [[a.replace('{tmp}', str(tmp)) for a in args] for args, _ in CASES]
-    driver = ('import json, os, sys, tempfile, train\n'
-              'out = []\n'
-              'for args in json.loads(sys.argv[1]):\n'
-              '    config = args.pop(0) if args[0].endswith(".yml") else "base.yml"\n'
-              '    if not any(a.startswith("output_dir=") for a in args):\n'
-              '        args.append("output_dir=" + sys.argv[2] + "/runs")\n'
-              '    if not any(a.startswith("cache_dir=") for a in args):\n'
-              '        args.append("cache_dir=" + sys.argv[2] + "/cache")\n'
-              '    with tempfile.TemporaryFile("w+") as err:\n'
-              '        saved = os.dup(2)\n'
-              '        os.dup2(err.fileno(), 2)\n'
-              '        code = train.main(["train.py", config, *args])\n'
-              '        sys.stderr.flush()\n'
-              '        os.dup2(saved, 2)\n'
-              '        err.seek(0)\n'
-              '        out.append([code, err.read()])\n'
-              'print(json.dumps(out))\n')
-    r = subprocess.run([sys.executable, '-c', driver, json.dumps(cases), str(tmp)], cwd=ROOT, capture_output=True,
-                       text=True, env={**ENV, 'JAX_NUM_CPU_DEVICES': '1'}, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return tmp, json.loads(r.stdout.strip().splitlines()[-1])
+    process = start_trainer([command(case, tmp) for case, _ in CASES], JAX_NUM_CPU_DEVICES='1')
+    return tmp, trainer_results(process)[1]
 
 
 @pytest.mark.parametrize('case', range(len(CASES)), ids=[' '.join(a) for a, _ in CASES])
@@ -122,17 +107,6 @@ def test_bad_input_is_one_line_and_exit_2(results, case):
     code, stderr = got[case]
     assert code == 2 and 'Traceback' not in stderr, stderr
     assert stderr.strip().splitlines() == [CASES[case][1].replace('{tmp}', str(tmp))]
-
-
-def test_readme_rows_are_real_cases():
-    """Each row of the README's bad-input table (a sample) is one of these cases, with the message it gives."""
-    readme = open(os.path.join(ROOT, 'README.md')).read()
-    rows = re.findall(r'^\| `((?:base\.yml|/data)[^`]*)` \| `([^`]*)` \|$', readme, re.M)
-    cases = {' '.join(a if a[0].endswith('.yml') else ['base.yml', *a]).replace('{tmp}', '/data'):
-             m.removeprefix('error: ').replace('{tmp}', '/data') for a, m in CASES}
-    assert len(rows) >= 10, rows
-    for command, message in rows:
-        assert cases.get(command) == message, (command, message)
 
 
 def test_the_real_command_line():
@@ -147,8 +121,8 @@ def test_a_cpu_run_prints_nothing_on_stderr(tmp_path):
     and orbax (a checkpoint written) say nothing on stderr. (A resume's stderr: test_checkpoint.py.)"""
     write_corpus(tmp_path / 'corpus', 6, 'doc', 0)
     env = {k: v for k, v in ENV.items() if k != 'JAX_PLATFORMS'}
-    argv = [sys.executable, 'train.py', 'base.yml', *run_args(tmp_path, 'dataset=files', 'eval_batches=1', 'steps=2',
-                                                              f'dataset_path={tmp_path}/corpus/*.txt', f'vocab_size={VOCAB}')]
+    argv = [sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'eval_batches=1', 'steps=2',
+                                                          f'dataset_path={tmp_path}/corpus/*.txt', preset=TEXT)]
     r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**env, 'JAX_NUM_CPU_DEVICES': '1'})
     assert r.returncode == 0 and r.stderr == '', r.stderr[-3000:]

@@ -10,7 +10,7 @@ import pytest
 
 import model as model_lib
 import train
-from conftest import VOCAB, config, init_model, read_checkpoint, train_state, write_corpus
+from conftest import TEXT, config, init_model, read_checkpoint, train_state, write_corpus
 
 DEVICES = 4  # fsdp=4: export gathers sharded parameters, import places them back sharded
 
@@ -98,22 +98,46 @@ def test_kv_cache_generation_equals_full_recompute(tmp_path, scan):
     np.testing.assert_array_equal(np.asarray(model_lib.generate(hot, graph, params, prompt, jax.random.key(0))), got)
 
 
+def test_top_k_sampling_draws_among_the_k_likeliest(tmp_path):
+    """temperature > 0 with top_k=5: every sampled token is among the 5 highest logits at its position (the
+    full forward of prompt + samples, no cache, recomputes them), the samples are not all the argmax, a key
+    gives the same tokens every time and other keys others."""
+    k, O = 5, 16
+    cfg = config(tmp_path, 'temperature=1.5', f'top_k={k}', f'max_new_tokens={O}')
+    graph, params = init_model(cfg, seed=1)
+    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, (4, 3)).astype(np.int32)
+    draw = lambda seed: np.asarray(model_lib.generate(cfg, graph, params, prompt, jax.random.key(seed)))
+    got = draw(0)
+    assert got.shape == (4, O)
+    np.testing.assert_array_equal(draw(0), got)
+    assert not np.array_equal(draw(1), got) and not np.array_equal(draw(2), draw(1))
+    seq = np.concatenate([prompt, got], axis=1)
+    logits = np.asarray(jax.jit(lambda p: nnx.merge(graph, p)(seq, np.broadcast_to(np.arange(seq.shape[1]), seq.shape),
+                                                              np.ones_like(seq)))(params))
+    before = logits[:, prompt.shape[1] - 1:-1]  # [B, O, V]: the logits each sampled token was drawn from
+    chosen = np.take_along_axis(before, got[..., None], -1)[..., 0]
+    kth = np.sort(before, -1)[..., -k]
+    outside = np.argwhere(chosen < kth - 1e-4)  # (the cache and the full forward may round apart)
+    assert not len(outside), f'{len(outside)} of {got.size} samples not among the top {k}: {outside[:5].tolist()}'
+    assert (got != before.argmax(-1)).mean() > 0.2  # sampled, not greedy
+
+
 def test_cli_export_and_generate(tmp_path, capsys):
     """On a text run: mode=export (here from load_hf) writes the same tensors plus the tokenizer;
     mode=generate writes exactly the continuation to generation.txt."""
     corpus = tmp_path / 'corpus'
     write_corpus(corpus, 12, 'train', 0)
-    text = ['dataset=files', f'dataset_path={corpus}/*.txt', f'vocab_size={VOCAB}', f'cache_dir={tmp_path}/cache']
-    cfg = config(tmp_path, *text)
+    text = lambda *overrides: config(tmp_path, f'dataset_path={corpus}/*.txt', *overrides, preset=TEXT)
+    cfg = text()
     params = train_state(cfg, jax.devices()[:1])[2]['params']
     first, hf = str(tmp_path / 'first'), str(tmp_path / 'hf')
     train.export_hf(cfg, params, train.data.make_dataset(cfg), first)
-    train.run(config(tmp_path, *text, 'mode=export', f'load_hf={first}', f'export_dir={hf}'), jax.devices()[:1])
+    train.run(text('mode=export', f'load_hf={first}', f'export_dir={hf}'), jax.devices()[:1])
     assert sorted(os.listdir(hf)) == ['config.json', 'model.safetensors', 'tokenizer.model', 'tokenizer_config.json']
     for name in os.listdir(hf):
         assert open(os.path.join(hf, name), 'rb').read() == open(os.path.join(first, name), 'rb').read(), name
-    cfg = config(tmp_path, *text, 'mode=generate', f'load_hf={hf}', 'prompt=train 3\nab', 'temperature=0',
-               'max_new_tokens=16', 'run_name=gen')
+    cfg = text('mode=generate', f'load_hf={hf}', 'prompt=train 3\nab', 'temperature=0', 'max_new_tokens=16',
+               'run_name=gen')
     out = train.run(cfg, jax.devices()[:1])
     with open(os.path.join(out['run_dir'], 'generation.txt'), newline='') as f:
         written = f.read()
