@@ -391,7 +391,8 @@ def make_optimizer(cfg):
     where a reader can see it."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio)
+        decay_steps=max(cfg.steps - 1, cfg.warmup_steps + 1),  # the last update (count steps - 1) at the end value
+        end_value=cfg.learning_rate * cfg.min_lr_ratio)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # no decay on norm scales
     tx = optax.adamw(schedule, cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, weight_decay=cfg.weight_decay,
                      mask=decay_mask)

@@ -140,9 +140,6 @@ def test_learning_rate_warms_up_from_zero_then_decays(learning_rates):
     assert np.all(np.diff(lr[W:]) < 0), lr
 
 
-@pytest.mark.xfail(strict=True, reason='train.make_optimizer: the cosine reaches its end value at update `steps` + 1 '
-                                       '(decay_steps=steps counts from 0), so the last step logs and applies more '
-                                       'than learning_rate x min_lr_ratio (base.yml: "at `steps`")')
 def test_learning_rate_ends_at_min_lr_ratio_at_the_last_step(learning_rates):
     """The last step (steps) runs at learning_rate x min_lr_ratio, as base.yml documents."""
     cfg, lr = learning_rates
