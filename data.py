@@ -102,7 +102,8 @@ class Batches:
     thread. state() is each lane's state after the last batch handed out (grain keeps it with every prefetched
     batch); wait_seconds is the time next() spent blocked on data."""
 
-    def __init__(self, lanes, prefetch, state=None):
+    def __init__(self, lanes, prefetch, state=None, source=''):
+        self.source = source  # the identity of the data read, saved with the position
         batches = ZipIterDataset(lanes).map(lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]})
         self._it = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
         if state:
@@ -127,10 +128,13 @@ class Batches:
 
 
 class _Data:
-    """What make_dataset returns. Subclasses define _lane (one row's pipeline) and eval_batches."""
+    """What make_dataset returns. Subclasses define _lane (one row's pipeline), eval_batches, and identity:
+    a name of the records read, so a checkpoint's position is applied only to the data it counts."""
     vocab_size = None
     tokenizer = None
     length = None
+    identity = None
+    log = staticmethod(lambda msg: None)
 
     def __init__(self, cfg, process_index, process_count):
         self.cfg = cfg
@@ -138,14 +142,31 @@ class _Data:
 
     def train_iter(self, local_rows, state=None):
         """This process's rows of the global batch (local_rows x process_count rows, a lane each), from `state`:
-        every lane's state, as saved by a run on any number of processes (None = the start)."""
+        what a checkpoint saved, {'lanes': every lane's state, as saved by a run on any number of processes,
+        'source': the identity of the data they read} (None = the start)."""
         rows, first = local_rows * self.process_count, local_rows * self.process_index
-        if state is not None and len(state) != rows:
-            raise DataError(f'the checkpoint holds the data position of {len(state)} rows per microbatch but this run '
-                            f'reads {rows} (per_device_batch x devices): keep {len(state)} to resume, or start a new '
-                            'run_name with load_params=RUN_DIR')
+        lanes_state = self._resumable(state, rows)
         lanes = [self._lane(r, rows) for r in range(first, first + local_rows)]
-        return Batches(lanes, self.cfg.prefetch, state and state[first:first + local_rows])
+        try:
+            return Batches(lanes, self.cfg.prefetch, lanes_state and lanes_state[first:first + local_rows], self.identity)
+        except (KeyError, ValueError, TypeError, IndexError):  # another pipeline's states (older checkpoints)
+            self.log('WARNING: the checkpoint\'s data position does not fit this data: the data order starts again '
+                     'from its beginning')
+            return Batches(lanes, self.cfg.prefetch, source=self.identity)
+
+    def _resumable(self, state, rows):
+        """The lane states to resume from; None (with a warning) if they are another source's."""
+        if state is None:
+            return None
+        if state.get('source') not in (None, self.identity):
+            self.log(f'WARNING: the checkpoint\'s data position is in {state["source"]}, not in this run\'s data '
+                     f'({self.identity}): the data order starts again from its beginning')
+            return None
+        if len(state['lanes']) != rows:
+            raise DataError(f'the checkpoint holds the data position of {len(state["lanes"])} rows per microbatch but '
+                            f'this run reads {rows} (per_device_batch x devices): keep {len(state["lanes"])} to resume, '
+                            'or start a new run_name with load_params=RUN_DIR')
+        return state['lanes']
 
 
 @contextlib.contextmanager
@@ -178,7 +199,7 @@ class SyntheticData(_Data):
 
     def __init__(self, cfg, process_index, process_count):
         super().__init__(cfg, process_index, process_count)
-        self.vocab_size, self.length = cfg.vocab_size, cfg.max_target_length
+        self.vocab_size, self.length, self.identity = cfg.vocab_size, cfg.max_target_length, 'synthetic'
 
     def _row(self, stream, step, row):
         rng = np.random.default_rng([self.cfg.seed, stream, step, row])
@@ -399,7 +420,11 @@ def _tokenizer(cfg, train_texts, identity, log=None):
             if not os.path.exists(path):
                 with _announced(log, f'training a {cfg.vocab_size}-piece BPE tokenizer on the training text'):
                     _train_tokenizer(train_texts, cfg.vocab_size, path)
-    sp = spm.SentencePieceProcessor(model_file=path)
+    try:
+        sp = spm.SentencePieceProcessor(model_file=path)
+    except (OSError, RuntimeError) as e:
+        raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({str(e).splitlines()[0][:120]}); give '
+                        "a .model file, or '' to train one") from None
     size = sp.get_piece_size()
     if size != cfg.vocab_size:
         raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: '
@@ -431,7 +456,7 @@ class TextData(_Data):
 
     def __init__(self, cfg, train_texts, eval_texts, identity, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count)
-        self.train_texts, self.eval_texts = train_texts, eval_texts
+        self.train_texts, self.eval_texts, self.identity = train_texts, eval_texts, identity
         self.eval_records = _host_records(len(eval_texts), process_index, process_count, 'the eval split')
         self.tokenizer = _tokenizer(cfg, train_texts, identity, log)
         self.vocab_size, self.length = self.tokenizer.get_piece_size(), cfg.max_target_length
@@ -643,28 +668,14 @@ def read_sudoku_csv(path, key='dataset_path'):
     if not os.path.isfile(path):
         raise DataError(f'{key}={path!r}: file not found (a CSV with header source,q,a,rating; '
                         'make one with `python data.py make-sudoku OUT.csv`)')
-    puzzles, solutions, lines = [], [], []
     with open(path, newline='') as f:
         reader = csv.reader(f)
-        first = next(reader, [])
-        iq, ia, first_is_data = _csv_columns(path, first) if first else (0, 1, False)
-        rows = itertools.chain([first] if first_is_data else [], reader)
-        for row in rows:
-            if not row:
-                continue
-            where = f'{path}:{reader.line_num}'
-            if len(row) <= max(iq, ia):
-                raise DataError(f'{where}: {len(row)} columns, expected at least {max(iq, ia) + 1}')
-            q, a = row[iq].strip(), row[ia].strip()
-            for name, text, allowed in (('q', q, '.0123456789'), ('a', a, '123456789')):
-                if len(text) != 81:
-                    raise DataError(f'{where}: {name} has {len(text)} characters, expected 81')
-                illegal = set(text) - set(allowed)
-                if illegal:
-                    raise DataError(f'{where}: {name} has illegal character {min(illegal)!r} (allowed: {allowed})')
-            puzzles.append(q.replace('.', '0'))
-            solutions.append(a)
-            lines.append(reader.line_num)
+        try:
+            puzzles, solutions, lines = _csv_grids(path, reader)
+        except UnicodeDecodeError:
+            raise DataError(f'{key}={path!r}: not a text CSV (compressed? decompress it first)') from None
+        except csv.Error as e:  # e.g. a field longer than the csv module's limit: not a puzzle file
+            raise DataError(f'{path}:{reader.line_num}: {e}') from None
     if not puzzles:
         raise DataError(f'{key}={path!r}: no puzzles in the file')
     q, a = _digit_rows(puzzles), _digit_rows(solutions)
@@ -676,6 +687,30 @@ def read_sudoku_csv(path, key='dataset_path'):
                 else 'solution a is not a valid Sudoku grid (a row, column or box repeats a digit)')
         raise DataError(f'{path}:{lines[i]}: {what}')
     return q, a
+
+
+def _csv_grids(path, reader):
+    """(puzzle strings, solution strings, their line numbers) of a CSV reader's rows, each row checked."""
+    puzzles, solutions, lines = [], [], []
+    first = next(reader, [])
+    iq, ia, first_is_data = _csv_columns(path, first) if first else (0, 1, False)
+    for row in itertools.chain([first] if first_is_data else [], reader):
+        if not row:
+            continue
+        where = f'{path}:{reader.line_num}'
+        if len(row) <= max(iq, ia):
+            raise DataError(f'{where}: {len(row)} columns, expected at least {max(iq, ia) + 1}')
+        q, a = row[iq].strip(), row[ia].strip()
+        for name, text, allowed in (('q', q, '.0123456789'), ('a', a, '123456789')):
+            if len(text) != 81:
+                raise DataError(f'{where}: {name} has {len(text)} characters, expected 81')
+            illegal = set(text) - set(allowed)
+            if illegal:
+                raise DataError(f'{where}: {name} has illegal character {min(illegal)!r} (allowed: {allowed})')
+        puzzles.append(q.replace('.', '0'))
+        solutions.append(a)
+        lines.append(reader.line_num)
+    return puzzles, solutions, lines
 
 
 def parse_grid(text):
@@ -737,6 +772,8 @@ class SudokuData(_Data):
             seen = {s.tobytes() for s in self.train_a}
             keep = np.array([s.tobytes() not in seen for s in a], bool)
             self.eval_q, self.eval_a = q[keep], a[keep]
+        self.identity = (f'sudoku {cfg.dataset_path}' if cfg.dataset_path else
+                         f'sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {cfg.sudoku_blanks} blanks, seed {cfg.seed}')
         self._order = grain.MapDataset.range(len(self.train_q)).shuffle(seed=cfg.seed).repeat().map_with_index(
             self._example)
 
@@ -765,13 +802,19 @@ class SudokuData(_Data):
 def make_dataset(cfg, process_index=0, process_count=1, log=None):
     """The dataset this process reads: its share of the records, in a seed-determined order. `log` (a print
     function, or None for silence) hears about the slow one-time preparations."""
+    try:
+        os.makedirs(cfg.cache_dir, exist_ok=True)
+    except OSError as e:
+        raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable cache_dir') from None
     if cfg.task == 'sudoku':
-        return SudokuData(cfg, process_index, process_count, log)
-    if cfg.dataset == 'synthetic':
-        return SyntheticData(cfg, process_index, process_count)
-    sources = _tfds_sources(cfg) if cfg.dataset == 'tfds' else _file_sources(cfg, log)  # files or stdlib
-    train_texts, eval_texts, identity = sources
-    return TextData(cfg, train_texts, eval_texts, identity, process_index, process_count, log)
+        ds = SudokuData(cfg, process_index, process_count, log)
+    elif cfg.dataset == 'synthetic':
+        ds = SyntheticData(cfg, process_index, process_count)
+    else:
+        sources = _tfds_sources(cfg) if cfg.dataset == 'tfds' else _file_sources(cfg, log)  # files or stdlib
+        ds = TextData(cfg, *sources, process_index, process_count, log)
+    ds.log = log or ds.log
+    return ds
 
 
 def main(argv):

@@ -441,6 +441,8 @@ def to_hf(cfg, params):
 def from_hf(cfg, tensors, conf):
     """A HF Llama checkpoint -> {our params path: array in our axis order, layers stacked}; ValueError
     naming the key where it and the config disagree."""
+    if not isinstance(conf, dict):
+        raise ValueError(f'config.json holds a JSON {type(conf).__name__}, not the object of a Llama config')
     conf.setdefault('rope_theta', (conf.get('rope_parameters') or {}).get('rope_theta'))  # transformers 5 nests it
     conf.setdefault('head_dim', conf.get('hidden_size', 0) // conf.get('num_attention_heads', 1))
     conf.setdefault('tie_word_embeddings', False)  # LlamaConfig's default

@@ -1,4 +1,4 @@
-"""Train a GQA transformer with JAX: python train.py base.yml [key=value ...]
+"""Train a GQA transformer with JAX: python train.py base.yml [your.yml ...] [key=value ...]
 
 Reads top to bottom in execution order, under banners: config, devices and mesh, sharding, state, the
 step, eval, checkpoints, metrics, the loop, the other modes (export / import, the TPU fit check), run(),
@@ -9,8 +9,10 @@ model.py's header.
 import contextlib
 import dataclasses
 import difflib
+import fcntl
 import functools
 import glob
+import itertools
 import json
 import logging
 import math
@@ -18,7 +20,9 @@ import os
 import pkgutil
 import resource
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
 from typing import Annotated, Callable, Literal, NamedTuple
@@ -50,6 +54,13 @@ class ConfigError(Exception):
 # ==================================================================================================
 # Config: every key declared once below with its type and bounds; base.yml holds its default and doc.
 # ==================================================================================================
+def _number(value):
+    """YAML reads yes/true as a boolean, which pydantic would take as 1 for a number key."""
+    if isinstance(value, bool):
+        raise ValueError('a number')
+    return value
+
+
 def _items(value):
     """A list typed on the command line: 4,4,2 or YAML ([[batch, data]]); from a YAML file as it is."""
     if isinstance(value, str):
@@ -57,12 +68,13 @@ def _items(value):
     return value
 
 
-Count = Annotated[int, Field(ge=1)]            # at least one
-Off = Annotated[int, Field(ge=0)]              # a count where 0 means off, none or all
-Positive = Annotated[float, Field(gt=0)]
-NonNeg = Annotated[float, Field(ge=0)]
-Share = Annotated[float, Field(ge=0, le=1)]    # a probability or fraction
-Decay = Annotated[float, Field(ge=0, lt=1)]    # a moving-average decay: 1 would never move
+Number = BeforeValidator(_number)
+Count = Annotated[int, Number, Field(ge=1)]            # at least one
+Off = Annotated[int, Number, Field(ge=0)]              # a count where 0 means off, none or all
+Positive = Annotated[float, Number, Field(gt=0)]
+NonNeg = Annotated[float, Number, Field(ge=0)]
+Share = Annotated[float, Number, Field(ge=0, le=1)]    # a probability or fraction
+Decay = Annotated[float, Number, Field(ge=0, lt=1)]    # a moving-average decay: 1 would never move
 Ints = Annotated[tuple[int, ...], BeforeValidator(_items)]
 Names = Annotated[tuple[str, ...], BeforeValidator(_items)]
 AxisRule = tuple[str, str | tuple[str, ...] | None]
@@ -92,10 +104,10 @@ SCHEMA = [
     (Ints, 'mesh profile_steps'),
     (Names, 'mesh_axes'),
     (Annotated[tuple[AxisRule, ...], BeforeValidator(_items)], 'logical_axis_rules'),
-    (Annotated[int, Field(ge=0, lt=2 ** 31)], 'seed'),  # what every RNG here takes
-    (Annotated[int, Field(ge=0, le=81)], 'sudoku_blanks'),
-    (Annotated[int, Field(ge=1, le=9)], 'thoughts_per_step'),
-    (Annotated[int, Field(ge=1, le=81)], 'thought_cells'),
+    (Annotated[int, Number, Field(ge=0, lt=2 ** 31)], 'seed'),  # what every RNG here takes
+    (Annotated[int, Number, Field(ge=0, le=81)], 'sudoku_blanks'),
+    (Annotated[int, Number, Field(ge=1, le=9)], 'thoughts_per_step'),
+    (Annotated[int, Number, Field(ge=1, le=81)], 'thought_cells'),
     (Literal[tuple(model_lib.TASKS)], 'task'),
     (Literal['train', 'eval', 'export', 'generate'], 'mode'),
     (Literal['', 'cpu', 'gpu', 'tpu'], 'platform'),
@@ -140,18 +152,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_config(path, overrides=()):
-    """A YAML file (base.yml) + ['key=value', ...] -> Config, both checked by the one schema. Raises
-    ConfigError naming the key on any mistake."""
-    try:
-        with open(path) as f:
-            raw = yaml.load(f, _UniqueKeyLoader)
-    except OSError as e:
-        raise ConfigError(f'cannot read config file {path}: {e.strerror}') from None
-    except (yaml.YAMLError, ValueError) as e:  # ValueError: bytes that are not text
-        raise ConfigError(f'{path} is not valid YAML: {str(e).splitlines()[0]}') from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f'{path}: expected key: value lines at the top level, as in base.yml')
+def load_config(paths, overrides=()):
+    """YAML files (base.yml, then any files of your own, later keys winning) + ['key=value', ...] -> Config,
+    all checked by the one schema. Raises ConfigError naming the key on any mistake."""
+    raw = {}
+    for path in [paths] if isinstance(paths, str) else paths:
+        merge(raw, read_yaml(path), path, '')
+    path = paths if isinstance(paths, str) else paths[-1]
     given = set()
     for item in overrides:
         key, eq, text = item.partition('=')
@@ -162,15 +169,39 @@ def load_config(path, overrides=()):
         if key not in KEYS:
             raise ConfigError(unknown_key(key, path))
         given.add(key)
-        node, (*parents, leaf) = raw, key.split('.')
-        for p in parents:
-            node = node.setdefault(p, {}) if isinstance(node, dict) else node
-        if isinstance(node, dict):
-            node[leaf] = text
+        merge(raw, functools.reduce(lambda value, name: {name: value}, reversed(key.split('.')), text), path, '')
     try:
         return Config.model_validate(raw)
     except pydantic.ValidationError as e:
         raise ConfigError(schema_error(e.errors()[0], path, raw)) from None
+
+
+def read_yaml(path):
+    try:
+        with open(path) as f:
+            raw = yaml.load(f, _UniqueKeyLoader)
+    except OSError as e:
+        raise ConfigError(f'cannot read config file {path}: {e.strerror}') from None
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: bytes that are not text
+        raise ConfigError(f'{path} is not valid YAML: {str(e).splitlines()[0]}') from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f'{path}: expected key: value lines at the top level, as in base.yml')
+    return raw
+
+
+def merge(into, new, path, prefix):
+    """The keys of `new` (read from `path`) over `into`, section by section, each checked to be a key."""
+    for name, value in new.items():
+        key = f'{prefix}{name}'
+        if not any(k == key or k.startswith(f'{key}.') for k in KEYS):
+            raise ConfigError(f'{path}: {unknown_key(key, path)}')
+        section = any(k.startswith(f'{key}.') for k in KEYS)
+        if section != isinstance(value, dict):
+            raise ConfigError(f'{path}: {key} is {"a section of keys, not a value" if section else "a value, not a section"}')
+        if section:
+            merge(into.setdefault(name, {}), value, path, f'{key}.')
+        else:
+            into[name] = value
 
 
 def unknown_key(key, path):
@@ -191,14 +222,14 @@ def schema_error(err, path, raw):
         return (f'logical_axis_rules={shown}: give a list of [logical axis, mesh axis or list of them or null] '
                 'pairs, e.g. [[batch, [data, fsdp]], [embed, fsdp]]')
     if kind == 'missing':
-        return f'{path}: key {key} is missing; every key of base.yml must be set'
+        return f'{path}: key {key} is missing; list base.yml first to take it from there: train.py base.yml {path}'
     if kind == 'literal_error':
         return f'{key}={value!r}: choose one of {err["ctx"]["expected"].replace(" or ", ", ")}'
     ops = {'greater_than': '>', 'greater_than_equal': '>=', 'less_than': '<', 'less_than_equal': '<='}
     if kind in ops:
         bound = next(iter(err['ctx'].values()))
         return f'{key}={shown}: must be {ops[kind]} {f"{bound:g}" if isinstance(bound, float) else bound}'
-    expected = {'int': 'an integer', 'float': 'a number', 'bool': 'true or false', 'string': 'text',
+    expected = {'int': 'an integer', 'float': 'a number', 'value': 'a number', 'bool': 'true or false', 'string': 'text',
                 'model': 'a section of keys', 'dict': 'a section of keys', 'tuple': 'a list', 'list': 'a list',
                 'finite': 'a finite number'}
     what = next((v for k, v in expected.items() if kind.startswith(k)), kind)
@@ -239,6 +270,10 @@ def check(cfg, task):
     if not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in ('.', '..'):
         raise ConfigError(f'run_name={cfg.run_name!r}: give a plain directory name (the run goes to '
                           'output_dir/run_name)')
+    for key in ('run_name', 'output_dir'):  # orbax writes the path into a JSON spec without escaping it
+        if '\\' in getattr(cfg, key):
+            raise ConfigError(f'{key}={getattr(cfg, key)}: the checkpoint library cannot write under a path with a '
+                              'backslash; choose a name without one')
     if message := task.check(cfg):
         raise ConfigError(message)
     check_paths(cfg)
@@ -518,17 +553,34 @@ DATA_STATE_BYTES = 256  # room for one lane's (one batch row's) data-iterator st
 def checkpoints(directory, cfg, read_only=False):
     """The orbax CheckpointManager of a checkpoints/ directory, open for the block. Leaving the block, by
     any path, lets a save still in flight land first, then closes the manager."""
+    # The step directory is made before save() returns, so a directory that refuses it fails there and
+    # then, not in a background thread that the end of the run would wait on.
     opts = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints or None, create=not read_only,
                                         cleanup_tmp_directories=not read_only, read_only=read_only,
-                                        enable_async_checkpointing=True)
+                                        enable_async_checkpointing=True,
+                                        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     mngr = ocp.CheckpointManager(os.path.abspath(directory), options=opts,
                                  item_handlers={'train_state': ocp.PyTreeCheckpointHandler(),
                                                 'data_state': ocp.StandardCheckpointHandler()})
     try:
         yield mngr
     finally:
-        mngr.wait_until_finished()
-        mngr.close()
+        try:
+            mngr.wait_until_finished()
+        except Exception as e:  # a save that failed in the background: the disk filled up, the mount went away
+            raise WriteError(f'{directory}: the last checkpoint could not be written ({first_line(e)}); the ones '
+                             'written before stay as they are') from None
+        finally:
+            mngr.close()
+
+
+class WriteError(Exception):
+    """The run directory refused a write (read-only, full, gone): the run stops with one line; what was
+    written before stays."""
+
+
+def first_line(e):
+    return f'{type(e).__name__}: {str(e).splitlines()[0][:160]}' if str(e) else type(e).__name__
 
 
 def data_state_array(lane_states):
@@ -542,9 +594,16 @@ def data_state_array(lane_states):
 
 
 def save_checkpoint(mngr, step, state, it):
-    mngr.save(step, args=ocp.args.Composite(
-        train_state=ocp.args.PyTreeSave(state),
-        data_state=ocp.args.StandardSave({'lanes': data_state_array(it.state())})))
+    """Step `step`'s train state and data position (with the identity of the data it counts in), saved
+    asynchronously: training goes on while it is written."""
+    data_state = {'lanes': data_state_array(it.state()), 'source': np.frombuffer(it.source.encode(), np.uint8)}
+    try:
+        mngr.check_for_errors()  # the save before this one, finished in the background
+        mngr.save(step, args=ocp.args.Composite(train_state=ocp.args.PyTreeSave(state),
+                                                data_state=ocp.args.StandardSave(data_state)))
+    except Exception as e:
+        raise WriteError(f'{mngr.directory}: a checkpoint could not be written ({first_line(e)}); the ones '
+                         'written before stay as they are') from None
 
 
 def _flat_shapes(tree):
@@ -558,6 +617,10 @@ class Damaged(Exception):
     """A checkpoint step that cannot be read back: truncated, garbled or missing files, bad metadata."""
 
 
+class Mismatch(Exception):
+    """A readable checkpoint whose state has other parameters or shapes than this config makes: not damage."""
+
+
 def _check_shapes(mngr, step, abstract, part):
     """A checkpoint written by a different model config fails here with a message, not deep in orbax;
     metadata that cannot be read (or holds no parameters) is damage, not a config mistake."""
@@ -569,11 +632,11 @@ def _check_shapes(mngr, step, abstract, part):
         raise Damaged(f'its metadata is unreadable: {type(e).__name__}: {first}')
     if not any(path[0] == 'params' for path in saved) and not part:
         raise Damaged('its metadata lists no parameters')
-    for path, want in sorted(_flat_shapes(abstract).items(), key=lambda kv: kv[0][0] != 'params'):
-        if saved.get(path) != want:
-            raise ConfigError(f'checkpoint {mngr.directory}/{step} has {"/".join(path)} of shape {saved.get(path)}, '
-                              f'but this config makes {want}: use the model keys of the run that wrote it, '
-                              'or a new run_name / resume=false')
+    want = _flat_shapes(abstract)
+    for path in sorted(set(want) | set(saved), key=lambda p: (p[0] != 'params', p)):
+        if saved.get(path) != want.get(path):
+            show = lambda shape: 'none' if shape is None else shape
+            raise Mismatch(f'{"/".join(path)} is {show(saved.get(path))} there but {show(want.get(path))} here')
 
 
 def _read_step(mngr, step, abstract, part):
@@ -586,27 +649,36 @@ def _read_step(mngr, step, abstract, part):
         if part:  # another run's optimizer may differ: read the params subtree alone
             got = mngr.restore(step, args=ocp.args.Composite(train_state=restore({part: target}, partial_restore=True)))
             return got['train_state'][part], None
-        lanes = 'lanes' in mngr.item_metadata(step)['data_state']  # else a position per process (before grain)
+        saved = mngr.item_metadata(step)['data_state']
         got = mngr.restore(step, args=ocp.args.Composite(
-            train_state=restore(abstract), **({'data_state': ocp.args.StandardRestore()} if lanes else {})))
-        if not lanes:
+            train_state=restore(abstract), **({'data_state': ocp.args.StandardRestore()} if 'lanes' in saved else {})))
+        if 'lanes' not in saved:  # a position per process, from before the data moved to grain
             log(f'WARNING: checkpoint {mngr.directory}/{step} holds a data position per process (written before the '
                 'data moved to grain): the data order starts again from its beginning')
             return got['train_state'], None
-        return got['train_state'], [json.loads(row.tobytes().decode().strip()) for row in got['data_state']['lanes']]
+        data_state = got['data_state']
+        return got['train_state'], {
+            'lanes': [json.loads(row.tobytes().decode().strip()) for row in data_state['lanes']],
+            'source': data_state['source'].tobytes().decode() if 'source' in data_state else None}
     except Exception as e:  # orbax/tensorstore raise bare Exception for unreadable data
         raise Damaged(f'{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else "unreadable"}') from None
 
 
-def restore_checkpoint(mngr, abstract, steps=None, part=None, move_aside=False):
+def restore_checkpoint(mngr, abstract, cfg, steps=None, part=None, move_aside=False):
     """Newest readable checkpoint -> (step, state or its `part` ('params', 'ema'), every lane's data
     state), or None. A damaged step is reported in one line and skipped for the one before it; with
     move_aside (the run's own checkpoints) it is renamed STEP.damaged-TIME once a readable one is found,
-    never deleted, so the next save of that step has room and nothing is lost."""
+    never deleted, so the next save of that step has room and nothing is lost. A checkpoint of another
+    config is not damage: it stops the run with what differs."""
     damaged = []
     for step in sorted(steps or mngr.all_steps(), reverse=True):
         try:
             state, data_state = _read_step(mngr, step, abstract, part)
+        except Mismatch as e:
+            changed = config_changes(os.path.dirname(mngr.directory), cfg)
+            raise ConfigError(f'checkpoint {mngr.directory}/{step} was written by another config: {e}'
+                              + (f'; changed since: {", ".join(changed[:6])}' if changed else '')
+                              + '; use the keys of the run that wrote it, or a new run_name / resume=false') from None
         except Damaged as e:
             damaged.append(step)
             log(f'WARNING: checkpoint {mngr.directory}/{step} is damaged ({e}); trying the one before it')
@@ -622,6 +694,19 @@ def restore_checkpoint(mngr, abstract, steps=None, part=None, move_aside=False):
             mngr.reload()
         return step, state, data_state
     return None
+
+
+def config_changes(run_dir, cfg):
+    """'key (old -> new)' for each key whose value differs from the config.yml the run in run_dir wrote."""
+    flat = lambda d, p='': dict(kv for k, v in d.items() for kv in (flat(v, f'{p}{k}.').items() if isinstance(v, dict)
+                                                                    else [(f'{p}{k}', v)]))
+    try:
+        with open(os.path.join(run_dir, 'config.yml')) as f:
+            old = flat(yaml.safe_load(f))
+    except (OSError, yaml.YAMLError, AttributeError):  # none, or not the mapping a run writes
+        return []
+    new = flat(cfg.model_dump(mode='json'))
+    return [f'{k} ({old[k]} -> {new[k]})' for k in new if k in old and old[k] != new[k]]
 
 
 def checkpoint_steps(path):
@@ -640,7 +725,7 @@ def load_params(path, abstract, cfg, part='params'):
     (step, the state entry `part` of its newest readable checkpoint)."""
     path, steps = checkpoint_steps(path)
     with checkpoints(path, cfg, read_only=True) as mngr:
-        found = restore_checkpoint(mngr, abstract, steps, part=part)
+        found = restore_checkpoint(mngr, abstract, cfg, steps, part=part)
     if not found:
         raise ConfigError(f'load_params={path}: no readable checkpoint there (see the warnings); give a run '
                           'directory or its checkpoints/STEP directory')
@@ -653,7 +738,7 @@ def restore_or_init(cfg, task, mngr, layout):
     load_params / load_hf weights if given. Returns (state, every lane's data state or None, whether the
     state holds trained parameters)."""
     if cfg.resume and mngr.all_steps():
-        restored = restore_checkpoint(mngr, layout.abstract, move_aside=True)
+        restored = restore_checkpoint(mngr, layout.abstract, cfg, move_aside=True)
         if not restored:
             raise ConfigError(f'no readable checkpoint in {mngr.directory} (steps {", ".join(map(str, mngr.all_steps()))} '
                               'are damaged, see the warnings): move them away to start over, or set resume=false')
@@ -735,21 +820,25 @@ class MetricsWriter:
     the rows past its checkpoint, so every step appears once."""
 
     def __init__(self, run_dir, start_step):
-        self.main = jax.process_index() == 0
-        path = os.path.join(run_dir, 'metrics.jsonl')
-        if self.main and start_step and os.path.exists(path):
-            with open(path) as f:
-                rows = [r for r in f if json.loads(r)['step'] <= start_step]
-            with open(path, 'w') as f:
-                f.writelines(rows)
-        self.file = open(path, 'a' if start_step else 'w') if self.main else None
+        self.main, self.path = jax.process_index() == 0, os.path.join(run_dir, 'metrics.jsonl')
+        if self.main and start_step and os.path.exists(self.path):
+            with open(self.path) as f:
+                lines = f.read().splitlines(keepends=True)
+            if lines and not lines[-1].endswith('\n'):  # a run killed while writing its last row
+                log(f'WARNING: {self.path}: dropped its last line, written only in part: {lines.pop()[:60]!r}')
+            with open(self.path, 'w') as f:
+                f.writelines(r for r in lines if json.loads(r)['step'] <= start_step)
+        self.file = open(self.path, 'a' if start_step else 'w') if self.main else None
         self.tb = SummaryWriter(run_dir) if self.main else None
 
     def write(self, m, steps):
         log(short_line(m, steps))
         if self.main:
-            self.file.write(json.dumps(m) + '\n')
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(m) + '\n')
+                self.file.flush()
+            except OSError as e:
+                raise WriteError(f'{self.path}: cannot write ({e.strerror}); the checkpoints written are intact') from None
             for k, v in m.items():
                 if k != 'step' and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, m['step'])
@@ -1033,14 +1122,20 @@ def load_hf(path, abstract_params, cfg):
     except OSError as e:
         raise ConfigError(f'load_hf={path}: cannot read {e.filename} ({e.strerror}); give a directory with '
                           'config.json and one model.safetensors') from None
-    except (safetensors.SafetensorError, json.JSONDecodeError) as e:
+    except (safetensors.SafetensorError, json.JSONDecodeError, TypeError, ZeroDivisionError) as e:
         raise ConfigError(f'load_hf={path}: config.json or model.safetensors is damaged ({str(e)[:200]})') from None
     except ValueError as e:  # the checkpoint and the config disagree
         raise ConfigError(f'load_hf={path}: {e}') from None
+
+    def place(keypath, a):
+        w = params[tuple(k.key for k in keypath)]
+        if w.size != a.size:
+            raise ConfigError(f'load_hf={path}: model.safetensors disagrees with its config.json: '
+                              f'{"/".join(k.key for k in keypath)} holds {w.shape} values where the config makes {a.shape}')
+        return jax.device_put(w.reshape(a.shape).astype(a.dtype), a.sharding)
+    params = jax.tree_util.tree_map_with_path(place, abstract_params)
     log(f'loaded Hugging Face checkpoint {path}')
-    place = lambda keypath, a: jax.device_put(params[tuple(k.key for k in keypath)].reshape(a.shape).astype(a.dtype),
-                                             a.sharding)
-    return jax.tree_util.tree_map_with_path(place, abstract_params)
+    return params
 
 
 # ==================================================================================================
@@ -1153,31 +1248,70 @@ def fit_advice(cfg, mesh):
 # ==================================================================================================
 # run: everything above, in the order the data flows.
 # ==================================================================================================
-def prepare_run_dir(cfg, derived):
-    """output_dir/run_name with the resolved config in it (the derived figures as a comment on top).
-    resume=false moves an earlier run's checkpoints and metrics aside (renamed, never deleted) so the new
-    run starts clean."""
-    run_dir = os.path.join(cfg.output_dir, cfg.run_name)
+@contextlib.contextmanager
+def run_directory(cfg):
+    """output_dir/run_name for the block: made, checked writable, and in mode=train owned by this run (one
+    run trains in a run directory at a time). resume=false moves an earlier run's checkpoints and metrics
+    aside (renamed, never deleted) so the new run starts clean."""
+    run_dir, lock = os.path.join(cfg.output_dir, cfg.run_name), None
+    checkpoints_dir = os.path.join(run_dir, 'checkpoints')
     try:
         os.makedirs(run_dir, exist_ok=True)
-        if not cfg.resume and cfg.mode == 'train' and jax.process_index() == 0:
-            stamp = time.strftime('%Y%m%d-%H%M%S')
-            for name in ('checkpoints', 'metrics.jsonl'):
-                if os.path.exists(os.path.join(run_dir, name)):
-                    os.rename(os.path.join(run_dir, name), os.path.join(run_dir, f'{name}.replaced-{stamp}'))
-                    log(f'resume=false: moved the earlier {name} aside to {name}.replaced-{stamp}')
-        name = 'config.yml' if cfg.mode == 'train' else f'config.{cfg.mode}.yml'  # keep the training record
-        with open(os.path.join(run_dir, name), 'w') as f:
-            f.write(f'# {derived}\n' + yaml.safe_dump(cfg.model_dump(mode='json'), sort_keys=False))
+        if cfg.mode == 'train':
+            lock = own(run_dir)
+            if not cfg.resume and jax.process_index() == 0:
+                stamp = time.strftime('%Y%m%d-%H%M%S')
+                for name in ('checkpoints', 'metrics.jsonl'):
+                    if os.path.exists(os.path.join(run_dir, name)):
+                        os.rename(os.path.join(run_dir, name), os.path.join(run_dir, f'{name}.replaced-{stamp}'))
+                        log(f'resume=false: moved the earlier {name} aside to {name}.replaced-{stamp}')
+            if os.path.exists(checkpoints_dir) and not os.path.isdir(checkpoints_dir):
+                raise ConfigError(f'{checkpoints_dir} is a file, where the run keeps its checkpoints: move it away')
+            os.makedirs(checkpoints_dir, exist_ok=True)
+            tempfile.TemporaryFile(dir=checkpoints_dir).close()  # writable, now rather than at the first save
     except OSError as e:
-        raise ConfigError(f'output_dir={cfg.output_dir}: cannot write {run_dir} ({e.strerror}); '
+        raise ConfigError(f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({e.strerror}); '
                           'choose a writable output_dir') from None
     try:
-        os.makedirs(cfg.cache_dir, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); '
-                          'choose a writable cache_dir') from None
-    return run_dir
+        yield run_dir
+    finally:
+        if lock:
+            lock.close()
+
+
+def own(run_dir):
+    """RUN_DIR/.lock, locked (flock) by process 0 for the whole run, with who holds it written inside. The
+    kernel drops the lock when the process ends, however it ends, so a killed run leaves none behind; a
+    second run on the directory finds it held and stops, every process of it."""
+    f, holder = None, ''
+    if jax.process_index() == 0:
+        f = open(os.path.join(run_dir, '.lock'), 'a+')
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            f.truncate(0)
+            f.write(f'process {os.getpid()} on {socket.gethostname()} since {time.strftime("%Y-%m-%d %H:%M:%S")}\n')
+            f.flush()
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or 'another process'
+            f.close()
+            f = None
+    if not multihost_utils.broadcast_one_to_all(np.int32(not holder)):
+        raise ConfigError(f'{run_dir} is in use by {holder or "another run (see process 0)"}: wait for that run to '
+                          'end, or choose another run_name')
+    return f
+
+
+def write_config(cfg, run_dir, derived):
+    """The resolved config, the derived figures as a comment on top (config.MODE.yml for the other modes,
+    so the training record stays)."""
+    name = 'config.yml' if cfg.mode == 'train' else f'config.{cfg.mode}.yml'
+    if jax.process_index() == 0:
+        try:
+            with open(os.path.join(run_dir, name), 'w') as f:
+                f.write(f'# {derived}\n' + yaml.safe_dump(cfg.model_dump(mode='json'), sort_keys=False))
+        except OSError as e:
+            raise WriteError(f'{run_dir}/{name}: cannot write it ({e.strerror})') from None
 
 
 def describe(cfg, devices, mesh, rows):
@@ -1211,15 +1345,15 @@ def run(cfg, devices=None):
     layout = state_layout(cfg, task, mesh, tx, feed.rows)
     if cfg.compile_topology:
         return fit_check(cfg, compile_steps(cfg, task, graph, tx, layout, None, feed).train, layout, feed)
-    run_dir = prepare_run_dir(cfg, batch)
     ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log)
     if ds.vocab_size != cfg.vocab_size:
         raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
                           f'set vocab_size={ds.vocab_size}')
     flops = step_flops(cfg, task, devices) if cfg.mode == 'train' else None  # its probe runs outside the mesh
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules), \
+    with run_directory(cfg) as run_dir, jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules), \
             checkpoints(os.path.join(run_dir, 'checkpoints'), cfg) as mngr:
         state, data_state, trained = restore_or_init(cfg, task, mngr, layout)
+        write_config(cfg, run_dir, batch)
         log(f'model: {sum(x.size for x in jax.tree.leaves(state["params"])) / 1e6:.2f}M parameters, '
             f'{task.flops_per_token(cfg) / 1e6:.1f} MFLOPs per token (train)')
         if cfg.print_sharding:
@@ -1260,15 +1394,17 @@ def main(argv):
         print(__doc__.strip().splitlines()[0])
         return 0 if len(argv) >= 2 else 2
     try:
-        cfg = load_config(argv[1], argv[2:])
+        files = 1 + sum(1 for _ in itertools.takewhile(lambda a: a.endswith(('.yml', '.yaml')) and '=' not in a, argv[2:]))
+        cfg = load_config(argv[1:1 + files], argv[1 + files:])  # config files first (base.yml, then yours), then keys
         quiet_libraries()
         start_platforms()
         init_distributed()
         return DOES_NOT_FIT if run(cfg).get('fits') is False else 0
-    except (ConfigError, data.DataError, FloatingPointError, Preempted) as e:  # one line, no traceback
+    except (ConfigError, data.DataError, FloatingPointError, WriteError, Preempted) as e:  # one line, no traceback
         print(f'{"stopped" if isinstance(e, Preempted) else "error"}: {e}', file=sys.stderr)
-        # 3: the loss went non-finite; 75 (EX_TEMPFAIL): preempted with a checkpoint, schedulers requeue on it
-        return {FloatingPointError: 3, Preempted: 75}.get(type(e), 2)
+        # 3: the loss went non-finite; 74 (EX_IOERR): the run directory refused a write; 75 (EX_TEMPFAIL):
+        # preempted with a checkpoint, schedulers requeue on it
+        return {FloatingPointError: 3, WriteError: 74, Preempted: 75}.get(type(e), 2)
 
 
 def quiet_libraries():
@@ -1276,7 +1412,7 @@ def quiet_libraries():
     absl warnings (a local build as a download, our per-glob builder config); reading a damaged checkpoint,
     the tensorstore reads orbax left in flight fail later, each logged by asyncio and raised once more into
     a closed event loop."""
-    logging.getLogger('absl').setLevel(logging.ERROR)
+    logging.getLogger('absl').setLevel(logging.CRITICAL)  # orbax logs a failed save it raises to us as well
     logging.getLogger('asyncio').setLevel(logging.CRITICAL)
     hook = sys.unraisablehook
     sys.unraisablehook = lambda u: None if str(u.exc_value) == 'Event loop is closed' else hook(u)
@@ -1320,7 +1456,12 @@ def init_distributed():
             count, index = int(os.environ['JAX_PROCESS_COUNT']), int(os.environ['JAX_PROCESS_INDEX'])
         except ValueError:
             raise ConfigError('JAX_PROCESS_COUNT and JAX_PROCESS_INDEX must be integers') from None
-        jax.distributed.initialize(os.environ['JAX_COORDINATOR_ADDRESS'], count, index)
+        address = os.environ['JAX_COORDINATOR_ADDRESS']
+        if not 0 <= index < count:
+            raise ConfigError(f'JAX_PROCESS_INDEX={index}: must be 0..{count - 1} (JAX_PROCESS_COUNT={count})')
+        if not address.rpartition(':')[2].isdigit():
+            raise ConfigError(f'JAX_COORDINATOR_ADDRESS={address}: give host:port of process 0 (e.g. 10.0.0.1:8476)')
+        jax.distributed.initialize(address, count, index)
         return
     slurm = 'SLURM_JOB_ID' in os.environ and int(os.environ.get('SLURM_NTASKS', '1')) > 1
     if slurm or '0x1ae0' in pci_vendors():  # a Cloud TPU VM: JAX reads the slice's hosts from its metadata

@@ -162,7 +162,7 @@ def test_text_resume_is_exact(tmp_path, corpus, prefetch):
     state = json.loads(json.dumps(it.state()))
     reference = rest_of_epoch(ds, it, 3) + [next(it) for _ in range(3)]  # on into the next epoch
     it.close()
-    resumed = ds.train_iter(3, state=state)
+    resumed = ds.train_iter(3, state={'lanes': state, 'source': ds.identity})
     for want in reference:
         got = next(resumed)
         assert all(np.array_equal(want[k], got[k]) for k in want)
@@ -441,7 +441,7 @@ def test_sudoku_resume_is_exact(tmp_path, prefetch):
     state = it.state()
     reference = [next(it) for _ in range(6)]  # crosses epochs (10 puzzles, 4 per batch)
     it.close()
-    resumed = ds.train_iter(4, state=json.loads(json.dumps(state)))
+    resumed = ds.train_iter(4, state={'lanes': json.loads(json.dumps(state)), 'source': ds.identity})
     assert all(np.array_equal(want[k], got[k]) for want in reference for got in [next(resumed)] for k in want)
     resumed.close()
     for b in reference:

@@ -1,16 +1,19 @@
 """Bad input, as a user meets it: every case below runs through the command line and must exit non-zero
 with one line on stderr (file descriptor 2, so C++ libraries count too) and no traceback."""
+import gzip
 import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
+import safetensors.numpy
 
 import train
 from conftest import ENV, LM, ROOT, TEXT, args, config, start_trainer, trainer_results, write_corpus
 
 # (arguments after `python train.py`, the line stderr shows); {tmp} is a scratch directory the fixture
-# fills with the files some cases need. A first argument ending in .yml replaces base.yml.
+# fills with the files some cases need. A first argument ending in .yml replaces base.yml (more may follow it).
 CASES = [
     (['stepz=5'], "error: unknown key 'stepz'; did you mean steps?"),
     (['steps=many'], 'error: steps=many: expected an integer'),
@@ -51,7 +54,7 @@ CASES = [
     (['mode=eval', 'dataset=synthetic', 'run_name=never-trained'],
      'error: mode=eval needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, or run_name= a run with '
      'checkpoints (none in {tmp}/runs/never-trained/checkpoints)'),
-    (['output_dir={tmp}/a-file/runs'], 'error: output_dir={tmp}/a-file/runs: cannot write {tmp}/a-file/runs/default '
+    (['output_dir={tmp}/a-file/runs'], 'error: output_dir={tmp}/a-file/runs: cannot write in {tmp}/a-file/runs/default '
                                        '(Not a directory); choose a writable output_dir'),
     (['cache_dir={tmp}/a-file/cache'], 'error: cache_dir={tmp}/a-file/cache: cannot create it (Not a directory); '
                                        'choose a writable cache_dir'),
@@ -71,6 +74,30 @@ CASES = [
     (['output_dir={tmp}/damaged', *LM],  # the run the fixture trained, its checkpoints then garbled
      'error: no readable checkpoint in {tmp}/damaged/default/checkpoints (steps 2, 4 are damaged, see the '
      'warnings): move them away to start over, or set resume=false'),
+    # Config files: the schema checks them as it checks the command line; your own file layers on base.yml.
+    (['{tmp}/list.yml'], 'error: {tmp}/list.yml: expected key: value lines at the top level, as in base.yml'),
+    (['{tmp}/binary.yml'], 'error: {tmp}/binary.yml is not valid YAML: unacceptable character #x0000: special '
+                           'characters are not allowed'),
+    (['{tmp}/partial.yml'], 'error: {tmp}/partial.yml: key log_every is missing; list base.yml first to take it '
+                            'from there: train.py base.yml {tmp}/partial.yml'),
+    (['base.yml', '{tmp}/partial.yml', '{tmp}/yes.yml'], 'error: steps=true: expected a number'),
+    (['base.yml', '{tmp}/scalar.yml'], 'error: {tmp}/scalar.yml: trm is a section of keys, not a value'),
+    (['base.yml', '{tmp}/typo.yml'], "error: {tmp}/typo.yml: unknown key 'stepz'; did you mean steps?"),
+    (['seed=99999999999'], 'error: seed=99999999999: must be < 2147483648'),
+    # Paths that exist but hold the wrong thing.
+    ([*TEXT, 'dataset_path={tmp}/corpus/*.txt', 'tokenizer_path={tmp}/text.model'],
+     "error: tokenizer_path={tmp}/text.model: not a sentencepiece model (INTERNAL: could not parse ModelProto from "
+     "{tmp}/text.model); give a .model file, or '' to train one"),
+    (['load_hf={tmp}/hf-list'], 'error: load_hf={tmp}/hf-list: config.json holds a JSON list, not the object of a '
+                                'Llama config'),
+    (['task=sudoku', 'sudoku_train_puzzles=8', 'eval_path={tmp}/puzzles.csv.gz'],
+     "error: eval_path='{tmp}/puzzles.csv.gz': not a text CSV (compressed? decompress it first)"),
+    (['task=sudoku', 'sudoku_train_puzzles=8', 'eval_path={tmp}/long.csv'],
+     'error: {tmp}/long.csv:2: field larger than field limit (131072)'),
+    (['run_name=a\\b'], 'error: run_name=a\\b: the checkpoint library cannot write under a path with a backslash; '
+                        'choose a name without one'),
+    (['output_dir={tmp}/ckfile', *LM], 'error: {tmp}/ckfile/default/checkpoints is a file, where the run keeps its '
+                                       'checkpoints: move it away'),
 ]
 
 
@@ -94,6 +121,21 @@ def results(tmp_path_factory):
     (tmp / 'broken.yml').write_text('steps: [1, 2\n')
     good = '534678912672195348198342567859761423426853791713924856961537284287419635345286179'
     (tmp / 'bad.csv').write_text(f'source,q,a,rating\nok,{good[:40] + "." * 41},{good},1\nbad,{"." * 80},{good},1\n')
+    (tmp / 'list.yml').write_text('- steps\n- 5\n')
+    (tmp / 'binary.yml').write_bytes(b'steps: 5\x00\x01')
+    (tmp / 'partial.yml').write_text('steps: 5\n')
+    (tmp / 'yes.yml').write_text('steps: yes\n')
+    (tmp / 'scalar.yml').write_text('trm: 3\n')
+    (tmp / 'typo.yml').write_text('stepz: 5\n')
+    write_corpus(tmp / 'corpus', 6, 'doc', 0)
+    (tmp / 'text.model').write_text('not a model\n')
+    (tmp / 'hf-list').mkdir()
+    (tmp / 'hf-list' / 'config.json').write_text('[1, 2]')
+    safetensors.numpy.save_file({'x': np.zeros(1, np.float32)}, str(tmp / 'hf-list' / 'model.safetensors'))
+    (tmp / 'puzzles.csv.gz').write_bytes(gzip.compress((tmp / 'bad.csv').read_bytes()))
+    (tmp / 'long.csv').write_text(f'source,q,a,rating\nx,{"." * 200_000},{good},1\n')
+    (tmp / 'ckfile' / 'default').mkdir(parents=True)
+    (tmp / 'ckfile' / 'default' / 'checkpoints').write_text('')
     train.run(config(tmp / 'damaged', 'steps=4', 'checkpoint_every=2'), jax.devices()[:1])  # then both steps garbled
     for step in ('2', '4'):
         (tmp / 'damaged' / 'default' / 'checkpoints' / step / 'train_state' / '_sharding').write_text('garbage')

@@ -81,6 +81,14 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
         train.load_hf(hf, layout.abstract['params'], config(tmp_path, *keys, 'd_model=32'))
     with pytest.raises(train.ConfigError, match='cannot read .*config.json'):
         train.load_hf(str(tmp_path / 'nope'), layout.abstract['params'], cfg)
+    # Tensors that disagree with their own config.json (a hand-edited or half-converted checkpoint).
+    import safetensors.numpy
+    tensors = safetensors.numpy.load_file(os.path.join(hf, 'model.safetensors'))
+    tensors['model.norm.weight'] = tensors['model.norm.weight'][:-1]
+    safetensors.numpy.save_file(tensors, os.path.join(hf, 'model.safetensors'))
+    with pytest.raises(train.ConfigError, match=r'disagrees with its config.json: final_norm/scale holds \(63,\) values '
+                                                r'where the config makes \(64,\)'):
+        train.load_hf(hf, layout.abstract['params'], cfg)
 
 
 @pytest.mark.parametrize('scan', ['true', 'false'])

@@ -222,13 +222,18 @@ def test_two_processes_evaluate_sudoku_like_one(tmp_path):
     assert read('two', 'predictions.csv') == read('one', 'predictions.csv')
 
 
-def test_half_set_distributed_env_is_one_line_error(monkeypatch, capsys):
-    monkeypatch.setenv('JAX_COORDINATOR_ADDRESS', '127.0.0.1:1234')
-    monkeypatch.delenv('JAX_PROCESS_COUNT', raising=False)
-    monkeypatch.delenv('JAX_PROCESS_INDEX', raising=False)
+@pytest.mark.parametrize('address,count,index,says', [
+    ('127.0.0.1:1234', None, None, 'JAX_COORDINATOR_ADDRESS set but JAX_PROCESS_COUNT, JAX_PROCESS_INDEX not'),
+    ('127.0.0.1:1234', '2', '2', 'JAX_PROCESS_INDEX=2: must be 0..1 (JAX_PROCESS_COUNT=2)'),
+    ('127.0.0.1', '2', '0', 'JAX_COORDINATOR_ADDRESS=127.0.0.1: give host:port of process 0')])
+def test_bad_distributed_env_is_one_line_error(monkeypatch, capsys, address, count, index, says):
+    """The multi-process variables are checked before JAX sees them (it answers a bad one with a traceback,
+    or waits for a coordinator that never comes)."""
+    for name, value in (('JAX_COORDINATOR_ADDRESS', address), ('JAX_PROCESS_COUNT', count), ('JAX_PROCESS_INDEX', index)):
+        monkeypatch.setenv(name, value) if value else monkeypatch.delenv(name, raising=False)
     assert train.main(['train.py', BASE]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count('\n') == 0 and 'JAX_PROCESS_COUNT' in err and 'JAX_PROCESS_INDEX' in err, err
+    assert err.count('\n') == 0 and err.startswith(f'error: {says}'), err
 
 
 # ---- devices ----------------------------------------------------------------------------------------
