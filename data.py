@@ -23,10 +23,12 @@ uses them too.
 import contextlib
 import csv
 import fcntl
+import glob
 import hashlib
 import io
 import itertools
 import json
+import logging
 import os
 import random
 import sys
@@ -44,6 +46,7 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SUDOKU_LEN = 81
 SUDOKU_VOCAB = 11          # TRM tokens: pad 0, blank 1, digits 1..9 -> 2..10 (token = digit + 1)
 _TOKENIZER_SAMPLE_CHARS = 5_000_000   # BPE training on 5 MB takes ~1 s; more text barely changes merges
+_EVAL_HEAD_DOCS = 10_000  # documents of a streamed eval split read for eval (its head)
 _SENTENCE_CHARS = 4000     # sentencepiece caps sentence length, so long files are cut at line ends
 _SUDOKU_GEN_VERSION = 1    # bump when the generator changes, so cached puzzle sets are regenerated
 _STDLIB_SKIP = {'site-packages', 'dist-packages', 'test', 'tests', 'idle_test', '__pycache__'}
@@ -56,15 +59,6 @@ class DataError(Exception):
 # ---- shared plumbing: lanes, batches, the prefetching iterator --------------------------------
 
 _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # lanes read on the prefetch thread, not a pool each
-
-
-def _host_records(num_records, process_index, process_count, what):
-    """Record ids this host evaluates: i % process_count == process_index (disjoint, covers all)."""
-    ids = np.arange(process_index, num_records, process_count)
-    if len(ids) == 0:
-        raise DataError(f'{what} has {num_records} records, fewer than the {process_count} processes '
-                        'reading it: give it more data or run on fewer hosts')
-    return ids
 
 
 def _zeros_batch(rows, length):
@@ -125,6 +119,30 @@ class Batches:
 
     def close(self):
         self._it.close()
+
+
+class _StreamBatches(Batches):
+    """Batches of one host's share of a stream (dataset=hf with hf_streaming): one pipeline per host, whose
+    state (with the host it belongs to) is spread over the host's rows, so the checkpoint keeps it as it keeps
+    lanes. `rows_state`: the host's rows of a checkpoint's data state."""
+
+    def __init__(self, batches, prefetch, host, rows, rows_state, source):
+        self.source, self.host, self.rows, self.wait_seconds = source, list(host), rows, 0.0
+        self._it = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
+        if rows_state:
+            try:
+                state = json.loads(''.join(rows_state))
+            except json.JSONDecodeError:  # the rows hold pieces of several processes' positions
+                state = {'host': None}
+            if state['host'] != self.host:
+                raise DataError(f'a streaming run resumes on the process count that wrote it (this run has '
+                                f'{host[1]} processes; the checkpoint\'s position is not theirs)')
+            self._it.set_state(_tuples(state['pipeline']))
+
+    def state(self):
+        text = json.dumps({'host': self.host, 'pipeline': self._it.get_state()})
+        n = -(-len(text) // self.rows)
+        return [text[i * n:(i + 1) * n] for i in range(self.rows)]
 
 
 class _Data:
@@ -227,16 +245,19 @@ class _Texts:
         return len(self.source)
 
     def __getitem__(self, i):
-        record = self.source[i]
-        if self.key not in record:
-            raise DataError(f'text_key={self.key!r} is not a feature of the records '
-                            f'(they have {sorted(record)}): set text_key to the text feature')
-        text = record[self.key]
-        return text.decode('utf-8', 'replace') if isinstance(text, bytes) else str(text)
+        return _text(self.source[i], self.key)
+
+
+def _text(record, key):
+    """The text of one record (a dict of features): the feature `key`, as str."""
+    if key not in record:
+        raise DataError(f'text_key={key!r} is not a feature of the records (they have {sorted(record)}): set '
+                        'text_key to the text feature')
+    text = record[key]
+    return text.decode('utf-8', 'replace') if isinstance(text, bytes) else str(text)
 
 
 def _glob(pattern, key):
-    import glob
     files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
     if not files:
         raise DataError(f'{key}={pattern!r} matches no files: set it to a glob of text files, '
@@ -367,6 +388,100 @@ def _tfds_sources(cfg):
     return _Texts(sources[0], cfg.text_key), _Texts(sources[1], cfg.text_key), identity
 
 
+# ---- text: Hugging Face datasets ----------------------------------------------------------------
+
+def _hf_split(cfg, split, key, streaming=None):
+    """One split of dataset=hf (datasets.load_dataset: a hub name, or a builder such as json / parquet / text
+    with hf_data_files), prepared into cache_dir/hf. What the hub or the files refuse is one DataError naming
+    the key; without network or with HF_HUB_OFFLINE=1 only what is cached loads."""
+    if not cfg.hf_path:
+        raise DataError('dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, parquet, '
+                        'text, csv) with hf_data_files')
+    try:
+        import datasets
+    except ImportError:
+        raise DataError('dataset=hf needs the Hugging Face datasets library: pip install datasets==5.2.0') from None
+    datasets.disable_progress_bars()
+    for name in ('datasets', 'huggingface_hub'):  # their retries and fallbacks: the error below says it once
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    files = [f.strip() for f in cfg.hf_data_files.split(',')] if cfg.hf_data_files else None
+    streaming = cfg.hf_streaming if streaming is None else streaming
+    try:
+        with _locked(cfg.cache_dir):
+            return datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=split,
+                                         streaming=streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
+    except ConnectionError as e:
+        raise DataError(f'hf_path={cfg.hf_path}: {e} (offline, only datasets in cache_dir load; a private one '
+                        'needs HF_TOKEN)') from None
+    except Exception as e:  # a split it lacks, files the builder cannot read, a dataset the hub refuses
+        text = str(e).splitlines()[0][:200] if str(e) else ''
+        if isinstance(e, ValueError) and 'split' in text.lower():
+            raise DataError(f'{key}={split}: {text}') from None
+        where = 'hf_data_files' if files else 'hf_path'
+        raise DataError(f'{where}={getattr(cfg, where)}: {type(e).__name__}: {text}') from None
+
+
+def _hf_identity(cfg, *parts):
+    """Names what dataset=hf reads (for the tokenizer cache and the checkpoint's data position)."""
+    local = sorted(f for p in cfg.hf_data_files.split(',') if p.strip() for f in glob.glob(os.path.expanduser(p.strip())))
+    stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in local]
+    key = json.dumps([cfg.hf_path, cfg.hf_name, cfg.hf_data_files, cfg.hf_split, cfg.text_key, stats, *parts])
+    return 'hf_' + hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def _hf_sources(cfg):
+    """(train texts, eval texts, identity) of a random-access dataset=hf: the split's records, and eval from
+    hf_eval_split or else a fixed ~3% of the records (by a hash of their index) held out of training."""
+    train = _hf_split(cfg, cfg.hf_split, 'hf_split')
+    if cfg.hf_eval_split:
+        eval_ = _hf_split(cfg, cfg.hf_eval_split, 'hf_eval_split')
+    else:
+        ids = np.arange(len(train))
+        held = (ids * 2654435761 % 2 ** 32) % 32 == 0
+        train, eval_ = train.select(ids[~held]), train.select(ids[held])
+    if not len(train):
+        raise DataError(f'hf_split={cfg.hf_split}: no records')
+    return _Texts(train, cfg.text_key), _Texts(eval_, cfg.text_key), _hf_identity(cfg, len(train))
+
+
+class _Stream(grain.IterDataset):
+    """One host's share of a streaming dataset=hf split as documents (token arrays), in the stream's order,
+    epoch after epoch. Its state is the stream's own (datasets' state_dict): a resume goes on with the next
+    document, none read twice and none skipped."""
+
+    def __init__(self, stream, encode, key):
+        super().__init__()
+        self.stream, self.encode, self.key = stream, encode, key
+
+    def __iter__(self):
+        return _StreamIterator(self)
+
+
+class _StreamIterator(grain.DatasetIterator):
+    def __init__(self, ds):
+        super().__init__()
+        self.ds, self.epoch, self.it = ds, 0, iter(ds.stream)
+
+    def __next__(self):
+        for _ in range(2):  # the end of an epoch: the next one
+            try:
+                return self.ds.encode(_text(next(self.it), self.ds.key))
+            except StopIteration:
+                self.epoch += 1
+                self.ds.stream.set_epoch(self.epoch)
+                self.it = iter(self.ds.stream)
+        raise DataError('hf_split: this process\'s share of the stream is empty: fewer files than processes?')
+
+    def get_state(self):
+        return {'epoch': self.epoch, 'stream': self.ds.stream.state_dict()}
+
+    def set_state(self, state):
+        self.epoch = state['epoch']
+        self.ds.stream.set_epoch(self.epoch)
+        self.ds.stream.load_state_dict(state['stream'])
+        self.it = iter(self.ds.stream)
+
+
 # ---- text: tokenizer --------------------------------------------------------------------------
 
 def _train_tokenizer(texts, vocab_size, path):
@@ -457,7 +572,9 @@ class TextData(_Data):
     def __init__(self, cfg, train_texts, eval_texts, identity, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count)
         self.train_texts, self.eval_texts, self.identity = train_texts, eval_texts, identity
-        self.eval_records = _host_records(len(eval_texts), process_index, process_count, 'the eval split')
+        # The eval records this process reads: disjoint between processes, all of them together. A process
+        # left without any (fewer records than processes) reads padding, which weighs nothing.
+        self.eval_records = np.arange(process_index, len(eval_texts), process_count)
         self.tokenizer = _tokenizer(cfg, train_texts, identity, log)
         self.vocab_size, self.length = self.tokenizer.get_piece_size(), cfg.max_target_length
         self.eos_id = self.tokenizer.eos_id()
@@ -488,6 +605,39 @@ class TextData(_Data):
         docs = grain.MapDataset.source(self.eval_records).map(lambda i: self.encode(self.eval_texts[i]))
         rows = iter(_pack(docs.to_iter_dataset(_READ), self.length))
         return [_stack(list(itertools.islice(rows, local_rows)), local_rows, self.length) for _ in range(n)]
+
+
+class StreamData(TextData):
+    """dataset=hf with hf_streaming: a split too large to download, read as a stream. Each process reads its
+    share (datasets.distributed.split_dataset_by_node) in the stream's order, packed into its rows by one
+    pipeline; the checkpoint keeps that pipeline's position, so a resume on the same process count reads
+    every document once. The tokenizer trains on the stream's first ~5 MB; eval reads the head of
+    hf_eval_split."""
+
+    def __init__(self, cfg, process_index, process_count, log=None):
+        if not cfg.hf_eval_split and cfg.eval_batches:
+            raise DataError('hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. validation), '
+                            'or eval_batches=0')
+        head, chars = [], 0
+        for record in _hf_split(cfg, cfg.hf_split, 'hf_split'):
+            head.append(record)
+            chars += len(_text(record, cfg.text_key))
+            if chars >= _TOKENIZER_SAMPLE_CHARS:
+                break
+        evals = itertools.islice(_hf_split(cfg, cfg.hf_eval_split, 'hf_eval_split'), _EVAL_HEAD_DOCS) if \
+            cfg.hf_eval_split else []
+        super().__init__(cfg, _Texts(head, cfg.text_key), _Texts(list(evals), cfg.text_key),
+                         _hf_identity(cfg, 'stream'), process_index, process_count, log)
+
+    def train_iter(self, local_rows, state=None):
+        from datasets.distributed import split_dataset_by_node
+        host = (self.process_index, self.process_count)
+        docs = _Stream(split_dataset_by_node(_hf_split(self.cfg, self.cfg.hf_split, 'hf_split'), *host),
+                       self.encode, self.cfg.text_key)
+        batches = _pack(docs, self.length).batch(local_rows, drop_remainder=True)
+        lanes_state, first = self._resumable(state, local_rows * self.process_count), local_rows * self.process_index
+        return _StreamBatches(batches, self.cfg.prefetch, host, local_rows,
+                              lanes_state and lanes_state[first:first + local_rows], self.identity)
 
 
 # ---- Sudoku: the rules, defined once ------------------------------------------------------------
@@ -810,8 +960,10 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None):
         ds = SudokuData(cfg, process_index, process_count, log)
     elif cfg.dataset == 'synthetic':
         ds = SyntheticData(cfg, process_index, process_count)
+    elif cfg.dataset == 'hf' and cfg.hf_streaming:
+        ds = StreamData(cfg, process_index, process_count, log)
     else:
-        sources = _tfds_sources(cfg) if cfg.dataset == 'tfds' else _file_sources(cfg, log)  # files or stdlib
+        sources = {'tfds': _tfds_sources, 'hf': _hf_sources}.get(cfg.dataset, lambda cfg: _file_sources(cfg, log))(cfg)
         ds = TextData(cfg, *sources, process_index, process_count, log)
     ds.log = log or ds.log
     return ds

@@ -334,8 +334,9 @@ def lm_eval_step(cfg, graph, params, batch):
 
 
 def lm_eval_result(cfg, outs, batches, ds, save_to=None):
-    """Eval loss per real target token over every batch, and its perplexity."""
-    loss = float(sum(o['loss'] for o in outs)) / max(float(sum(o['tokens'] for o in outs)), 1.0)
+    """Eval loss per real target token over every batch, and its perplexity (NaN: no tokens to score)."""
+    tokens = float(sum(o['tokens'] for o in outs))
+    loss = float(sum(o['loss'] for o in outs)) / tokens if tokens else float('nan')
     return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
 
 

@@ -12,6 +12,7 @@ import difflib
 import fcntl
 import functools
 import glob
+import importlib.util
 import itertools
 import json
 import logging
@@ -98,9 +99,11 @@ SCHEMA = [
     (NonNeg, 'temperature weight_decay grad_clip trm.halt_loss_weight parallel.noise tot.loss_weight tot.logp_weight'),
     (Share, 'min_lr_ratio trm.halt_explore_prob'),
     (Decay, 'adam_b1 adam_b2 trm.ema_decay'),
-    (bool, 'print_sharding resume platform_strict tie_embeddings scan_layers augment tot.rule_checks tot.propagate'),
+    (bool, 'print_sharding resume platform_strict tie_embeddings scan_layers augment tot.rule_checks tot.propagate '
+           'hf_streaming'),
     (str, 'run_name output_dir compile_cache_dir load_params export_dir load_hf prompt compile_topology dataset_path '
-          'eval_path tfds_name data_dir train_split eval_split text_key tokenizer_path cache_dir'),
+          'eval_path tfds_name data_dir train_split eval_split text_key tokenizer_path cache_dir wandb_project '
+          'wandb_entity hf_path hf_name hf_data_files hf_split hf_eval_split'),
     (Ints, 'mesh profile_steps'),
     (Names, 'mesh_axes'),
     (Annotated[tuple[AxisRule, ...], BeforeValidator(_items)], 'logical_axis_rules'),
@@ -115,7 +118,7 @@ SCHEMA = [
     (Literal['float32', 'bfloat16'], 'weight_dtype'),
     (Literal['none', 'full', 'save_dots'], 'remat'),
     (Literal['xla', 'cudnn', 'einsum'], 'attention'),
-    (Literal['stdlib', 'files', 'tfds', 'synthetic'], 'dataset'),
+    (Literal['stdlib', 'files', 'tfds', 'hf', 'synthetic'], 'dataset'),
     (Literal[model_lib.DECODERS], 'decoder'),
     (Literal['first', 'best', 'last'], 'trm.eval_halt'),
     (Literal['attention', 'mlp'], 'trm.mixer'),
@@ -274,6 +277,9 @@ def check(cfg, task):
         if '\\' in getattr(cfg, key):
             raise ConfigError(f'{key}={getattr(cfg, key)}: the checkpoint library cannot write under a path with a '
                               'backslash; choose a name without one')
+    if cfg.wandb_project and importlib.util.find_spec('wandb') is None:
+        raise ConfigError(f'wandb_project={cfg.wandb_project}: wandb is not installed: pip install wandb==0.31.0 (or '
+                          'set wandb_project=)')
     if message := task.check(cfg):
         raise ConfigError(message)
     check_paths(cfg)
@@ -283,13 +289,14 @@ def check_paths(cfg):
     """Every path the user typed must exist, whatever else the run does (a resumable run directory would
     otherwise hide a mistyped load_params). Data paths may be globs."""
     matches = lambda pattern: any(os.path.isfile(f) for f in glob.iglob(os.path.expanduser(pattern), recursive=True))
+    local = lambda files: all(matches(f.strip()) for f in files.split(',') if '://' not in f)  # not a URL
     wanted = {'load_params': os.path.isdir, 'load_hf': os.path.isdir, 'tokenizer_path': os.path.isfile,
-              'data_dir': os.path.isdir, 'dataset_path': matches, 'eval_path': matches}
+              'data_dir': os.path.isdir, 'dataset_path': matches, 'eval_path': matches, 'hf_data_files': local}
     for key, exists in wanted.items():
         value = getattr(cfg, key)
         if value and not exists(value):
             what = ('no such directory' if exists is os.path.isdir else
-                    'matches no files' if any(c in value for c in '*?[') else 'no such file')
+                    'matches no files' if any(c in value for c in '*?[,') else 'no such file')
             raise ConfigError(f'{key}={value}: {what}; fix the path (or set {key}= to leave it out)')
     if cfg.load_params and not checkpoint_steps(cfg.load_params)[1]:
         raise ConfigError(f'load_params={cfg.load_params}: no checkpoint there; give a run directory, its '
@@ -546,7 +553,7 @@ class Preempted(Exception):
     """SIGTERM/SIGINT: the current step finished and a checkpoint was written."""
 
 
-DATA_STATE_BYTES = 256  # room for one lane's (one batch row's) data-iterator state as JSON
+DATA_STATE_BYTES = 1024  # room for one row's data-iterator state as JSON (a lane's, or a piece of a stream host's)
 
 
 @contextlib.contextmanager
@@ -815,12 +822,14 @@ def short_line(m, steps):
 
 
 class MetricsWriter:
-    """One row of metrics to stdout, and on process 0 to metrics.jsonl and TensorBoard event files
-    (tensorboardX writes them without TensorFlow: tensorboard --logdir RUN_DIR). A resumed run first drops
-    the rows past its checkpoint, so every step appears once."""
+    """One row of metrics to stdout, and on process 0 to metrics.jsonl, TensorBoard event files (tensorboardX
+    writes them without TensorFlow: tensorboard --logdir RUN_DIR) and Weights & Biases (wandb_project). A
+    resumed run first drops the rows past its checkpoint, so every step appears once; W&B's history cannot
+    drop rows, so it gets a row once a checkpoint holds its step."""
 
-    def __init__(self, run_dir, start_step):
+    def __init__(self, cfg, run_dir, start_step):
         self.main, self.path = jax.process_index() == 0, os.path.join(run_dir, 'metrics.jsonl')
+        self.wandb, self.unsent = open_wandb(cfg, run_dir) if self.main and cfg.wandb_project else None, []
         if self.main and start_step and os.path.exists(self.path):
             with open(self.path) as f:
                 lines = f.read().splitlines(keepends=True)
@@ -843,11 +852,38 @@ class MetricsWriter:
                 if k != 'step' and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, m['step'])
             self.tb.flush()
+            self.unsent.append(m)
+
+    def checkpointed(self, step):
+        """A checkpoint holds `step`: the rows up to it go to W&B (a resume starts after them)."""
+        for m in self.unsent if self.wandb else ():
+            self.wandb.log({k: v for k, v in m.items() if k != 'step'}, step=m['step'])
+        self.unsent = []
 
     def close(self):
         if self.main:
             self.file.close()
             self.tb.close()
+            if self.wandb:
+                self.wandb.finish()
+
+
+def open_wandb(cfg, run_dir):
+    """The run's W&B run, the same one across resumes (its id is kept in RUN_DIR/wandb_id), with the resolved
+    config. WANDB_MODE=offline writes it under RUN_DIR/wandb for `wandb sync` later."""
+    import wandb
+    path = os.path.join(run_dir, 'wandb_id')
+    run_id = open(path).read().strip() if os.path.exists(path) else os.urandom(6).hex()
+    with open(path, 'w') as f:
+        f.write(run_id + '\n')
+    try:
+        return wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity or None, id=run_id, resume='allow',
+                          name=cfg.run_name, dir=run_dir, config=cfg.model_dump(mode='json'),
+                          settings=wandb.Settings(silent=True, console='off'))
+    except Exception as e:  # not logged in, no network, a project the entity cannot write to
+        raise ConfigError(f'wandb_project={cfg.wandb_project}: W&B refused the run ({first_line(e)}): log in with '
+                          '`wandb login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline, or set '
+                          'wandb_project=') from None
 
 
 def step_flops(cfg, task, devices):
@@ -1010,6 +1046,7 @@ def train_loop(cfg, state, feed, steps, mngr, book, run_dir):
                 book.drain(0)  # a checkpoint holds only checked steps
                 save_checkpoint(mngr, step, state, book.it)  # async: training goes on while it writes
                 book.saved = step
+                book.writer.checkpointed(step)
             if preempted:
                 raise Preempted(f'{caught[0] if caught else "preemption notice"}: saved checkpoint at step '
                                 f'{step} in {mngr.directory}; rerun the same command to resume')
@@ -1035,15 +1072,16 @@ def train(cfg, state, it, feed, steps, mngr, run_dir, flops):
     if start >= cfg.steps:
         log(f'{run_dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise steps= to go on)')
         return {'step': start, 'run_dir': run_dir}
-    t_xla, m = compile_step(cfg, steps.train, state, feed, accum_at(cfg, start))
-    line, compiled_gb = compiled_line(m) if m else ('', None)
-    log(f'step compiled in {t_xla:.1f}s; {line}')
-    book = StepLog(cfg, it, start, flops, MetricsWriter(run_dir, start))
+    writer = MetricsWriter(cfg, run_dir, start)  # before the compile: a W&B login problem shows at once
     try:
+        t_xla, m = compile_step(cfg, steps.train, state, feed, accum_at(cfg, start))
+        line, compiled_gb = compiled_line(m) if m else ('', None)
+        log(f'step compiled in {t_xla:.1f}s; {line}')
+        book = StepLog(cfg, it, start, flops, writer)
         summary = train_loop(cfg, state, feed, steps, mngr, book, run_dir)
     finally:
         it.close()
-        book.writer.close()
+        writer.close()
     summary.update(run_dir=run_dir, compile_seconds=t_xla + (book.first_step_seconds or 0),
                    step_variants=steps.train._cache_size())
     mem = device_peak_memory_gb(jax.local_devices()[0])

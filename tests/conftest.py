@@ -43,6 +43,8 @@ LM = ['d_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2', 'mlp_dim=12
 # The same tiny LM reading text: local files (a test adds dataset_path=, its corpus) through the tfds builder
 # and a sentencepiece model trained to VOCAB tokens.
 TEXT = [o for o in LM if not o.startswith(('dataset=', 'vocab_size='))] + ['dataset=files', f'vocab_size={VOCAB}']
+# The same reading a Hugging Face dataset: local parquet files (a test adds hf_data_files=) through `datasets`.
+HF = [o for o in TEXT if o != 'dataset=files'] + ['dataset=hf', 'hf_path=parquet']
 # A tiny TRM; the value head trains only where a test turns it on (its pass costs extra supervision steps),
 # and 64 + 32 generated puzzles instead of the default 2,500 (generating them takes ~15 s).
 SUDOKU = ['task=sudoku', 'd_model=32', 'num_layers=1', 'num_heads=2', 'num_kv_heads=2', 'mlp_dim=64',
@@ -100,17 +102,29 @@ def losses(run_dir):
 
 
 # ---- small data the tests make ---------------------------------------------------------------------
-def write_corpus(root, n, tag, seed):
-    """n documents of made-up words, first line names the document; lengths span a few rows."""
+def documents_text(n, tag, seed):
+    """n documents of made-up words, the first line naming the document; lengths span a few rows."""
     import random
     rng = random.Random(seed)
     words = [''.join(rng.choice('abcdefghijklmnoprstuvw') for _ in range(rng.randint(2, 7))) for _ in range(60)]
+    return ['\n'.join([f'{tag} {k}'] + [' '.join(rng.choice(words) for _ in range(rng.randint(1, 9)))
+                                        for _ in range(rng.randint(1, 12))]) + '\n' for k in range(n)]
+
+
+def write_corpus(root, n, tag, seed):
+    """documents_text as text files, one each."""
     os.makedirs(root, exist_ok=True)
-    for k in range(n):
-        lines = [f'{tag} {k}'] + [' '.join(rng.choice(words) for _ in range(rng.randint(1, 9)))
-                                  for _ in range(rng.randint(1, 12))]
+    for k, text in enumerate(documents_text(n, tag, seed)):
         with open(os.path.join(root, f'{tag}{k:02d}.txt'), 'w') as f:
-            f.write('\n'.join(lines) + '\n')
+            f.write(text)
+
+
+def write_parquet(path, n, tag, seed):
+    """documents_text as one parquet file: columns text and id (a Hugging Face dataset for the parquet builder)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pq.write_table(pa.table({'text': documents_text(n, tag, seed), 'id': list(range(n))}), path)
 
 
 def sudoku_batch(n, seed=0, blanks=45):

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume after SIGKILL and SIGTERM, atomicity, corruption, resharding, bad input."""
 import glob
+import json
 import os
 import shutil
 import signal
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 import train
-from conftest import ENV, ROOT, TEXT, args, config, losses, metrics, read_checkpoint, train_state, train_step
+from conftest import (ENV, HF, ROOT, TEXT, args, config, losses, metrics, read_checkpoint, train_state, train_step,
+                      write_parquet)
 
 # The text run interrupted below: real code (the first 40 stdlib modules, documents spanning many rows), two
 # microbatches per step, a checkpoint every 10 steps, the data read ahead on the prefetch thread. The signal
@@ -41,10 +43,9 @@ def run_losses(out, run='default'):
     return [r['loss'] for r in rows]
 
 
-def run_until(cmd, out, step, sig):
+def run_until(cmd, out, step, sig, env=ENV):
     """Start the trainer, wait until it has logged `step`, send `sig`; returns the process result."""
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=ENV)
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     metrics, deadline = os.path.join(out, 'default', 'metrics.jsonl'), time.time() + 600
     first_ckpt = os.path.join(out, 'default', 'checkpoints', '10')  # appears only once complete
     while time.time() < deadline and p.poll() is None:
@@ -334,3 +335,67 @@ def test_a_changed_data_source_starts_the_data_over(tmp_path, capsys):
     s = train.run(config(tmp_path, 'steps=4', f'dataset_path={tmp_path}/corpus/*.txt', preset=TEXT), jax.devices()[:1])
     out = capsys.readouterr().out
     assert "the checkpoint's data position is in synthetic, not in this run's data" in out and s['step'] == 4, out
+
+
+# ---- Hugging Face datasets and Weights & Biases across a kill -------------------------------------------
+@pytest.mark.parametrize('streaming', ['false', 'true'])
+def test_hf_dataset_run_killed_and_resumed_equals_an_unstopped_one(tmp_path, streaming):
+    """A run on a Hugging Face dataset (local parquet through dataset=hf, read by random access or as a stream),
+    killed with SIGKILL after its step-10 checkpoint and rerun: its losses are, bit for bit, those of a run
+    never stopped (the stream goes on at the document after the checkpoint's)."""
+    write_parquet(str(tmp_path / 'd.parquet'), 60, 'doc', 0)
+    cmd = lambda out: [sys.executable, 'train.py', 'base.yml', *args(
+        out, f'hf_data_files={tmp_path}/d.parquet', f'hf_streaming={streaming}', 'steps=40', 'checkpoint_every=10',
+        'eval_batches=0', 'prefetch=2', preset=HF)]
+    ref = subprocess.run(cmd(tmp_path / 'ref'), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert ref.returncode == 0, ref.stderr
+    assert run_until(cmd(tmp_path / 'cut'), tmp_path / 'cut', 15, signal.SIGKILL)[0] == -signal.SIGKILL
+    r = subprocess.run(cmd(tmp_path / 'cut'), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert r.returncode == 0 and 'resuming from checkpoint' in r.stdout, r.stderr
+    assert run_losses(tmp_path / 'cut') == run_losses(tmp_path / 'ref')
+
+
+def wandb_history(run_dir):
+    """{step: {key: value}} of every row in the W&B offline runs under run_dir (the .wandb files: LevelDB-log
+    records of wandb's protobuf Record), and the number of rows per step."""
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    rows, count = {}, {}
+    for path in glob.glob(os.path.join(run_dir, 'wandb', 'offline-run-*', 'run-*.wandb')):
+        blob, pos, part = open(path, 'rb').read(), 7, b''  # after the file header
+        while pos + 7 <= len(blob):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a record header is padding
+                pos += 32768 - pos % 32768
+                continue
+            length, kind = struct.unpack('<HB', blob[pos + 4:pos + 7])
+            part, pos = part + blob[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind in (1, 4):  # a whole record, or the last piece of one
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(part)
+                part = b''
+                if record.WhichOneof('record_type') == 'history':
+                    row = {i.key or '/'.join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                    rows[row['_step']] = row
+                    count[row['_step']] = count.get(row['_step'], 0) + 1
+    return rows, count
+
+
+def test_wandb_offline_run_equals_metrics_across_a_resume(tmp_path):
+    """wandb_project= with WANDB_MODE=offline, stopped by SIGTERM after its step-10 checkpoint (a checkpoint at
+    the step it stops at) and rerun: the W&B run (one id, kept in the run directory) holds every step once, with
+    the values metrics.jsonl holds."""
+    env = {**ENV, 'WANDB_MODE': 'offline'}
+    cmd = [sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'steps=40', 'checkpoint_every=10',
+                                                          'wandb_project=trainer-test')]
+    assert run_until(cmd, tmp_path, 15, signal.SIGTERM, env)[0] == 75
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and r.stderr == '', r.stderr
+    history, count = wandb_history(tmp_path / 'default')
+    rows = metrics(tmp_path / 'default')
+    assert sorted(history) == [row['step'] for row in rows] == list(range(1, 41)), sorted(history)
+    assert set(count.values()) == {1}, count
+    for row in rows:
+        for key in ('loss', 'grad_norm', 'learning_rate', 'tokens_per_step'):
+            assert history[row['step']][key] == pytest.approx(row[key], rel=1e-12), (row['step'], key)
+    runs = {os.path.basename(p).split('-')[-1] for p in glob.glob(str(tmp_path / 'default' / 'wandb' / 'offline-run-*'))}
+    assert runs == {open(tmp_path / 'default' / 'wandb_id').read().strip()}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import data
-from conftest import ROOT, SUDOKU, TEXT, VOCAB, config, write_corpus
+from conftest import HF, ROOT, SUDOKU, TEXT, VOCAB, config, documents_text, write_corpus, write_parquet
 
 
 @pytest.fixture(scope='module')
@@ -153,9 +153,16 @@ def test_two_hosts_read_disjoint_records_covering_all(tmp_path, corpus):
     assert sorted(seen) == sorted(everything)
 
 
-@pytest.mark.parametrize('prefetch', [0, 3])
-def test_text_resume_is_exact(tmp_path, corpus, prefetch):
-    ds = data.make_dataset(files_cfg(tmp_path, corpus, f'prefetch={prefetch}'))
+@pytest.mark.parametrize('prefetch,source', [(0, 'files'), (3, 'files'), (3, 'hf')])
+def test_text_resume_is_exact(tmp_path, corpus, prefetch, source):
+    """From text files and from a Hugging Face dataset (local parquet, random access): a resumed iterator
+    hands out exactly the batches the uninterrupted one does, on into the next epoch."""
+    if source == 'files':
+        cfg = files_cfg(tmp_path, corpus, f'prefetch={prefetch}')
+    else:
+        write_parquet(str(tmp_path / 'train.parquet'), 12, 'train', 0)
+        cfg = config(tmp_path, f'hf_data_files={tmp_path}/train.parquet', f'prefetch={prefetch}', preset=HF)
+    ds = data.make_dataset(cfg)
     it = ds.train_iter(3)
     for _ in range(5):
         next(it)
@@ -167,6 +174,51 @@ def test_text_resume_is_exact(tmp_path, corpus, prefetch):
         got = next(resumed)
         assert all(np.array_equal(want[k], got[k]) for k in want)
     resumed.close()
+
+
+def test_hf_dataset_held_out_split_and_text_key(tmp_path):
+    """dataset=hf without hf_eval_split holds a fixed share of the records out of training (disjoint, the
+    same every time); a text_key the records lack is one line naming it."""
+    write_parquet(str(tmp_path / 'd.parquet'), 200, 'doc', 0)
+    cfg = config(tmp_path, f'hf_data_files={tmp_path}/d.parquet', preset=HF)
+    ds = data.make_dataset(cfg)
+    train, held = [ds.train_texts[i] for i in range(len(ds.train_texts))], [ds.eval_texts[i] for i in range(len(ds.eval_texts))]
+    assert 0 < len(held) < 20 and len(train) + len(held) == 200 and not set(train) & set(held)
+    assert held == [data.make_dataset(cfg).eval_texts[i] for i in range(len(held))]
+    with pytest.raises(data.DataError, match="text_key='body' is not a feature of the records .*'id', 'text'"):
+        data.make_dataset(config(tmp_path, f'hf_data_files={tmp_path}/d.parquet', 'text_key=body', preset=HF))
+
+
+def test_hf_stream_reads_every_document_once_and_resumes_there(tmp_path):
+    """dataset=hf with hf_streaming: each process reads its share of the stream (disjoint, all of it together)
+    in the stream's order, packed into its rows, epoch after epoch; a stream resumed from a saved position
+    hands out exactly the rows an uninterrupted one does (no document read twice, none skipped), also across
+    an epoch's end. A resume on another process count is refused in one line."""
+    write_parquet(str(tmp_path / 'd.parquet'), 8, 'doc', 0)
+    cfg = config(tmp_path, f'hf_data_files={tmp_path}/d.parquet', 'hf_streaming=true', 'eval_batches=0', 'prefetch=2',
+                 preset=HF)
+    ds = data.make_dataset(cfg)
+    want = [ds.encode(t).tolist() for t in documents_text(8, 'doc', 0)]
+    it = ds.train_iter(2)
+    first = [next(it) for _ in range(3)]
+    state = {'lanes': json.loads(json.dumps(it.state())), 'source': ds.identity}
+    rest = [next(it) for _ in range(40)]
+    it.close()
+    docs = documents(first + rest, ds.eos_id)
+    assert len(docs) > 16 and docs == (want * 3)[:len(docs)], 'every document once an epoch, in order'
+    resumed = ds.train_iter(2, state=state)
+    for batch in rest:
+        got = next(resumed)
+        assert all(np.array_equal(batch[k], got[k]) for k in batch)
+    resumed.close()
+    shares = []
+    for p in range(2):
+        host = data.make_dataset(cfg, p, 2).train_iter(1)
+        shares.append(documents([next(host) for _ in range(40)], ds.eos_id)[:4])
+        host.close()
+    assert sorted(map(tuple, shares[0] + shares[1])) == sorted(map(tuple, want))
+    with pytest.raises(data.DataError, match='a streaming run resumes on the process count that wrote it'):
+        data.make_dataset(cfg, 0, 2).train_iter(1, state={'lanes': state['lanes'][:2], 'source': ds.identity})
 
 
 def test_tfds_data_source_with_mock_data(tmp_path, corpus):

@@ -98,6 +98,18 @@ CASES = [
                         'choose a name without one'),
     (['output_dir={tmp}/ckfile', *LM], 'error: {tmp}/ckfile/default/checkpoints is a file, where the run keeps its '
                                        'checkpoints: move it away'),
+    # Hugging Face datasets and Weights & Biases, without the network or an account (HF_HUB_OFFLINE=1 here).
+    (['dataset=hf'], 'error: dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, '
+                     'parquet, text, csv) with hf_data_files'),
+    (['dataset=hf', 'hf_path=roneneldan/TinyStories'], "error: hf_path=roneneldan/TinyStories: Couldn't reach "
+     "'roneneldan/TinyStories' on the Hub (OfflineModeIsEnabled) (offline, only datasets in cache_dir load; a private "
+     'one needs HF_TOKEN)'),
+    (['dataset=hf', 'hf_path=parquet', 'hf_data_files={tmp}/bad.csv'],
+     'error: hf_data_files={tmp}/bad.csv: ArrowInvalid: Parquet magic bytes not found in footer. Either the file is '
+     'corrupted or this is not a parquet file.'),
+    (['wandb_project=p', *LM], 'error: wandb_project=p: W&B refused the run (UsageError: No API key configured. Use '
+                               '`wandb login` to log in.): log in with `wandb login` (or set WANDB_API_KEY), log '
+                               'offline with WANDB_MODE=offline, or set wandb_project='),
 ]
 
 
@@ -139,7 +151,8 @@ def results(tmp_path_factory):
     train.run(config(tmp / 'damaged', 'steps=4', 'checkpoint_every=2'), jax.devices()[:1])  # then both steps garbled
     for step in ('2', '4'):
         (tmp / 'damaged' / 'default' / 'checkpoints' / step / 'train_state' / '_sharding').write_text('garbage')
-    process = start_trainer([command(case, tmp) for case, _ in CASES], JAX_NUM_CPU_DEVICES='1')
+    process = start_trainer([command(case, tmp) for case, _ in CASES], JAX_NUM_CPU_DEVICES='1', HF_HUB_OFFLINE='1',
+                            WANDB_MODE='online', WANDB_API_KEY='')
     return tmp, trainer_results(process)[1]
 
 

@@ -17,8 +17,8 @@ import pytest
 
 import data
 import train
-from conftest import (BASE, ENV, ROOT, SUDOKU, TEXT, args, config, losses, metrics, start_trainer, trainer_results,
-                      write_corpus)
+from conftest import (BASE, ENV, HF, ROOT, SUDOKU, TEXT, args, config, losses, metrics, start_trainer,
+                      trainer_results, write_corpus, write_parquet)
 
 
 def readme_presets():
@@ -164,14 +164,20 @@ def test_two_processes_train_like_one_and_stop_together(tmp_path):
     assert one == pytest.approx(two, rel=1e-5)
 
 
-def test_elastic_resume_reads_what_an_uninterrupted_run_reads(tmp_path):
+@pytest.mark.parametrize('source', ['files', 'hf'])
+def test_elastic_resume_reads_what_an_uninterrupted_run_reads(tmp_path, source):
     """Packed text, 4 rows per step: steps 1-2 on one process, 3-4 resumed on two, 5-6 resumed on one again. The
     global batches read are, bit for bit, those of the data an uninterrupted run reads (no example repeated, skipped
-    or moved), documents cut across rows and across the restarts included."""
-    write_corpus(tmp_path / 'train', 12, 'doc', 0)
-    write_corpus(tmp_path / 'eval', 2, 'eval', 1)  # a record for each process
-    keys = [f'dataset_path={tmp_path}/train/*.txt', f'eval_path={tmp_path}/eval/*.txt', 'num_layers=1',
-            'per_device_batch=2', 'checkpoint_every=0', 'prefetch=2']
+    or moved), documents cut across rows and across the restarts included; from text files and from a Hugging
+    Face dataset (local parquet, read by random access)."""
+    if source == 'files':
+        write_corpus(tmp_path / 'train', 12, 'doc', 0)
+        write_corpus(tmp_path / 'eval', 2, 'eval', 1)  # a record for each process
+        keys, preset = [f'dataset_path={tmp_path}/train/*.txt', f'eval_path={tmp_path}/eval/*.txt'], TEXT
+    else:
+        write_parquet(str(tmp_path / 'train.parquet'), 12, 'doc', 0)
+        keys, preset = [f'hf_data_files={tmp_path}/train.parquet', 'eval_batches=0'], HF
+    keys += ['num_layers=1', 'per_device_batch=2', 'checkpoint_every=0', 'prefetch=2']
 
     def run(steps, processes):
         """Runs (or resumes) the run up to `steps` on 2 devices; returns the global batches it read."""
@@ -179,7 +185,7 @@ def test_elastic_resume_reads_what_an_uninterrupted_run_reads(tmp_path):
         env = lambda i: {'ROWS_FILE': str(rows_file), 'JAX_NUM_CPU_DEVICES': str(2 // processes), **(
             {'JAX_COORDINATOR_ADDRESS': f'127.0.0.1:{port}', 'JAX_PROCESS_COUNT': str(processes),
              'JAX_PROCESS_INDEX': str(i)} if processes > 1 else {})}
-        procs = [start_trainer([['base.yml', *args(tmp_path, *keys, f'steps={steps}', preset=TEXT)]], **env(i))
+        procs = [start_trainer([['base.yml', *args(tmp_path, *keys, f'steps={steps}', preset=preset)]], **env(i))
                  for i in range(processes)]
         try:
             done = [trainer_results(p)[1][0] for p in procs]  # [exit code, stderr] of each process
@@ -191,7 +197,7 @@ def test_elastic_resume_reads_what_an_uninterrupted_run_reads(tmp_path):
         return [{k: sum((b[k] for b in batches), []) for k in batches[0]} for batches in zip(*read)]  # process 0 first
 
     got = run(2, 1) + run(4, 2) + run(6, 1)
-    it = data.make_dataset(config(tmp_path, *keys, preset=TEXT)).train_iter(4)
+    it = data.make_dataset(config(tmp_path, *keys, preset=preset)).train_iter(4)
     assert got == [{k: v.tolist() for k, v in next(it).items()} for _ in range(6)]
     it.close()
 
