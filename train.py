@@ -1448,12 +1448,13 @@ def main(argv):
 def quiet_libraries():
     """Library noise off stderr, for what the trainer reports in one line: orbax and tfds narrate through
     absl warnings (a local build as a download, our per-glob builder config); reading a damaged checkpoint,
-    the tensorstore reads orbax left in flight fail later, each logged by asyncio and raised once more into
-    a closed event loop."""
+    the tensorstore reads orbax left in flight fail later, each logged by asyncio and raised once more from
+    its abandoned coroutine or into a closed event loop."""
     logging.getLogger('absl').setLevel(logging.CRITICAL)  # orbax logs a failed save it raises to us as well
     logging.getLogger('asyncio').setLevel(logging.CRITICAL)
     hook = sys.unraisablehook
-    sys.unraisablehook = lambda u: None if str(u.exc_value) == 'Event loop is closed' else hook(u)
+    orbax_read = lambda u: 'orbax' in getattr(getattr(u.object, 'cr_code', None), 'co_filename', '')
+    sys.unraisablehook = lambda u: None if str(u.exc_value) == 'Event loop is closed' or orbax_read(u) else hook(u)
 
 
 def pci_vendors():

@@ -399,3 +399,15 @@ def test_wandb_offline_run_equals_metrics_across_a_resume(tmp_path):
             assert history[row['step']][key] == pytest.approx(row[key], rel=1e-12), (row['step'], key)
     runs = {os.path.basename(p).split('-')[-1] for p in glob.glob(str(tmp_path / 'default' / 'wandb' / 'offline-run-*'))}
     assert runs == {open(tmp_path / 'default' / 'wandb_id').read().strip()}
+
+
+def test_a_damaged_checkpoint_is_one_warning_line_and_no_stderr_through_the_command_line(tmp_path):
+    """The damage that leaves orbax's reads in flight (garbled data files), resumed by `python train.py`:
+    one warning on stdout, nothing on stderr (pytest replaces the process's unraisable-exception hook
+    in-process, so only a process of its own shows what a user's terminal would)."""
+    cmd = [sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'checkpoint_every=3')]
+    assert subprocess.run(cmd + ['steps=6'], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV).returncode == 0
+    for f in sorted((tmp_path / 'default' / 'checkpoints' / '6' / 'train_state' / 'ocdbt.process_0' / 'd').iterdir())[:2]:
+        f.write_bytes(os.urandom(100))  # the data, not the index: the reads start, then fail
+    r = subprocess.run(cmd + ['steps=9'], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert r.returncode == 0 and r.stderr == '' and r.stdout.count('is damaged') == 1, r.stderr[-3000:]
