@@ -23,9 +23,9 @@ axes only; the config keys trm.T and trm.n keep the TRM paper's names.
   K head dim        k K / 2 (rotary)   R H / G              Q stacked queries (R x L)
   T key length (the KV cache's, or the positions a RoPE table covers)           F mlp hidden
   V vocab           A microbatches     S supervision steps  P prompt length      O tokens generated
-  N grids in a flat batch              C digit choices (9)  U Sudoku units (27: rows, columns, boxes)
+  N rows of a flat batch (grids; the LM loss's tokens)     C digit choices (9)  U Sudoku units (27)
   W beam width      E thoughts per state                    M states held between search steps
-  J trajectories per puzzle (decoder=trm_parallel)
+  J trajectories per puzzle (decoder=trm_parallel)          I vocabulary tiles, t entries each
 """
 import dataclasses
 import math
@@ -70,6 +70,22 @@ def constrain(x, axes):
     if not rules:
         return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*(rules.get(a) if a else None for a in axes)))
+
+
+def dividing_spec(logical, shape, rules, mesh_shape):
+    """A PartitionSpec for an array of `shape` with these logical axis names: each dimension takes the longest
+    prefix of its rule's mesh axes (size-1 axes and axes used by an earlier dimension left out) that divides
+    it, so odd sizes stay whole instead of failing. train.py places every array by it; the kernels here
+    split their inputs by it."""
+    used, out = set(), []
+    for name, size in zip(tuple(logical) + (None,) * (len(shape) - len(logical)), shape):
+        axes = rules.get(name) or ()
+        axes = [a for a in ((axes,) if isinstance(axes, str) else axes) if a not in used and mesh_shape[a] > 1]
+        while axes and size % math.prod(mesh_shape[a] for a in axes):
+            axes.pop()
+        used.update(axes)
+        out.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+    return PartitionSpec(*out)
 
 
 def dot(eq, x, w, dtype, out_dtype=None):
@@ -160,6 +176,42 @@ def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
     return o_BGQK.astype(dtype).reshape(B, G, R, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
 
 
+def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=False):
+    """attention=splash: the Pallas TPU flash-attention kernel that ships with JAX (splash attention). Scores
+    are made block by block in on-chip memory, never the [B, H, L, T] array the einsum keeps for the backward
+    pass. Each kv head serves its R query heads through the kernel's MQA form (vmapped over kv heads and
+    batch, so k and v are never copied R times); packing's segment ids mask across documents. Under a mesh
+    it runs per device (shard_map): batch split as the 'batch' rule says, heads as 'heads' and 'kv_heads'.
+    interpret=True runs the kernel's reference interpreter on any backend (the numerics tests, on CPU)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    def local(q_BLHK, k_BTGK, v_BTGK, seg_BL):
+        B, L, H, K = q_BLHK.shape
+        G = k_BTGK.shape[2]
+        b = min(512, L)  # the kernel's tiles: large on the chip, the whole length at toy sizes
+        sizes = splash.BlockSizes(b, b, b, b, b, b, b, b)
+        head = masks.CausalMask((L, L)) if causal else masks.FullMask((L, L))
+        kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([head] * (H // G)), block_sizes=sizes,
+                                                      interpret=interpret)
+        q_BGRLK = (q_BLHK * K ** -0.5).reshape(B, L, G, H // G, K).transpose(0, 2, 3, 1, 4)
+        one = lambda q_RLK, k_TK, v_TK, seg_L: kernel(q_RLK, k_TK, v_TK, segment_ids=splash.SegmentIds(seg_L, seg_L))
+        o_BGRLK = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BGRLK, k_BTGK.transpose(0, 2, 1, 3),
+                                                                   v_BTGK.transpose(0, 2, 1, 3), seg_BL)
+        return o_BGRLK.transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
+
+    rules, mesh = dict(flax.core.spmd.get_logical_axis_rules()), jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return local(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL)
+    spec = lambda logical, x: dividing_spec(logical, x.shape, rules, dict(mesh.shape))
+    q_spec, kv_spec = spec(('batch', None, 'heads'), q_BLHK), spec(('batch', None, 'kv_heads'), k_BTGK)
+    if q_spec[2] != kv_spec[2]:  # heads and kv heads must split alike, or the groups break apart: keep both whole
+        q_spec, kv_spec = (PartitionSpec(s[0], None, None, None) for s in (q_spec, kv_spec))
+    seg_spec = PartitionSpec(q_spec[0], None)
+    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                         check_vma=False)(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg, rngs):
         D, H, G, K, wdt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, dims(cfg), jnp.dtype(cfg.weight_dtype)
@@ -181,6 +233,8 @@ class Attention(nnx.Module):
             causal = False
         if cfg.attention == 'einsum' or cache is not None:  # a decode step has one query: no kernel needed
             out_BLHK = gqa_attention(q_BLHK, k_BLGK, v_BLGK, mask_B1LL, causal, dt)
+        elif cfg.attention == 'splash':
+            out_BLHK = splash_attention(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, causal)
         else:  # GQA: dot_product_attention shares each kv head across H/G query heads itself.
             out_BLHK = jax.nn.dot_product_attention(
                 q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=causal, implementation=cfg.attention)
@@ -263,7 +317,8 @@ class Trunk(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Token ids -> float32 logits over the vocabulary; with a KV cache (generation), (logits, cache)."""
+    """Token ids -> float32 logits over the vocabulary; with a KV cache (generation), (logits, cache);
+    logits=False: the final hidden states, for a loss that applies the head itself (tiled_cross_entropy)."""
 
     def __init__(self, cfg, rngs):
         D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
@@ -274,7 +329,7 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
 
-    def __call__(self, tokens_BL, positions_BL, segment_ids_BL, cache=None):
+    def __call__(self, tokens_BL, positions_BL, segment_ids_BL, cache=None, logits=True):
         dt = jnp.dtype(self.cfg.dtype)
         # Gather from a whole (all-gathered) table: a gather whose table is sharded over vocab and embed
         # while its indices are sharded over batch makes XLA replicate everything anyway, less cleanly.
@@ -282,10 +337,38 @@ class Transformer(nnx.Module):
         x_BLD = constrain(x_BLD, ('batch', 'length', None))
         x_BLD, new_cache = self.trunk(x_BLD, positions_BL, segment_ids_BL, cache)
         x_BLD = self.final_norm(x_BLD)
-        head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        if not logits:
+            return x_BLD
         # Logits in float32: the softmax over a large vocabulary is where bf16 loses most.
-        logits_BLV = dot('bld,dv->blv', x_BLD, head_DV, dt, jnp.float32)
+        logits_BLV = dot('bld,dv->blv', x_BLD, self.head(), dt, jnp.float32)
         return logits_BLV if cache is None else (logits_BLV, new_cache)
+
+    def head(self):
+        """The LM head [D, V]: the embedding's transpose when tied."""
+        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+
+def tiled_cross_entropy(x_ND, head_DV, targets_N, tile, dtype):
+    """Per-row cross-entropy of the logits x @ head against targets, `tile` vocabulary entries at a time: a
+    running log-sum-exp over the tiles, and the target's logit taken from the tile that holds it. The [N, V]
+    float32 logits never exist whole; the backward pass recomputes each tile's (jax.checkpoint) instead of
+    keeping them. Equal to the untiled loss up to float32 rounding."""
+    (N, D), V = x_ND.shape, head_DV.shape[1]
+    w_IDt = head_DV.reshape(D, V // tile, tile).transpose(1, 0, 2)  # I tiles of t vocabulary entries
+
+    @jax.checkpoint
+    def one(carry, xs):
+        top_N, total_N, target_N = carry
+        w_Dt, i = xs
+        logits_Nt = dot('nd,dt->nt', x_ND, w_Dt, dtype, jnp.float32)
+        new_top_N = jnp.maximum(top_N, jnp.max(logits_Nt, axis=1))
+        total_N = total_N * jnp.exp(top_N - new_top_N) + jnp.sum(jnp.exp(logits_Nt - new_top_N[:, None]), axis=1)
+        here_N = targets_N // tile == i
+        picked_N = jnp.take_along_axis(logits_Nt, (targets_N % tile)[:, None], axis=1)[:, 0]
+        return (new_top_N, total_N, target_N + jnp.where(here_N, picked_N, 0.0)), None
+    start = (jnp.full(N, -jnp.inf), jnp.zeros(N), jnp.zeros(N))
+    (top_N, total_N, target_N), _ = jax.lax.scan(one, start, (w_IDt, jnp.arange(V // tile)))
+    return top_N + jnp.log(total_N) - target_N
 
 
 def init(cfg, key):
@@ -316,8 +399,15 @@ def layer_flops(cfg, L, causal):
 def lm_loss(cfg, graph, params, mb, carry, key, step=0):
     """The LM's loss in the train step's shape: (summed cross-entropy over real target tokens, (sums, carry)).
     The step divides by sums['weight'] (the token count of the whole step), so accumulation is exact."""
-    logits_BLV = nnx.merge(graph, params)(mb['inputs'], mb['positions'], mb['segment_ids'])
-    ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, mb['targets'])
+    model = nnx.merge(graph, params)
+    if cfg.vocab_tile:  # the head and its loss in vocabulary tiles: no [rows, V] logits in memory
+        x_BLD = model(mb['inputs'], mb['positions'], mb['segment_ids'], logits=False)
+        B, L, D = x_BLD.shape
+        ce_BL = tiled_cross_entropy(x_BLD.reshape(B * L, D), model.head(), mb['targets'].reshape(B * L),
+                                    cfg.vocab_tile, jnp.dtype(cfg.dtype)).reshape(B, L)
+    else:
+        logits_BLV = model(mb['inputs'], mb['positions'], mb['segment_ids'])
+        ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, mb['targets'])
     tokens = jnp.sum(mb['loss_mask'])
     return jnp.sum(ce_BL * mb['loss_mask']), ({'weight': tokens, 'tokens': tokens}, carry)
 

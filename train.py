@@ -90,7 +90,7 @@ class Keys(pydantic.BaseModel):
 # in base.yml. A dotted key lives in a section (trm.T: `T` of section `trm`).
 SCHEMA = [
     (Count, 'steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads mlp_dim '
-            'max_target_length per_device_batch grad_accum batch_ramp_every sudoku_train_puzzles sudoku_eval_puzzles '
+            'max_target_length grad_accum batch_ramp_every sudoku_train_puzzles sudoku_eval_puzzles '
             'beam_width max_depth max_thoughts trm.T trm.n trm.N_sup parallel.trajectories tot.policy_steps '
             'tot.value_step'),
     (Off, 'eval_every eval_batches checkpoint_every keep_checkpoints skip_nonfinite_steps top_k head_dim '
@@ -108,6 +108,8 @@ SCHEMA = [
     (Names, 'mesh_axes'),
     (Annotated[tuple[AxisRule, ...], BeforeValidator(_items)], 'logical_axis_rules'),
     (Annotated[int, Number, Field(ge=0, lt=2 ** 31)], 'seed'),  # what every RNG here takes
+    (Count | Literal['auto'], 'per_device_batch'),
+    (Off | Literal['auto'], 'vocab_tile'),
     (Annotated[int, Number, Field(ge=0, le=81)], 'sudoku_blanks'),
     (Annotated[int, Number, Field(ge=1, le=9)], 'thoughts_per_step'),
     (Annotated[int, Number, Field(ge=1, le=81)], 'thought_cells'),
@@ -117,7 +119,7 @@ SCHEMA = [
     (Literal['auto', 'float32', 'bfloat16', 'float16'], 'dtype'),
     (Literal['float32', 'bfloat16'], 'weight_dtype'),
     (Literal['none', 'full', 'save_dots'], 'remat'),
-    (Literal['xla', 'cudnn', 'einsum'], 'attention'),
+    (Literal['auto', 'einsum', 'xla', 'cudnn', 'splash'], 'attention'),
     (Literal['stdlib', 'files', 'tfds', 'hf', 'synthetic'], 'dataset'),
     (Literal[model_lib.DECODERS], 'decoder'),
     (Literal['first', 'best', 'last'], 'trm.eval_halt'),
@@ -214,7 +216,7 @@ def unknown_key(key, path):
 
 def schema_error(err, path, raw):
     """pydantic's first complaint as our one line: the key, its value as typed, what it must be."""
-    names = [p for p in err['loc'] if isinstance(p, str)]
+    names = [p for p in err['loc'] if isinstance(p, str) and p in {k for key in KEYS for k in key.split('.')}]
     key, kind, value = '.'.join(names), err['type'], raw
     for name in names:  # the whole value of the key (err['input'] is only the bad item of a list)
         value = value.get(name) if isinstance(value, dict) else None
@@ -236,7 +238,7 @@ def schema_error(err, path, raw):
                 'model': 'a section of keys', 'dict': 'a section of keys', 'tuple': 'a list', 'list': 'a list',
                 'finite': 'a finite number'}
     what = next((v for k, v in expected.items() if kind.startswith(k)), kind)
-    return f'{key}={shown}: expected {what}' + (' in each entry' if len(names) < len(err['loc']) else '')
+    return f'{key}={shown}: expected {what}' + (' in each entry' if any(isinstance(p, int) for p in err['loc']) else '')
 
 
 def check(cfg, task):
@@ -265,6 +267,11 @@ def check(cfg, task):
                           f'1 <= a <= b <= steps={cfg.steps} (0,0 = off)')
     if cfg.compile_topology and cfg.compile_topology not in TPU_SLICES:
         raise ConfigError(f'compile_topology={cfg.compile_topology}: choose one of {", ".join(TPU_SLICES)}')
+    if cfg.vocab_tile not in (0, 'auto') and cfg.vocab_size % cfg.vocab_tile:
+        raise ConfigError(f'vocab_tile={cfg.vocab_tile}: must divide vocab_size={cfg.vocab_size} (0 = off)')
+    if cfg.per_device_batch == 'auto' and not cfg.compile_topology:
+        raise ConfigError('per_device_batch=auto is the fit check\'s search: give compile_topology=SLICE, or a number '
+                          'to train')
     if cfg.batch_ramp_start > cfg.grad_accum:
         raise ConfigError(f'batch_ramp_start={cfg.batch_ramp_start}: the ramp starts at 1..grad_accum='
                           f'{cfg.grad_accum} microbatches (0 = off)')
@@ -303,15 +310,27 @@ def check_paths(cfg):
                           'checkpoints/ directory or one checkpoints/STEP directory')
 
 
-def resolve(cfg, task, platform):
+def resolve(cfg, task, platform, device_kind=''):
     """The config as run: dtype=auto made concrete (bfloat16 on TPU, GPU and CPUs with bf16 instructions,
-    float32 on other CPUs, where XLA:CPU's bf16 step is slower) and the values the task decides (the puzzle
-    vocabulary and length). Computed once; config.yml records the result."""
+    float32 on other CPUs, where XLA:CPU's bf16 step is slower), attention=auto (splash on TPU chips whose
+    compiler takes the Pallas kernel, v4 on; XLA's on v2 and v3, whose Mosaic refuses its bf16 matmuls;
+    cuDNN's on GPU; einsum on CPU), vocab_tile=auto (4096 on TPU, off elsewhere), and the values the task
+    decides (the puzzle vocabulary and length).
+    Computed once; config.yml records the result."""
     fixed = task.fixed(cfg)
     if cfg.dtype == 'auto':
         bf16 = platform != 'cpu' or cpu_has_bf16()
         fixed['dtype'] = 'bfloat16' if bf16 else 'float32'
         log(f'dtype=auto: {fixed["dtype"]} on {platform}' + ('' if bf16 else ' (a CPU without bf16 instructions)'))
+    old_tpu = device_kind.startswith(('TPU v2', 'TPU v3'))
+    if cfg.attention == 'auto':
+        fixed['attention'] = {'tpu': 'xla' if old_tpu else 'splash', 'gpu': 'cudnn'}.get(platform, 'einsum')
+        log(f'attention=auto: {fixed["attention"]} on {device_kind or platform}')
+    if cfg.vocab_tile == 'auto':  # on TPU the memory it frees buys batch; XLA:CPU runs the recompute slower
+        fixed['vocab_tile'] = 4096 if platform == 'tpu' and cfg.vocab_size % 4096 == 0 else 0
+    if cfg.attention == 'splash' and (platform != 'tpu' or old_tpu):
+        raise ConfigError(f'attention=splash: the Pallas kernel compiles for TPU v4 and later, not for '
+                          f'{device_kind or platform}; use attention=auto')
     return cfg.model_copy(update=fixed)
 
 
@@ -368,20 +387,13 @@ def warn_tpu_dims(cfg):
 # Sharding: logical axis names -> mesh axes, through the one table in base.yml.
 # ==================================================================================================
 def mesh_spec(logical, shape, cfg, mesh):
-    """One array's PartitionSpec. A dimension keeps the longest prefix of its mesh axes that divides it
-    (and no mesh axis twice), so odd sizes stay replicated instead of failing."""
-    rules, used, out = dict(cfg.logical_axis_rules), set(), []
-    for name, size in zip(tuple(logical) + (None,) * (len(shape) - len(logical)), shape):
+    """One array's PartitionSpec from its logical axis names (model.dividing_spec: a dimension keeps the
+    longest prefix of its mesh axes that divides it, so odd sizes stay replicated instead of failing)."""
+    rules = dict(cfg.logical_axis_rules)
+    for name in logical:
         if name is not None and name not in rules:
             raise ConfigError(f'logical axis {name!r} has no entry in logical_axis_rules; add [{name}, null]')
-        axes = rules.get(name) or ()
-        axes = (axes,) if isinstance(axes, str) else axes
-        axes = [a for a in axes if a not in used and mesh.shape[a] > 1]
-        while axes and size % math.prod(mesh.shape[a] for a in axes):
-            axes.pop()
-        used.update(axes)
-        out.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
-    return PartitionSpec(*out)
+    return model_lib.dividing_spec(logical, shape, rules, dict(mesh.shape))
 
 
 def shardings_for(logical, abstract, cfg, mesh):
@@ -768,7 +780,7 @@ def restore_or_init(cfg, task, mngr, layout):
 # ==================================================================================================
 PEAK_BF16_FLOPS = {  # per JAX device (a v2/v3 device is one core = half a chip)
     'TPU v2': 22.5e12, 'TPU v3': 61.5e12, 'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12,
-    'TPU v5p': 459e12, 'TPU v5': 459e12, 'TPU v6 lite': 918e12, 'TPU v6e': 918e12, 'TPU7x': 2307e12,
+    'TPU v5p': 459e12, 'TPU v5': 459e12, 'TPU v6 lite': 918e12, 'TPU v6e': 918e12, 'TPU7x': 1153.5e12,  # a die
     'A100': 312e12, 'H100': 989e12, 'H200': 989e12, 'H800': 989e12, 'B200': 2250e12,
 }
 
@@ -1179,11 +1191,14 @@ def load_hf(path, abstract_params, cfg):
 # ==================================================================================================
 # The TPU fit check: compile the real step for a TPU slice on this machine (libtpu), compare with HBM.
 # ==================================================================================================
-TPU_SLICES = {  # slice name: (libtpu topology, chip config, HBM per JAX device; a v2/v3 device is one core)
+TPU_SLICES = {  # slice name: (libtpu topology, chip config, HBM per JAX device; a v2/v3 device is one core,
+    # a TPU7x (Ironwood) device one of a chip's two dies: libtpu 0.0.51 makes a 2x2x1 slice 8 devices of 94.7 GiB
+    # available, of the chip's 192 GB)
     'v2-8': ('v2:2x2', 'default', 8 * GiB), 'v3-8': ('v3:2x2', 'default', 16 * GiB),
     'v4-8': ('v4:2x2x1', 'megacore', 32 * GiB), 'v4-32': ('v4:2x2x4', 'megacore', 32 * GiB),
     'v4-64': ('v4:2x4x4', 'megacore', 32 * GiB), 'v5e-8': ('v5e:2x4', 'default', 16 * GiB),
     'v5p-8': ('v5p:2x2x1', 'megacore', 95 * GiB), 'v6e-8': ('v6e:2x4', 'default', 32 * GiB),
+    'tpu7x-8': ('tpu7x:2x2x1', 'default', 96 * GiB),
 }
 DOES_NOT_FIT = 4  # exit code of compile_topology when the step needs more HBM than the slice has
 
@@ -1200,12 +1215,13 @@ def memory_estimate(cfg, abstract, mesh):
     rows = cfg.per_device_batch * mesh.size
     tokens = rows * L / splits(('batch', 'length'), (rows, L))
     t = splits(('heads',), (H,))
+    scores = 0 if cfg.attention == 'splash' else 2 * H * L  # the flash kernel keeps none of the [L, T] scores
     per_layer = {  # values kept per token per layer, in the compute dtype
         'full': D,  # only the layer input; everything else is recomputed
         'save_dots': 3 * D + ((H + 2 * G) * K + H * K + 2 * F) / t,
-        'none': 6 * D + (2 * (H + 2 * G) * K + H * K + 4 * F + 2 * H * L) / t}[cfg.remat]
-    acts = tokens * (cfg.num_layers * per_layer * jnp.dtype(cfg.dtype).itemsize
-                     + 3 * 4 * cfg.vocab_size / splits(('vocab',), (cfg.vocab_size,)))  # f32 logits, softmax, grad
+        'none': 6 * D + (2 * (H + 2 * G) * K + H * K + 4 * F + scores) / t}[cfg.remat]
+    V = cfg.vocab_tile or cfg.vocab_size / splits(('vocab',), (cfg.vocab_size,))  # logits alive at once, per token
+    acts = tokens * (cfg.num_layers * per_layer * jnp.dtype(cfg.dtype).itemsize + 3 * 4 * V)  # f32 logits, softmax, grad
     return {'params': params, 'optimizer': sum(shard(x) for x in jax.tree.leaves(abstract['opt_state'])),
             'gradients': sum(shard(x, 4) for x in jax.tree.leaves(abstract['params'])), 'activations': int(acts)}
 
@@ -1235,40 +1251,80 @@ def compiled_line(m):
 def tpu_slice(cfg):
     """compile_topology=v4-64: that slice's devices as libtpu describes them, on any machine (no TPU needed)."""
     topology, chips, hbm = TPU_SLICES[cfg.compile_topology]
+    if topology.startswith('tpu7x') and tuple(map(int, jax.__version__.split('.')[:2])) < (0, 12):
+        raise ConfigError(f'compile_topology={cfg.compile_topology}: TPU7x needs the current JAX and libtpu 0.0.51 '
+                          f'(Python 3.12: pip install -r requirements.txt -r tests/requirements.txt there); the '
+                          f'libtpu of jax {jax.__version__} aborts compiling its programs')
     try:
         from jax.experimental import topologies
         devices = topologies.get_topology_desc(topology_name=topology, platform='tpu',
                                                chip_config_name=chips).devices
-    except Exception as e:  # no libtpu, or another process holding it: a plain RuntimeError/ValueError
-        raise ConfigError(f'compile_topology={cfg.compile_topology}: libtpu cannot describe the slice (is the '
-                          f'wheel installed? pip install -r tests/requirements.txt): {str(e).splitlines()[0][:200]}'
+    except Exception as e:  # no libtpu, an older one, or another process holding it
+        raise ConfigError(f'compile_topology={cfg.compile_topology}: libtpu cannot describe the slice: '
+                          f'{str(e).splitlines()[0][:200]} (pip install -r tests/requirements.txt brings libtpu)'
                           ) from None
     log(f'AOT compile for {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {hbm / GiB:.2f} GiB '
         'HBM each')
     return devices
 
 
-def fit_check(cfg, train_step, layout, feed):
-    """Compile the real train step for the slice of compile_topology and say whether it fits its HBM, with
-    what to change when it does not. Nothing runs, no data is read."""
-    hbm, mesh = TPU_SLICES[cfg.compile_topology][2], feed.step_sharding.mesh
-    n_params = sum(x.size for x in jax.tree.leaves(layout.abstract['params']))
-    log(f'model: {n_params / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}')
+def fit_memory(cfg, task, devices):
+    """Compile the real train step of cfg for the slice's devices: (bytes per device or None where the
+    compiler refuses it as too large, the compiler's figures, the log line). Nothing runs, no data is read."""
+    mesh, feed, graph, tx, layout = build(cfg, task, devices)
+    step = compile_steps(cfg, task, graph, tx, layout, None, feed).train
     try:
         with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
-            seconds, m = compile_step(cfg, train_step, layout.abstract, feed, cfg.grad_accum)
-        line, need = compiled_line(m)
-        memory = {k: getattr(m, f'{k}_size_in_bytes') for k in ('argument', 'temp', 'output', 'alias')}
-        fits = need <= hbm
-        log(f'compiled in {seconds:.1f}s; {line} of {hbm / GiB:.2f} GiB HBM: {"fits" if fits else "does not fit"}')
+            seconds, m = compile_step(cfg, step, layout.abstract, feed, cfg.grad_accum)
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program over its HBM
         if 'RESOURCE_EXHAUSTED' not in str(e):
             raise
-        need, memory, fits = None, None, False
-        log(f'compiler: {str(e).splitlines()[0]}\nper device: more than the {hbm / GiB:.2f} GiB HBM: does not fit')
+        return None, None, f'compiler: {str(e).splitlines()[0][:300]}'
+    line, need = compiled_line(m)
+    return need, {k: getattr(m, f'{k}_size_in_bytes') for k in ('argument', 'temp', 'output', 'alias')}, \
+        f'compiled in {seconds:.1f}s; {line}'
+
+
+def fit_check(cfg, task, devices):
+    """compile_topology=SLICE: does the step fit the slice's HBM? With what to change when it does not."""
+    hbm = TPU_SLICES[cfg.compile_topology][2]
+    need, memory, line = fit_memory(cfg, task, devices)
+    fits = need is not None and need <= hbm
+    log(f'{line} of {hbm / GiB:.2f} GiB HBM: {"fits" if fits else "does not fit"}')
     if not fits:
-        log('to fit, try: ' + '; '.join(fit_advice(cfg, mesh)))
+        log('to fit, try: ' + '; '.join(fit_advice(cfg, make_mesh(cfg, devices))))
     return {'fits': fits, 'bytes_per_device': need, 'hbm_bytes': hbm, 'memory': memory}
+
+
+def fit_search(cfg, task, devices):
+    """compile_topology=SLICE per_device_batch=auto: the largest per-device microbatch that fits in 90% of the
+    HBM, grad_accum being the examples per device per update (split into grad_accum / b microbatches of b),
+    then the least recompute that still fits at that size. Bisection over the divisors, one compile each, every
+    result printed; ends with the command line to run."""
+    total, hbm = cfg.grad_accum, TPU_SLICES[cfg.compile_topology][2]
+
+    def fits(b, remat):
+        need = fit_memory(cfg.model_copy(update={'per_device_batch': b, 'grad_accum': total // b, 'remat': remat}),
+                          task, devices)[0]
+        ok = need is not None and need <= 0.9 * hbm
+        log(f'  per_device_batch={b} grad_accum={total // b} remat={remat}: '
+            f'{"over the HBM" if need is None else f"{need / GiB:.2f} GiB"} -> {"fits" if ok else "no"}')
+        return ok
+    sizes = [b for b in range(1, total + 1) if total % b == 0]
+    lo, hi = 0, len(sizes) - 1  # sizes[:lo] fit with remat=full (the least memory); find the last that does
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if fits(sizes[mid], 'full') else (lo, mid - 1)
+    if not lo:
+        log('nothing fits, even one example per device with remat=full: more fsdp, a smaller model or a larger slice')
+        return {'fits': False}
+    b = sizes[lo - 1]
+    remat = next(r for r in ('none', 'save_dots', 'full') if r == 'full' or fits(b, r))
+    found = [f'per_device_batch={b}', f'grad_accum={total // b}', f'remat={remat}']
+    kept = [a for a in sys.argv[1:] if a.partition('=')[0] not in ('per_device_batch', 'grad_accum', 'remat',
+                                                                     'compile_topology')]
+    log(f'largest that fits: {" ".join(found)}\nrun on the slice: python train.py {" ".join(kept + found)}')
+    return {'fits': True, 'per_device_batch': b, 'grad_accum': total // b, 'remat': remat}
 
 
 def fit_advice(cfg, mesh):
@@ -1373,16 +1429,13 @@ def run(cfg, devices=None):
         jax.config.update('jax_compilation_cache_dir', os.path.abspath(cfg.compile_cache_dir))
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
     devices = tpu_slice(cfg) if cfg.compile_topology else devices or pick_devices(cfg)
-    cfg = resolve(cfg, task, devices[0].platform)
+    cfg = resolve(cfg, task, devices[0].platform, devices[0].device_kind)
     if devices[0].platform == 'tpu':
         warn_tpu_dims(cfg)
-    mesh = make_mesh(cfg, devices)
-    feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
-    batch = describe(cfg, devices, mesh, feed.rows)
-    graph, tx = model_lib.abstract(cfg)[0], make_optimizer(cfg)[0]  # the model's graph: no arrays
-    layout = state_layout(cfg, task, mesh, tx, feed.rows)
     if cfg.compile_topology:
-        return fit_check(cfg, compile_steps(cfg, task, graph, tx, layout, None, feed).train, layout, feed)
+        return (fit_search if cfg.per_device_batch == 'auto' else fit_check)(cfg, task, devices)
+    mesh, feed, graph, tx, layout = build(cfg, task, devices)
+    batch = describe(cfg, devices, mesh, feed.rows)
     ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log)
     if ds.vocab_size != cfg.vocab_size:
         raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
@@ -1410,6 +1463,14 @@ def run(cfg, devices=None):
             return eval_mode(cfg, task, steps, state, run_dir)
         it = ds.train_iter(feed.rows // jax.process_count(), state=data_state)
         return train(cfg, state, it, feed, steps, mngr, run_dir, flops)
+
+
+def build(cfg, task, devices):
+    """The mesh, the batch feed, the model's graph (no arrays), the optimizer and the state's layout."""
+    mesh = make_mesh(cfg, devices)
+    feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
+    graph, tx = model_lib.abstract(cfg)[0], make_optimizer(cfg)[0]
+    return mesh, feed, graph, tx, state_layout(cfg, task, mesh, tx, feed.rows)
 
 
 def compile_steps(cfg, task, graph, tx, layout, ds, feed):

@@ -407,7 +407,8 @@ def test_a_damaged_checkpoint_is_one_warning_line_and_no_stderr_through_the_comm
     in-process, so only a process of its own shows what a user's terminal would)."""
     cmd = [sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'checkpoint_every=3')]
     assert subprocess.run(cmd + ['steps=6'], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV).returncode == 0
-    for f in sorted((tmp_path / 'default' / 'checkpoints' / '6' / 'train_state' / 'ocdbt.process_0' / 'd').iterdir())[:2]:
-        f.write_bytes(os.urandom(100))  # the data, not the index: the reads start, then fail
+    data_files = (tmp_path / 'default' / 'checkpoints' / '6' / 'train_state' / 'ocdbt.process_0' / 'd').iterdir()
+    max(data_files, key=lambda f: f.stat().st_size).write_bytes(os.urandom(100))  # the arrays, not the index:
+    # the reads start, one fails, the rest are left in flight
     r = subprocess.run(cmd + ['steps=9'], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0 and r.stderr == '' and r.stdout.count('is damaged') == 1, r.stderr[-3000:]

@@ -35,7 +35,7 @@ CASES = [
                      'use e.g. mesh=1,1,1 or mesh=1,-1,1'),
     (['profile_steps=3,2'], 'error: profile_steps=3,2: give two steps a,b with 1 <= a <= b <= steps=200 (0,0 = off)'),
     (['compile_topology=v9-8'], 'error: compile_topology=v9-8: choose one of v2-8, v3-8, v4-8, v4-32, v4-64, '
-                                'v5e-8, v5p-8, v6e-8'),
+                                'v5e-8, v5p-8, v6e-8, tpu7x-8'),
     (['task=sudoku', 'grad_accum=2', 'batch_ramp_start=1'], 'error: batch_ramp_start: the ramp is for task=lm '
                                                             '(the TRM carry holds grad_accum microbatches)'),
     (['load_params={tmp}/no-run'], 'error: load_params={tmp}/no-run: no such directory; fix the path '

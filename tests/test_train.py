@@ -385,3 +385,37 @@ def test_ci_runs_the_readme_test_command():
     ci = open(os.path.join(ROOT, '.ci', 'run')).read()
     test_cmd = [line.strip() for line in readme.splitlines() if 'pytest' in line][0]
     assert test_cmd in ci
+
+
+# ---- the TPU attention kernel and the tiled LM head, on CPU ------------------------------------------
+@pytest.mark.parametrize('dtype,tol', [('float32', 1e-5), ('bfloat16', 2e-2)])
+def test_splash_attention_in_interpret_mode_equals_einsum(dtype, tol):
+    """attention=splash's Pallas kernel, run by its interpreter here: its outputs and the gradients of q, k and
+    v equal the einsum attention's, causal, with two packed documents per row and GQA (4 query heads on 2 kv
+    heads, the kv heads not copied), to float32 rounding (1e-5 of each array's largest value) and, in bf16, a
+    few of its rounding units (2^-8)."""
+    B, L, H, G, K, dt = 2, 128, 4, 2, 32, jnp.dtype(dtype)  # the kernel's tiles are 128 wide at least
+    q, k, v = (jax.random.normal(jax.random.key(i), (B, L, n, K), dt) for i, n in enumerate((H, G, G)))
+    seg = jnp.array([[1] * 80 + [2] * 48, [1] * 128])
+    mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+    einsum = lambda q, k, v: model_lib.gqa_attention(q, k, v, mask, True, dt).astype(jnp.float32)
+    splash = lambda q, k, v: model_lib.splash_attention(q, k, v, seg, True, interpret=True).astype(jnp.float32)
+    cot = jax.random.normal(jax.random.key(9), (B, L, H, K))  # a fixed output gradient: d(sum(out * cot))
+    for got, want in zip(jax.vjp(splash, q, k, v)[1](cot) + (splash(q, k, v),),
+                         jax.vjp(einsum, q, k, v)[1](cot) + (einsum(q, k, v),)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.abs(got - want).max() <= tol * np.abs(want).max(), (np.abs(got - want).max(), np.abs(want).max())
+
+
+def test_tiled_lm_head_equals_the_untiled_one(tmp_path):
+    """vocab_tile: the loss and every gradient equal the untiled head's to float32 rounding (the logits taken a
+    tile at a time, the log-sum-exp carried across tiles, the target's logit from its tile), tied or not."""
+    b = _batch(config(tmp_path), 4)
+    for tie in ('false', 'true'):
+        cfg, tiled = config(tmp_path, f'tie_embeddings={tie}'), config(tmp_path, f'tie_embeddings={tie}', 'vocab_tile=32')
+        graph, params = init_model(cfg)
+        loss = lambda c: jax.jit(jax.value_and_grad(lambda p: model_lib.lm_loss(c, graph, p, b, None, None)[0]))(params)
+        (want, want_g), (got, got_g) = loss(cfg), loss(tiled)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        close = lambda a, w: np.abs(np.asarray(a) - np.asarray(w)).max() <= 1e-5 * np.abs(np.asarray(w)).max()
+        assert all(jax.tree.leaves(jax.tree.map(close, got_g, want_g))), tie
