@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from typing import Annotated, Callable, Literal, NamedTuple
 
 from flax import nnx
@@ -1510,8 +1511,10 @@ def quiet_libraries():
     """Library noise off stderr, for what the trainer reports in one line: orbax and tfds narrate through
     absl warnings (a local build as a download, our per-glob builder config); reading a damaged checkpoint,
     the tensorstore reads orbax left in flight fail later, each logged by asyncio and raised once more from
-    its abandoned coroutine or into a closed event loop."""
+    its abandoned coroutine or into a closed event loop; a refused write leaves orbax's write coroutines
+    unawaited, which Python reports at exit."""
     logging.getLogger('absl').setLevel(logging.CRITICAL)  # orbax logs a failed save it raises to us as well
+    warnings.filterwarnings('ignore', r"coroutine '.*' was never awaited", RuntimeWarning)
     logging.getLogger('asyncio').setLevel(logging.CRITICAL)
     hook = sys.unraisablehook
     orbax_read = lambda u: 'orbax' in getattr(getattr(u.object, 'cr_code', None), 'co_filename', '')
