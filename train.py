@@ -47,6 +47,7 @@ import data
 import model as model_lib
 
 GiB = 2 ** 30
+gb = lambda n_bytes: f'{n_bytes / GiB:.2f} GiB'
 
 
 class ConfigError(Exception):
@@ -648,8 +649,7 @@ def _check_shapes(mngr, step, abstract, part):
         saved = mngr.item_metadata(step)['train_state']
         saved = _flat_shapes(saved[part] if part else saved)
     except Exception as e:  # orbax raises ValueError, KeyError, tensorstore errors ... for unreadable metadata
-        first = str(e).splitlines()[0][:120] if str(e) else ''
-        raise Damaged(f'its metadata is unreadable: {type(e).__name__}: {first}')
+        raise Damaged(f'its metadata is unreadable: {first_line(e)}')
     if not any(path[0] == 'params' for path in saved) and not part:
         raise Damaged('its metadata lists no parameters')
     want = _flat_shapes(abstract)
@@ -681,7 +681,7 @@ def _read_step(mngr, step, abstract, part):
             'lanes': [json.loads(row.tobytes().decode().strip()) for row in data_state['lanes']],
             'source': data_state['source'].tobytes().decode() if 'source' in data_state else None}
     except Exception as e:  # orbax/tensorstore raise bare Exception for unreadable data
-        raise Damaged(f'{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else "unreadable"}') from None
+        raise Damaged(first_line(e)) from None
 
 
 def restore_checkpoint(mngr, abstract, cfg, steps=None, part=None, move_aside=False):
@@ -963,15 +963,11 @@ class StepLog:
 
     def window(self, step):
         """The metrics row for the steps since the last row."""
-        out, dt, flops = self.drain(0), max(time.perf_counter() - self.t_window, 1e-9), self.flops
-        tps, n_dev = self.tokens / dt, flops['devices']
+        out, dt = self.drain(0), max(time.perf_counter() - self.t_window, 1e-9)
         m = {'step': step, 'loss': float(np.mean(self.losses)) if self.losses else float('nan'),
              'learning_rate': float(self.schedule(step - 1)), 'grad_norm': float(out['grad_norm'])}
         if self.tokens:  # a window holding only the compiling first step has no rate to report
-            m.update(tokens_per_sec=tps, tokens_per_sec_per_device=tps / n_dev,
-                     tflops_per_device=tps * flops['per_token'] / n_dev / 1e12,
-                     mfu=tps * flops['per_token'] / flops['peak'],
-                     step_seconds=dt / max(self.timed, 1))
+            m.update(self.rates(self.tokens / dt), step_seconds=dt / max(self.timed, 1))
         m.update(tokens_per_step=float(out['tokens']), data_wait_fraction=(self.it.wait_seconds - self.wait0) / dt,
                  host_rss_gb=host_rss_gb())
         m.update({k: float(np.mean([e[k] for e in self.extras if k in e]))
@@ -986,19 +982,22 @@ class StepLog:
         self.losses, self.extras, self.tokens, self.timed = [], [], 0.0, 0  # per step since the last row
         self.t_window, self.wait0 = time.perf_counter(), self.it.wait_seconds
 
+    def rates(self, tps):
+        """Throughput at `tps` tokens/s: per device, in TFLOP/s per device, and as MFU."""
+        flops, n_dev = self.flops, self.flops['devices']
+        return {'tokens_per_sec': tps, 'tokens_per_sec_per_device': tps / n_dev,
+                'tflops_per_device': tps * flops['per_token'] / n_dev / 1e12, 'mfu': tps * flops['per_token'] / flops['peak']}
+
     def benchmark(self, tokens_per_step, note):
         """Medians over every timed step (the first, compiling, excluded), for the summary and one line."""
-        flops = self.flops
         if not self.step_times:
             return {}
         med = float(np.median(self.step_times))
-        tps = tokens_per_step / med
-        log(f'benchmark: {len(self.step_times)} timed steps, median {med:.3f} s/step = {tps:,.0f} tokens/s, '
-            f'{tps * flops["per_token"] / flops["devices"] / 1e12:.3f} TFLOP/s per device, MFU '
-            f'{tps * flops["per_token"] / flops["peak"]:.1%} of {flops["peak_per_device"] / 1e12:.3f} TFLOP/s '
-            f'({flops["peak_source"]}); {note}')
-        return {'median_step_seconds': med, 'median_tokens_per_sec': tps,
-                'median_mfu': tps * flops['per_token'] / flops['peak']}
+        r = self.rates(tokens_per_step / med)
+        log(f'benchmark: {len(self.step_times)} timed steps, median {med:.3f} s/step = {r["tokens_per_sec"]:,.0f} '
+            f'tokens/s, {r["tflops_per_device"]:.3f} TFLOP/s per device, MFU {r["mfu"]:.1%} of '
+            f'{self.flops["peak_per_device"] / 1e12:.3f} TFLOP/s ({self.flops["peak_source"]}); {note}')
+        return {'median_step_seconds': med, 'median_tokens_per_sec': r['tokens_per_sec'], 'median_mfu': r['mfu']}
 
 
 @contextlib.contextmanager
@@ -1101,7 +1100,7 @@ def train(cfg, state, it, feed, steps, mngr, run_dir, flops):
     summary.update(book.benchmark(summary.get('tokens_per_step', 0.0), (
         f'compile + first step {summary["compile_seconds"]:.1f}s; host RSS {host_rss_gb():.2f} GiB'
         + (f', device peak {mem:.2f} GiB' if mem is not None else '')
-        + (f', compiled step {compiled_gb / GiB:.2f} GiB' if compiled_gb else ''))))
+        + (f', compiled step {gb(compiled_gb)}' if compiled_gb else ''))))
     log('done: ' + json.dumps({k: summary.get(k) for k in ('step', 'loss', 'eval_loss', 'tokens_per_sec', 'mfu',
                                                            'compile_seconds', 'run_dir')}))
     log(f'checkpoints: {mngr.directory}; metrics: {run_dir}/metrics.jsonl (TensorBoard: tensorboard --logdir {run_dir})')
@@ -1234,19 +1233,17 @@ def abstract_batch(A, rows, L, sharding):
 
 
 def estimate_line(cfg, est):
-    GB = lambda b: f'{b / GiB:.2f} GiB'
-    return ('estimate per device: ' + ', '.join(f'{k} {GB(v)}' for k, v in est.items()) +
-            f' (remat={cfg.remat}) = {GB(sum(est.values()))}')
+    return ('estimate per device: ' + ', '.join(f'{k} {gb(v)}' for k, v in est.items()) +
+            f' (remat={cfg.remat}) = {gb(sum(est.values()))}')
 
 
 def compiled_line(m):
     """(the compiler's memory_analysis() per device as a log line, total bytes). Donated state buffers are
     reused for the new state (alias), so they count once."""
-    GB = lambda b: f'{b / GiB:.2f} GiB'
     need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    return (f'compiled per device: arguments (params + optimizer state + batch) {GB(m.argument_size_in_bytes)}, '
-            f'temporaries {GB(m.temp_size_in_bytes)}, outputs {GB(m.output_size_in_bytes)} '
-            f'({GB(m.alias_size_in_bytes)} reusing donated arguments) = {GB(need)}', need)
+    return (f'compiled per device: arguments (params + optimizer state + batch) {gb(m.argument_size_in_bytes)}, '
+            f'temporaries {gb(m.temp_size_in_bytes)}, outputs {gb(m.output_size_in_bytes)} '
+            f'({gb(m.alias_size_in_bytes)} reusing donated arguments) = {gb(need)}', need)
 
 
 def tpu_slice(cfg):
@@ -1264,8 +1261,7 @@ def tpu_slice(cfg):
         raise ConfigError(f'compile_topology={cfg.compile_topology}: libtpu cannot describe the slice: '
                           f'{str(e).splitlines()[0][:200]} (pip install -r tests/requirements.txt brings libtpu)'
                           ) from None
-    log(f'AOT compile for {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {hbm / GiB:.2f} GiB '
-        'HBM each')
+    log(f'AOT compile for {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {gb(hbm)} HBM each')
     return devices
 
 
@@ -1291,7 +1287,7 @@ def fit_check(cfg, task, devices):
     hbm = TPU_SLICES[cfg.compile_topology][2]
     need, memory, line = fit_memory(cfg, task, devices)
     fits = need is not None and need <= hbm
-    log(f'{line} of {hbm / GiB:.2f} GiB HBM: {"fits" if fits else "does not fit"}')
+    log(f'{line} of {gb(hbm)} HBM: {"fits" if fits else "does not fit"}')
     if not fits:
         log('to fit, try: ' + '; '.join(fit_advice(cfg, make_mesh(cfg, devices))))
     return {'fits': fits, 'bytes_per_device': need, 'hbm_bytes': hbm, 'memory': memory}
@@ -1309,7 +1305,7 @@ def fit_search(cfg, task, devices):
                           task, devices)[0]
         ok = need is not None and need <= 0.9 * hbm
         log(f'  per_device_batch={b} grad_accum={total // b} remat={remat}: '
-            f'{"over the HBM" if need is None else f"{need / GiB:.2f} GiB"} -> {"fits" if ok else "no"}')
+            f'{"over the HBM" if need is None else gb(need)} -> {"fits" if ok else "no"}')
         return ok
     sizes = [b for b in range(1, total + 1) if total % b == 0]
     lo, hi = 0, len(sizes) - 1  # sizes[:lo] fit with remat=full (the least memory); find the last that does
