@@ -765,11 +765,12 @@ def generate_sudoku(n, blanks, seed, stream='train'):
     """(puzzles uint8[n, 81], solutions uint8[n, 81]), each puzzle with exactly one solution.
 
     Cells are blanked in random order while the solution stays unique, until `blanks` blanks or
-    no cell can go (blanks=81 gives minimal puzzles). Puzzle i depends only on (stream, seed, i).
+    no cell can go (blanks=81 gives minimal puzzles); a list of blanks is taken in turn, puzzle i
+    with blanks[i % len(blanks)]. Puzzle i depends only on (stream, seed, i) and its blanks.
     """
-    q, a = np.zeros((n, 81), np.uint8), np.zeros((n, 81), np.uint8)
+    q, a, blanks = np.zeros((n, 81), np.uint8), np.zeros((n, 81), np.uint8), np.atleast_1d(blanks)
     for i in range(n):
-        q[i], a[i] = _make_puzzle(random.Random(f'sudoku/{stream}/{seed}/{i}'), blanks)
+        q[i], a[i] = _make_puzzle(random.Random(f'sudoku/{stream}/{seed}/{i}'), blanks[i % len(blanks)])
     return q, a
 
 
@@ -883,6 +884,7 @@ def write_sudoku_csv(path, q, a):
 
 
 def _cached_sudoku(cache_dir, n, blanks, seed, split, log=None):
+    blanks = '-'.join(map(str, np.atleast_1d(blanks)))  # 45, or 45-81 for a mix
     path = os.path.join(cache_dir, 'sudoku', f'{split}_seed{seed}_blanks{blanks}_n{n}_v{_SUDOKU_GEN_VERSION}.npz')
     with _locked(cache_dir):
         if not os.path.exists(path):
@@ -923,7 +925,8 @@ class SudokuData(_Data):
             keep = np.array([s.tobytes() not in seen for s in a], bool)
             self.eval_q, self.eval_a = q[keep], a[keep]
         self.identity = (f'sudoku {cfg.dataset_path}' if cfg.dataset_path else
-                         f'sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {cfg.sudoku_blanks} blanks, seed {cfg.seed}')
+                         f'sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {",".join(map(str, cfg.sudoku_blanks))} '
+                         f'blanks, seed {cfg.seed}')
         self._order = grain.MapDataset.range(len(self.train_q)).shuffle(seed=cfg.seed).repeat().map_with_index(
             self._example)
 

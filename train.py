@@ -68,7 +68,7 @@ def _items(value):
     """A list typed on the command line: 4,4,2 or YAML ([[batch, data]]); from a YAML file as it is."""
     if isinstance(value, str):
         return yaml.safe_load(value) if value.startswith('[') else [v.strip() for v in value.split(',')]
-    return value
+    return value if isinstance(value, (list, tuple)) else [value]  # one value (YAML's 45) is a list of one
 
 
 Number = BeforeValidator(_number)
@@ -112,7 +112,8 @@ SCHEMA = [
     (Annotated[int, Number, Field(ge=0, lt=2 ** 31)], 'seed'),  # what every RNG here takes
     (Count | Literal['auto'], 'per_device_batch'),
     (Off | Literal['auto'], 'vocab_tile'),
-    (Annotated[int, Number, Field(ge=0, le=81)], 'sudoku_blanks'),
+    (Annotated[tuple[Annotated[int, Number, Field(ge=0, le=81)], ...], BeforeValidator(_items), Field(min_length=1)],
+     'sudoku_blanks'),
     (Annotated[int, Number, Field(ge=1, le=9)], 'thoughts_per_step'),
     (Annotated[int, Number, Field(ge=1, le=81)], 'thought_cells'),
     (Literal[tuple(model_lib.TASKS)], 'task'),

@@ -448,6 +448,15 @@ def test_generated_puzzles_have_exactly_one_solution():
     assert data.solve(np.zeros(81))[1] == 2 and data.solve([1, 1] + [0] * 79) == (None, 0)
 
 
+def test_a_list_of_blanks_is_taken_in_turn(tmp_path):
+    """sudoku_blanks=45,81: puzzle i has blanks[i % 2], the same puzzle the single value would make there."""
+    q, a = data.generate_sudoku(4, (30, 81), seed=7)
+    assert ((q[::2] == 0).sum(axis=1) == 30).all() and ((q[1::2] == 0).sum(axis=1) > 45).all()
+    assert np.array_equal(q[1::2], data.generate_sudoku(4, 81, seed=7)[0][1::2])
+    assert config(tmp_path, 'sudoku_blanks=30,81', preset=SUDOKU).sudoku_blanks == (30, 81)
+    assert config(tmp_path, preset=SUDOKU).sudoku_blanks == (45,)  # base.yml's single 45
+
+
 def test_sudoku_dataset_train_eval_disjoint(tmp_path, monkeypatch):
     real = data.generate_sudoku
 
