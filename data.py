@@ -884,8 +884,8 @@ def write_sudoku_csv(path, q, a):
 
 
 def _cached_sudoku(cache_dir, n, blanks, seed, split, log=None):
-    blanks = '-'.join(map(str, np.atleast_1d(blanks)))  # 45, or 45-81 for a mix
-    path = os.path.join(cache_dir, 'sudoku', f'{split}_seed{seed}_blanks{blanks}_n{n}_v{_SUDOKU_GEN_VERSION}.npz')
+    mix = '-'.join(map(str, np.atleast_1d(blanks)))  # 45, or 45-81 for a mix
+    path = os.path.join(cache_dir, 'sudoku', f'{split}_seed{seed}_blanks{mix}_n{n}_v{_SUDOKU_GEN_VERSION}.npz')
     with _locked(cache_dir):
         if not os.path.exists(path):
             with _announced(log, f'generating {n} {split} puzzles with {blanks} blanks'):

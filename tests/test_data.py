@@ -453,8 +453,10 @@ def test_a_list_of_blanks_is_taken_in_turn(tmp_path):
     q, a = data.generate_sudoku(4, (30, 81), seed=7)
     assert ((q[::2] == 0).sum(axis=1) == 30).all() and ((q[1::2] == 0).sum(axis=1) > 45).all()
     assert np.array_equal(q[1::2], data.generate_sudoku(4, 81, seed=7)[0][1::2])
-    assert config(tmp_path, 'sudoku_blanks=30,81', preset=SUDOKU).sudoku_blanks == (30, 81)
     assert config(tmp_path, preset=SUDOKU).sudoku_blanks == (45,)  # base.yml's single 45
+    cfg = config(tmp_path, 'sudoku_blanks=30,81', 'sudoku_train_puzzles=4', 'sudoku_eval_puzzles=2', preset=SUDOKU)
+    assert cfg.sudoku_blanks == (30, 81)
+    assert np.array_equal(data.make_dataset(cfg).train_q, data.generate_sudoku(4, (30, 81), cfg.seed)[0])  # via its cache
 
 
 def test_sudoku_dataset_train_eval_disjoint(tmp_path, monkeypatch):
