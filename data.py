@@ -888,7 +888,7 @@ def _cached_sudoku(cache_dir, n, blanks, seed, split, log=None):
     path = os.path.join(cache_dir, 'sudoku', f'{split}_seed{seed}_blanks{mix}_n{n}_v{_SUDOKU_GEN_VERSION}.npz')
     with _locked(cache_dir):
         if not os.path.exists(path):
-            with _announced(log, f'generating {n} {split} puzzles with {blanks} blanks'):
+            with _announced(log, f'generating {n} {split} puzzles with {mix} blanks'):
                 q, a = generate_sudoku(n, blanks, seed, stream=split)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f'{path}.tmp{os.getpid()}'
