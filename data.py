@@ -31,12 +31,14 @@ import json
 import logging
 import os
 import random
+import re
 import sys
 import sysconfig
 import time
 
 import grain
 import numpy as np
+from etils import epath
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
 
 # Special ids of the tokenizers trained here. A tokenizer given by tokenizer_path keeps its own ids
@@ -257,8 +259,28 @@ def _text(record, key):
     return text.decode('utf-8', 'replace') if isinstance(text, bytes) else str(text)
 
 
+def expand(pattern):
+    """The files a glob matches, sorted: on a local disk, or in a bucket (gs://bucket/corpus/*.txt, through
+    epath); a plain path is a glob that matches itself."""
+    if '://' not in pattern:
+        return sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+    if not re.search(r'[*?[]', pattern):
+        return [pattern] if epath.Path(pattern).is_file() else []
+    head = re.split(r'[*?[]', pattern)[0].rsplit('/', 1)[0]  # the directory above the first wildcard
+    return sorted(str(p) for p in epath.Path(head).glob(pattern[len(head) + 1:]) if p.is_file())
+
+
+def _stat(path):
+    """(size, modification time) of a local file or a bucket's object: part of what names a prepared dataset."""
+    if '://' not in path:
+        st = os.stat(path)
+        return st.st_size, st.st_mtime_ns
+    st = epath.Path(path).stat()
+    return st.length, st.mtime
+
+
 def _glob(pattern, key):
-    files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+    files = expand(pattern)
     if not files:
         raise DataError(f'{key}={pattern!r} matches no files: set it to a glob of text files, '
                         "e.g. 'corpus/**/*.txt' (quote it on the command line)")
@@ -303,8 +325,8 @@ def _fingerprint(train_files, eval_files):
     h = hashlib.sha1()
     for split, files in (('train', train_files), ('eval', eval_files)):
         for f in files:
-            st = os.stat(f)
-            h.update(f'{split}\t{os.path.abspath(f)}\t{st.st_size}\t{st.st_mtime_ns}\n'.encode())
+            size, mtime = _stat(f)
+            h.update(f'{split}\t{f if "://" in f else os.path.abspath(f)}\t{size}\t{mtime}\n'.encode())
     return h.hexdigest()[:16]
 
 
@@ -331,8 +353,7 @@ def _text_files_builder(name, train_files, eval_files, data_dir):
 
         def _generate_examples(self, files):
             for path in files:
-                with open(path, encoding='utf-8', errors='replace') as f:
-                    yield path, {'text': f.read()}
+                yield path, {'text': epath.Path(path).read_bytes().decode('utf-8', 'replace')}
 
     config = FilesConfig(name=name, train_files=train_files, eval_files=eval_files)
     return TextFiles(config=config, data_dir=data_dir, file_format='array_record')
@@ -423,8 +444,7 @@ def _hf_split(cfg, split, key, streaming=None):
 
 def _hf_identity(cfg, *parts):
     """Names what dataset=hf reads (for the tokenizer cache and the checkpoint's data position)."""
-    local = sorted(f for p in cfg.hf_data_files.split(',') if p.strip() for f in glob.glob(os.path.expanduser(p.strip())))
-    stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in local]
+    stats = [(f, *_stat(f)) for p in cfg.hf_data_files.split(',') if p.strip() for f in expand(p.strip())]
     key = json.dumps([cfg.hf_path, cfg.hf_name, cfg.hf_data_files, cfg.hf_split, cfg.text_key, stats, *parts])
     return 'hf_' + hashlib.sha1(key.encode()).hexdigest()[:16]
 
@@ -526,7 +546,7 @@ def _train_tokenizer(texts, vocab_size, path):
 def _tokenizer(cfg, train_texts, identity, log=None):
     import sentencepiece as spm
     path = cfg.tokenizer_path
-    if path and not os.path.isfile(path):
+    if path and not epath.Path(path).is_file():
         raise DataError(f'tokenizer_path={path!r}: file not found (set it to a sentencepiece .model, '
                         "or '' to train one)")
     if not path:
@@ -536,7 +556,8 @@ def _tokenizer(cfg, train_texts, identity, log=None):
                 with _announced(log, f'training a {cfg.vocab_size}-piece BPE tokenizer on the training text'):
                     _train_tokenizer(train_texts, cfg.vocab_size, path)
     try:
-        sp = spm.SentencePieceProcessor(model_file=path)
+        sp = (spm.SentencePieceProcessor(model_proto=epath.Path(path).read_bytes()) if '://' in path  # gs://
+              else spm.SentencePieceProcessor(model_file=path))
     except (OSError, RuntimeError) as e:
         raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({str(e).splitlines()[0][:120]}); give '
                         "a .model file, or '' to train one") from None
@@ -581,17 +602,17 @@ class TextData(_Data):
         self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
         self._order = grain.MapDataset.source(train_texts).shuffle(seed=cfg.seed).repeat().map(self.encode)
 
-    def save_tokenizer(self, out_dir):
-        """The tokenizer as Hugging Face reads a Llama one: tokenizer.model + tokenizer_config.json."""
-        with open(os.path.join(out_dir, 'tokenizer.model'), 'wb') as f:
-            f.write(self.tokenizer.serialized_model_proto())
+    def tokenizer_files(self):
+        """The tokenizer as Hugging Face reads a Llama one: {file name: contents} of tokenizer.model and
+        tokenizer_config.json (train.py writes them, to a disk or a bucket)."""
         piece = self.tokenizer.id_to_piece
-        with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
-            json.dump({'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(self.bos_id),
-                       'eos_token': piece(self.eos_id), 'unk_token': piece(self.tokenizer.unk_id()),
-                       'add_bos_token': True, 'add_eos_token': False,
-                       'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
-                       'model_max_length': self.cfg.max_target_length}, f, indent=2)
+        config = {'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(self.bos_id),
+                  'eos_token': piece(self.eos_id), 'unk_token': piece(self.tokenizer.unk_id()),
+                  'add_bos_token': True, 'add_eos_token': False,
+                  'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
+                  'model_max_length': self.cfg.max_target_length}
+        return {'tokenizer.model': self.tokenizer.serialized_model_proto(),
+                'tokenizer_config.json': json.dumps(config, indent=2)}
 
     def encode(self, text):
         """A document's tokens: bos, text, eos (so every token, the first included, is a target)."""
@@ -816,10 +837,10 @@ def _csv_columns(path, first):
 def read_sudoku_csv(path, key='dataset_path'):
     """(puzzles uint8[N, 81], solutions uint8[N, 81]) from a CSV, with or without a header, '.' or '0' for
     blanks; any bad row is a DataError naming its line."""
-    if not os.path.isfile(path):
+    if not epath.Path(path).is_file():
         raise DataError(f'{key}={path!r}: file not found (a CSV with header source,q,a,rating; '
                         'make one with `python data.py make-sudoku OUT.csv`)')
-    with open(path, newline='') as f:
+    with epath.Path(path).open('rb') as raw, io.TextIOWrapper(raw, newline='') as f:  # a local file or gs://
         reader = csv.reader(f)
         try:
             puzzles, solutions, lines = _csv_grids(path, reader)

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import pkgutil
+import re
 import resource
 import signal
 import socket
@@ -38,6 +39,9 @@ import orbax.checkpoint as ocp
 import pydantic
 import safetensors.numpy
 import yaml
+from etils import epath
+from gcsfs.retry import HttpError
+from google.auth import exceptions as auth_exceptions
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from pydantic import BeforeValidator, Field
@@ -297,15 +301,17 @@ def check(cfg, task):
 
 def check_paths(cfg):
     """Every path the user typed must exist, whatever else the run does (a resumable run directory would
-    otherwise hide a mistyped load_params). Data paths may be globs."""
-    matches = lambda pattern: any(os.path.isfile(f) for f in glob.iglob(os.path.expanduser(pattern), recursive=True))
-    local = lambda files: all(matches(f.strip()) for f in files.split(',') if '://' not in f)  # not a URL
-    wanted = {'load_params': os.path.isdir, 'load_hf': os.path.isdir, 'tokenizer_path': os.path.isfile,
-              'data_dir': os.path.isdir, 'dataset_path': matches, 'eval_path': matches, 'hf_data_files': local}
+    otherwise hide a mistyped load_params). Data paths may be globs; any of them may be on gs://."""
+    check_credentials(cfg)
+    is_dir, is_file = lambda p: stored(p).is_dir(), lambda p: stored(p).is_file()
+    matches = lambda pattern: bool(data.expand(pattern))
+    listed = lambda files: all(matches(f.strip()) for f in files.split(',') if f.strip())
+    wanted = {'load_params': is_dir, 'load_hf': is_dir, 'tokenizer_path': is_file,
+              'data_dir': is_dir, 'dataset_path': matches, 'eval_path': matches, 'hf_data_files': listed}
     for key, exists in wanted.items():
         value = getattr(cfg, key)
         if value and not exists(value):
-            what = ('no such directory' if exists is os.path.isdir else
+            what = ('no such directory' if exists is is_dir else
                     'matches no files' if any(c in value for c in '*?[,') else 'no such file')
             raise ConfigError(f'{key}={value}: {what}; fix the path (or set {key}= to leave it out)')
     if cfg.load_params and not checkpoint_steps(cfg.load_params)[1]:
@@ -561,6 +567,154 @@ def evaluate(cfg, task, eval_step, params, ds, feed, n_batches, save_to=None):
 
 
 # ==================================================================================================
+# Storage: every path, input or output, goes through etils' epath (what orbax uses itself), so each may be
+# local or gs://bucket/... (gcsfs underneath, without TensorFlow). GCS has no append and no file locks:
+# append() composes objects, and a run owns a gs:// directory through a lease object (BucketLease).
+# ==================================================================================================
+STORAGE_ERRORS = (OSError, HttpError, auth_exceptions.GoogleAuthError)  # what a disk or a bucket can raise
+
+
+def remote(path):
+    return '://' in str(path)
+
+
+def stored(path):
+    """epath.Path of a local path (absolute: orbax writes it into its metadata) or a gs:// one (as given)."""
+    return epath.Path(path if remote(path) else os.path.abspath(os.path.expanduser(path)))
+
+
+def gcs():
+    """The gcsfs file system epath itself uses (fsspec keeps one instance, so both see one listings cache)."""
+    import fsspec
+    return fsspec.filesystem('gs')
+
+
+def storage_reason(e):
+    """An error from a disk or a bucket as a short reason, with any URL's query string (tokens, signatures) cut."""
+    text = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+    text = re.sub(r'(https?://[^\s?]+)\?\S*', r'\1', text)
+    return re.sub(r'(?i)(token|signature|key)=[^\s&]+', r'\1=...', text)
+
+
+def write(path, data):
+    """Process 0 writes `data` (text or bytes) as the whole of `path`; a refusal stops the run in one line."""
+    if jax.process_index() == 0:
+        try:
+            stored(path).write_bytes(data if isinstance(data, bytes) else data.encode())
+        except STORAGE_ERRORS as e:
+            raise WriteError(f'{path}: cannot write it ({storage_reason(e)})') from None
+
+
+def append(path, text):
+    """Adds text to the end of `path`. A bucket has no append, and rewriting the object each time would upload
+    O(N^2) bytes over a run: the new text goes up as its own object, then GCS composes the two server-side."""
+    try:
+        if not remote(path):
+            with open(path, 'a') as f:
+                f.write(text)
+            return
+        part = f'{path}.part'
+        gcs().pipe_file(part, text.encode())
+        gcs().merge(path, [path, part])
+        gcs().rm_file(part)
+    except STORAGE_ERRORS as e:
+        raise WriteError(f'{path}: cannot write ({storage_reason(e)}); the checkpoints written are intact') from None
+
+
+def set_aside(path, tag):
+    """Renames path to path.TAG-TIME (never deletes it); returns the new name."""
+    new = f'{path}.{tag}-{time.strftime("%Y%m%d-%H%M%S")}'
+    stored(path).rename(stored(new))
+    return new
+
+
+def check_credentials(cfg):
+    """gs:// paths need Google credentials: ask for them once, up front, instead of a 401 from a background write
+    (gcsfs would fall back to anonymous access silently). An emulator (STORAGE_EMULATOR_HOST) needs none."""
+    used = [key for key in PATH_KEYS if remote(getattr(cfg, key))]
+    if not used or os.environ.get('STORAGE_EMULATOR_HOST'):
+        return
+    import google.auth
+    try:
+        google.auth.default()
+    except auth_exceptions.DefaultCredentialsError as e:
+        raise WriteError(f'{used[0]}={getattr(cfg, used[0])}: no Google credentials found ({storage_reason(e)}); on '
+                         'a Cloud TPU VM the VM\'s service account is used, elsewhere run `gcloud auth '
+                         'application-default login` or set GOOGLE_APPLICATION_CREDENTIALS') from None
+
+
+PATH_KEYS = ('output_dir', 'load_params', 'load_hf', 'export_dir', 'dataset_path', 'eval_path', 'tokenizer_path',
+             'data_dir', 'hf_data_files', 'compile_cache_dir')
+
+
+class BucketLease:
+    """One owner per gs:// run directory. GCS has no file locks, but it creates an object only if absent
+    (ifGenerationMatch=0): RUN_DIR/.lock is made that way and names its holder and a lease expiry, which the live
+    run renews every LEASE_SECONDS / 3 (rewriting it conditional on the generation it last wrote). A killed run
+    stops renewing: once its lease has run out, or at once on the same host when its process is gone, the next
+    run takes the lock over, again conditional on the generation it read, so two newcomers cannot both win."""
+    LEASE_SECONDS = 60
+
+    def __init__(self, path):
+        self.path, self.host, self.lost = path, socket.gethostname(), None
+        self.holder = f'process {os.getpid()} on {self.host} since {time.strftime("%Y-%m-%d %H:%M:%S")}'
+        self.stop = threading.Event()
+
+    def acquire(self):
+        """'' once held, else who holds it."""
+        try:
+            self.generation = self.put(0)
+        except FileExistsError:
+            old, generation = json.loads(gcs().cat_file(self.path)), gcs().info(self.path)['generation']
+            if old['until'] > time.time() and not (old['host'] == self.host and not pid_alive(old['pid'])):
+                return old['holder']
+            self.generation = self.put(generation)  # a stale lease: FileExistsError if another run just took it
+            log(f'took over the lock of {old["holder"]} (its lease ran out or its process is gone)')
+        threading.Thread(target=self.renew, daemon=True).start()
+        return ''
+
+    def put(self, if_generation):
+        """Writes the lease object only if its generation is still `if_generation` (0: absent); the new one."""
+        body = json.dumps({'holder': self.holder, 'pid': os.getpid(), 'host': self.host,
+                           'until': time.time() + self.LEASE_SECONDS}).encode()
+        bucket, key = self.path.removeprefix('gs://').split('/', 1)
+        multipart = (b'--==0==\nContent-Type: application/json\n\n' + json.dumps({'name': key}).encode() +
+                     b'\n--==0==\nContent-Type: application/json\n\n' + body + b'\n--==0==--')
+        out = gcs().call('POST', f'{gcs()._location}/upload/storage/v1/b/{bucket}/o', uploadType='multipart',
+                         ifGenerationMatch=str(if_generation), data=multipart, json_out=True,
+                         headers={'Content-Type': 'multipart/related; boundary="==0=="'})
+        return out['generation']
+
+    def renew(self):
+        while not self.stop.wait(self.LEASE_SECONDS / 3):
+            try:
+                self.generation = self.put(self.generation)
+            except Exception as e:  # taken over (FileExistsError) or the bucket unreachable
+                self.lost = storage_reason(e)
+                log(f'WARNING: {self.path}: could not renew this run\'s lease on its directory ({self.lost})')
+                return
+
+    def close(self):
+        """Ends the lease: deleted, waiting a few seconds at most (a bucket gone away would keep gcsfs retrying for
+        half a minute; the lease then just runs out)."""
+        self.stop.set()
+        if not self.lost:
+            done = threading.Thread(target=lambda: gcs().rm_file(self.path), daemon=True)
+            done.start()
+            done.join(5)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+# ==================================================================================================
 # Checkpoints (orbax): async, sharded, atomic. A step directory appears only once complete, so a crash
 # or kill -9 mid-write leaves nothing that resume would pick up.
 # ==================================================================================================
@@ -581,7 +735,7 @@ def checkpoints(directory, cfg, read_only=False):
                                         cleanup_tmp_directories=not read_only, read_only=read_only,
                                         enable_async_checkpointing=True,
                                         async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
-    mngr = ocp.CheckpointManager(os.path.abspath(directory), options=opts,
+    mngr = ocp.CheckpointManager(stored(directory), options=opts,
                                  item_handlers={'train_state': ocp.PyTreeCheckpointHandler(),
                                                 'data_state': ocp.StandardCheckpointHandler()})
     try:
@@ -705,12 +859,9 @@ def restore_checkpoint(mngr, abstract, cfg, steps=None, part=None, move_aside=Fa
             log(f'WARNING: checkpoint {mngr.directory}/{step} is damaged ({e}); trying the one before it')
             continue
         if move_aside and damaged:
-            stamp = time.strftime('%Y%m%d-%H%M%S')
             if jax.process_index() == 0:
-                for bad in damaged:
-                    where = os.path.join(mngr.directory, str(bad))
-                    os.rename(where, f'{where}.damaged-{stamp}')
-                log(f'moved the damaged step(s) {", ".join(map(str, damaged))} aside to STEP.damaged-{stamp}')
+                moved = [set_aside(os.path.join(mngr.directory, str(bad)), 'damaged') for bad in damaged]
+                log(f'moved the damaged step(s) aside: {", ".join(moved)}')
             multihost_utils.sync_global_devices('damaged checkpoints moved aside')
             mngr.reload()
         return step, state, data_state
@@ -722,9 +873,8 @@ def config_changes(run_dir, cfg):
     flat = lambda d, p='': dict(kv for k, v in d.items() for kv in (flat(v, f'{p}{k}.').items() if isinstance(v, dict)
                                                                     else [(f'{p}{k}', v)]))
     try:
-        with open(os.path.join(run_dir, 'config.yml')) as f:
-            old = flat(yaml.safe_load(f))
-    except (OSError, yaml.YAMLError, AttributeError):  # none, or not the mapping a run writes
+        old = flat(yaml.safe_load(stored(os.path.join(run_dir, 'config.yml')).read_text()))
+    except (*STORAGE_ERRORS, yaml.YAMLError, AttributeError):  # none, or not the mapping a run writes
         return []
     new = flat(cfg.model_dump(mode='json'))
     return [f'{k} ({old[k]} -> {new[k]})' for k in new if k in old and old[k] != new[k]]
@@ -734,11 +884,12 @@ def checkpoint_steps(path):
     """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
     (the checkpoints directory, the steps found there)."""
     path = path.rstrip('/')
-    if os.path.isdir(os.path.join(path, 'checkpoints')):
+    if stored(os.path.join(path, 'checkpoints')).is_dir():
         path = os.path.join(path, 'checkpoints')
-    if os.path.basename(path).isdigit() and os.path.isdir(path):
+    if os.path.basename(path).isdigit() and stored(path).is_dir():
         return os.path.dirname(path), [int(os.path.basename(path))]
-    return path, sorted(int(d) for d in (os.listdir(path) if os.path.isdir(path) else []) if d.isdigit())
+    found = stored(path).iterdir() if stored(path).is_dir() else []
+    return path, sorted(int(d.name) for d in found if d.name.isdigit())
 
 
 def load_params(path, abstract, cfg, part='params'):
@@ -837,36 +988,51 @@ def short_line(m, steps):
 
 class MetricsWriter:
     """One row of metrics to stdout, and on process 0 to metrics.jsonl, TensorBoard event files (tensorboardX
-    writes them without TensorFlow: tensorboard --logdir RUN_DIR) and Weights & Biases (wandb_project). A
-    resumed run first drops the rows past its checkpoint, so every step appears once; W&B's history cannot
-    drop rows, so it gets a row once a checkpoint holds its step."""
+    writes them without TensorFlow: tensorboard --logdir RUN_DIR) and Weights & Biases (wandb_project).
+    Rows reach the run directory at flush(): after every row on a local disk, before each checkpoint on a bucket
+    (each flush uploads only its new rows: metrics.jsonl grows by compose, TensorBoard gets one event file per
+    flush, named by its steps). A resumed run first drops the rows past its checkpoint, so every step appears
+    once; W&B's history cannot drop rows, so it gets a row once a checkpoint holds its step."""
 
     def __init__(self, cfg, run_dir, start_step):
-        self.main, self.path = jax.process_index() == 0, os.path.join(run_dir, 'metrics.jsonl')
-        self.wandb, self.unsent = open_wandb(cfg, run_dir) if self.main and cfg.wandb_project else None, []
-        if self.main and start_step and os.path.exists(self.path):
-            with open(self.path) as f:
-                lines = f.read().splitlines(keepends=True)
-            if lines and not lines[-1].endswith('\n'):  # a run killed while writing its last row
-                log(f'WARNING: {self.path}: dropped its last line, written only in part: {lines.pop()[:60]!r}')
-            with open(self.path, 'w') as f:
-                f.writelines(r for r in lines if json.loads(r)['step'] <= start_step)
-        self.file = open(self.path, 'a' if start_step else 'w') if self.main else None
-        self.tb = SummaryWriter(run_dir) if self.main else None
+        self.main, self.run_dir, self.path = jax.process_index() == 0, run_dir, os.path.join(run_dir, 'metrics.jsonl')
+        self.wandb, self.unsent, self.rows = open_wandb(cfg, run_dir) if self.main and cfg.wandb_project else None, [], []
+        self.tb = None
+        if self.main:
+            write(self.path, ''.join(kept_rows(self.path, start_step)) if start_step else '')
+            self.tb_dir = tempfile.mkdtemp(prefix='tensorboard-') if remote(run_dir) else run_dir
+            for f in stored(run_dir).glob('events.out.tfevents.steps-*') if remote(run_dir) else ():
+                if int(f.name.split('-')[1]) > start_step:  # written past the checkpoint resumed from
+                    f.unlink()
+            self.tb = SummaryWriter(self.tb_dir)
 
     def write(self, m, steps):
         log(short_line(m, steps))
         if self.main:
-            try:
-                self.file.write(json.dumps(m) + '\n')
-                self.file.flush()
-            except OSError as e:
-                raise WriteError(f'{self.path}: cannot write ({e.strerror}); the checkpoints written are intact') from None
             for k, v in m.items():
                 if k != 'step' and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, m['step'])
-            self.tb.flush()
+            self.rows.append(m)
             self.unsent.append(m)
+            if not remote(self.run_dir):
+                self.flush()
+
+    def flush(self):
+        """The rows since the last flush into the run directory."""
+        rows, self.rows = self.rows, []  # taken first: rows a failed write could not land are not tried again
+        if not (self.main and rows):
+            return
+        append(self.path, ''.join(json.dumps(m) + '\n' for m in rows))
+        if remote(self.run_dir):  # a closed event file goes up once, whole; the next rows start a new one
+            self.tb.close()
+            name = f'events.out.tfevents.steps-{rows[0]["step"]:010d}-{rows[-1]["step"]:010d}'
+            for f in glob.glob(os.path.join(self.tb_dir, 'events.out.tfevents.*')):
+                with open(f, 'rb') as local:
+                    write(os.path.join(self.run_dir, name), local.read())
+                os.remove(f)
+            self.tb = SummaryWriter(self.tb_dir)
+        else:
+            self.tb.flush()
 
     def checkpointed(self, step):
         """A checkpoint holds `step`: the rows up to it go to W&B (a resume starts after them)."""
@@ -876,23 +1042,36 @@ class MetricsWriter:
 
     def close(self):
         if self.main:
-            self.file.close()
+            self.flush()
             self.tb.close()
             if self.wandb:
                 self.wandb.finish()
 
 
+def kept_rows(path, step):
+    """The rows of a metrics.jsonl up to `step`; a last row written only in part (a kill mid-write) is dropped."""
+    try:
+        lines = stored(path).read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
+    if lines and not lines[-1].endswith('\n'):
+        log(f'WARNING: {path}: dropped its last line, written only in part: {lines.pop()[:60]!r}')
+    return [r for r in lines if json.loads(r)['step'] <= step]
+
+
 def open_wandb(cfg, run_dir):
     """The run's W&B run, the same one across resumes (its id is kept in RUN_DIR/wandb_id), with the resolved
-    config. WANDB_MODE=offline writes it under RUN_DIR/wandb for `wandb sync` later."""
+    config. WANDB_MODE=offline writes it under RUN_DIR/wandb for `wandb sync` later (a bucket's run: under the
+    system's temporary directory, since wandb writes only to a local disk)."""
     import wandb
     path = os.path.join(run_dir, 'wandb_id')
-    run_id = open(path).read().strip() if os.path.exists(path) else os.urandom(6).hex()
-    with open(path, 'w') as f:
-        f.write(run_id + '\n')
+    run_id = stored(path).read_text().strip() if stored(path).exists() else os.urandom(6).hex()
+    write(path, run_id + '\n')
+    local = os.path.join(tempfile.gettempdir(), 'wandb', cfg.run_name) if remote(run_dir) else run_dir
+    os.makedirs(local, exist_ok=True)
     try:
         return wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity or None, id=run_id, resume='allow',
-                          name=cfg.run_name, dir=run_dir, config=cfg.model_dump(mode='json'),
+                          name=cfg.run_name, dir=local, config=cfg.model_dump(mode='json'),
                           settings=wandb.Settings(silent=True, console='off'))
     except Exception as e:  # not logged in, no network, a project the entity cannot write to
         raise ConfigError(f'wandb_project={cfg.wandb_project}: W&B refused the run ({first_line(e)}): log in with '
@@ -1057,6 +1236,7 @@ def train_loop(cfg, state, feed, steps, mngr, book, run_dir):
             preempted = caught or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
                 book.drain(0)  # a checkpoint holds only checked steps
+                book.writer.flush()  # before the save: a resume drops rows past the checkpoint, never misses one
                 save_checkpoint(mngr, step, state, book.it)  # async: training goes on while it writes
                 book.saved = step
                 book.writer.checkpointed(step)
@@ -1070,12 +1250,17 @@ def train_loop(cfg, state, feed, steps, mngr, book, run_dir):
 def profile(cfg, book, step, run_dir):
     """profile_steps=a,b: a jax.profiler trace of steps a..b (1-based) into RUN_DIR/profile; called with the
     steps done so far, before each dispatch and after the last."""
+    local = os.path.join(tempfile.gettempdir(), 'profile', cfg.run_name) if remote(run_dir) else run_dir
     if step + 1 == cfg.profile_steps[0]:
         book.drain(0)
-        jax.profiler.start_trace(os.path.join(run_dir, 'profile'))
+        jax.profiler.start_trace(os.path.join(local, 'profile'))
     if step == cfg.profile_steps[1] and step:
         book.drain(0)
         jax.profiler.stop_trace()
+        for f in glob.glob(os.path.join(local, 'profile', '**', '*'), recursive=True) if local != run_dir else ():
+            if os.path.isfile(f):  # the profiler writes local files only: copied up to the bucket's run directory
+                with open(f, 'rb') as trace:
+                    write(os.path.join(run_dir, os.path.relpath(f, local)), trace.read())
         log(f'profile of steps {cfg.profile_steps[0]}-{step}: {run_dir}/profile')
 
 
@@ -1125,9 +1310,7 @@ def eval_mode(cfg, task, steps, state, run_dir):
     printed as one JSON line and written to eval.json (and any answers the task writes beside it)."""
     n_batches = None if task.eval_all else cfg.eval_batches
     result = {'step': int(state['step']), **steps.evaluate(state, n_batches, save_to=run_dir)}
-    if jax.process_index() == 0:
-        with open(os.path.join(run_dir, 'eval.json'), 'w') as f:
-            json.dump(result, f)
+    write(os.path.join(run_dir, 'eval.json'), json.dumps(result))
     log(json.dumps(result))
     return result
 
@@ -1136,9 +1319,7 @@ def generate_mode(cfg, task, graph, params, ds, run_dir, rows):
     """mode=generate: the task's generation from prompt=, printed and written to RUN_DIR/generation.txt."""
     summary, shown, text = task.generate(cfg, graph, params, ds, rows)
     log(shown)
-    if jax.process_index() == 0:
-        with open(os.path.join(run_dir, 'generation.txt'), 'w', newline='') as f:
-            f.write(text)
+    write(os.path.join(run_dir, 'generation.txt'), text)
     return {**summary, 'run_dir': run_dir}
 
 
@@ -1146,18 +1327,18 @@ def export_hf(cfg, params, ds, out_dir):
     """mode=export: config.json, model.safetensors (weight dtype), tokenizer.model (+ tokenizer_config.json)."""
     tensors, conf = model_lib.to_hf(cfg, multihost_utils.process_allgather(params, tiled=True))  # whole arrays
     bos, eos = (ds.bos_id, ds.eos_id) if ds.tokenizer else (None, None)
-    if jax.process_index() == 0:
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-            # transformers wants the metadata format=pt.
-            safetensors.numpy.save_file(tensors, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
-            with open(os.path.join(out_dir, 'config.json'), 'w') as f:
-                json.dump({**conf, 'bos_token_id': bos, 'eos_token_id': eos}, f, indent=2)
-            if ds.tokenizer:
-                ds.save_tokenizer(out_dir)
-        except OSError as e:
-            raise ConfigError(f'export_dir={out_dir}: cannot write there ({e.strerror}); choose a writable '
-                              'directory') from None
+    try:
+        if jax.process_index() == 0:
+            stored(out_dir).mkdir(parents=True, exist_ok=True)
+        # transformers wants the metadata format=pt.
+        write(os.path.join(out_dir, 'model.safetensors'), safetensors.numpy.save(tensors, metadata={'format': 'pt'}))
+        write(os.path.join(out_dir, 'config.json'), json.dumps({**conf, 'bos_token_id': bos, 'eos_token_id': eos},
+                                                               indent=2))
+        for name, content in (ds.tokenizer_files() if ds.tokenizer else {}).items():
+            write(os.path.join(out_dir, name), content)
+    except (WriteError, *STORAGE_ERRORS) as e:
+        raise ConfigError(f'export_dir={out_dir}: cannot write there ({e if isinstance(e, WriteError) else storage_reason(e)});'
+                          ' choose a writable directory') from None
     log(f'exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face Llama checkpoint to {out_dir}'
         + ('' if ds.tokenizer else ' (no tokenizer: dataset=synthetic has none)'))
     return tensors
@@ -1166,13 +1347,12 @@ def export_hf(cfg, params, ds, out_dir):
 def load_hf(path, abstract_params, cfg):
     """load_hf=DIR: a Hugging Face Llama checkpoint -> our params in the run's shardings (fine-tuning)."""
     try:
-        with open(os.path.join(path, 'config.json')) as f:
-            conf = json.load(f)
-        tensors = safetensors.numpy.load_file(os.path.join(path, 'model.safetensors'))
+        conf = json.loads(stored(os.path.join(path, 'config.json')).read_text())
+        tensors = safetensors.numpy.load(stored(os.path.join(path, 'model.safetensors')).read_bytes())
         params = model_lib.from_hf(cfg, tensors, conf)
-    except OSError as e:
-        raise ConfigError(f'load_hf={path}: cannot read {e.filename} ({e.strerror}); give a directory with '
-                          'config.json and one model.safetensors') from None
+    except STORAGE_ERRORS as e:
+        raise ConfigError(f'load_hf={path}: cannot read {getattr(e, "filename", None) or path} ({storage_reason(e)}); '
+                          'give a directory with config.json and one model.safetensors') from None
     except (safetensors.SafetensorError, json.JSONDecodeError, TypeError, ZeroDivisionError) as e:
         raise ConfigError(f'load_hf={path}: config.json or model.safetensors is damaged ({str(e)[:200]})') from None
     except ValueError as e:  # the checkpoint and the config disagree
@@ -1342,28 +1522,33 @@ def fit_advice(cfg, mesh):
 # ==================================================================================================
 @contextlib.contextmanager
 def run_directory(cfg):
-    """output_dir/run_name for the block: made, checked writable, and in mode=train owned by this run (one
-    run trains in a run directory at a time). resume=false moves an earlier run's checkpoints and metrics
-    aside (renamed, never deleted) so the new run starts clean."""
-    run_dir, lock = os.path.join(cfg.output_dir, cfg.run_name), None
-    checkpoints_dir = os.path.join(run_dir, 'checkpoints')
+    """output_dir/run_name (a local path or gs://) for the block: made, checked writable, and in mode=train owned
+    by this run (one run trains in a run directory at a time). resume=false moves an earlier run's checkpoints
+    and metrics aside (renamed, never deleted) so the new run starts clean."""
+    run_dir = os.path.join(cfg.output_dir, cfg.run_name)
+    checkpoints_dir, bucket = os.path.join(run_dir, 'checkpoints'), '/'.join(run_dir.split('/')[:3])  # gs://NAME
     try:
-        os.makedirs(run_dir, exist_ok=True)
+        if remote(run_dir) and not stored(bucket).exists():  # gcsfs would create the bucket a typo names
+            raise WriteError(f'output_dir={cfg.output_dir}: bucket {bucket} does not exist or these credentials '
+                             f'cannot see it; create it (gcloud storage buckets create {bucket}) or fix output_dir')
+        stored(run_dir).mkdir(parents=True, exist_ok=True)
+        lock = own(run_dir) if cfg.mode == 'train' else None
         if cfg.mode == 'train':
-            lock = own(run_dir)
             if not cfg.resume and jax.process_index() == 0:
-                stamp = time.strftime('%Y%m%d-%H%M%S')
                 for name in ('checkpoints', 'metrics.jsonl'):
-                    if os.path.exists(os.path.join(run_dir, name)):
-                        os.rename(os.path.join(run_dir, name), os.path.join(run_dir, f'{name}.replaced-{stamp}'))
-                        log(f'resume=false: moved the earlier {name} aside to {name}.replaced-{stamp}')
-            if os.path.exists(checkpoints_dir) and not os.path.isdir(checkpoints_dir):
+                    if stored(os.path.join(run_dir, name)).exists():
+                        moved = set_aside(os.path.join(run_dir, name), 'replaced')
+                        log(f'resume=false: moved the earlier {name} aside to {os.path.basename(moved)}')
+            if stored(checkpoints_dir).is_file():
                 raise ConfigError(f'{checkpoints_dir} is a file, where the run keeps its checkpoints: move it away')
-            os.makedirs(checkpoints_dir, exist_ok=True)
-            tempfile.TemporaryFile(dir=checkpoints_dir).close()  # writable, now rather than at the first save
-    except OSError as e:
-        raise ConfigError(f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({e.strerror}); '
-                          'choose a writable output_dir') from None
+            stored(checkpoints_dir).mkdir(parents=True, exist_ok=True)
+            probe = stored(checkpoints_dir) / f'.writable-{os.getpid()}'  # now rather than at the first save
+            probe.write_text('')
+            probe.unlink()
+    except STORAGE_ERRORS as e:  # a local directory refusing is the user's to fix; a bucket refusing, a fault
+        raise (WriteError if remote(run_dir) else ConfigError)(
+            f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable '
+            'output_dir') from None
     try:
         yield run_dir
     finally:
@@ -1372,38 +1557,36 @@ def run_directory(cfg):
 
 
 def own(run_dir):
-    """RUN_DIR/.lock, locked (flock) by process 0 for the whole run, with who holds it written inside. The
-    kernel drops the lock when the process ends, however it ends, so a killed run leaves none behind; a
-    second run on the directory finds it held and stops, every process of it."""
-    f, holder = None, ''
-    if jax.process_index() == 0:
-        f = open(os.path.join(run_dir, '.lock'), 'a+')
+    """Process 0 takes the run directory's lock for the whole run: on a disk RUN_DIR/.lock, locked with flock
+    (the kernel drops it when the process ends, however it ends), with its holder written inside; in a bucket a
+    BucketLease. A second run on the directory finds it held and stops, every process of it."""
+    lock, holder = None, ''
+    if jax.process_index() == 0 and remote(run_dir):
+        lock = BucketLease(os.path.join(run_dir, '.lock'))
+        holder = lock.acquire()
+    elif jax.process_index() == 0:
+        lock = open(os.path.join(run_dir, '.lock'), 'a+')
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            f.truncate(0)
-            f.write(f'process {os.getpid()} on {socket.gethostname()} since {time.strftime("%Y-%m-%d %H:%M:%S")}\n')
-            f.flush()
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock.truncate(0)
+            lock.write(f'process {os.getpid()} on {socket.gethostname()} since {time.strftime("%Y-%m-%d %H:%M:%S")}\n')
+            lock.flush()
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or 'another process'
-            f.close()
-            f = None
+            lock.seek(0)
+            holder = lock.read().strip() or 'another process'
     if not multihost_utils.broadcast_one_to_all(np.int32(not holder)):
+        if lock and not remote(run_dir):
+            lock.close()
         raise ConfigError(f'{run_dir} is in use by {holder or "another run (see process 0)"}: wait for that run to '
                           'end, or choose another run_name')
-    return f
+    return lock
 
 
 def write_config(cfg, run_dir, derived):
     """The resolved config, the derived figures as a comment on top (config.MODE.yml for the other modes,
     so the training record stays)."""
     name = 'config.yml' if cfg.mode == 'train' else f'config.{cfg.mode}.yml'
-    if jax.process_index() == 0:
-        try:
-            with open(os.path.join(run_dir, name), 'w') as f:
-                f.write(f'# {derived}\n' + yaml.safe_dump(cfg.model_dump(mode='json'), sort_keys=False))
-        except OSError as e:
-            raise WriteError(f'{run_dir}/{name}: cannot write it ({e.strerror})') from None
+    write(os.path.join(run_dir, name), f'# {derived}\n' + yaml.safe_dump(cfg.model_dump(mode='json'), sort_keys=False))
 
 
 def describe(cfg, devices, mesh, rows):
@@ -1424,7 +1607,7 @@ def run(cfg, devices=None):
     task = model_lib.TASKS[cfg.task]  # what is trained: the one place train.py asks
     check(cfg, task)
     if cfg.compile_cache_dir:  # before the first compile; every program is cached, however quick to compile
-        jax.config.update('jax_compilation_cache_dir', os.path.abspath(cfg.compile_cache_dir))
+        jax.config.update('jax_compilation_cache_dir', str(stored(cfg.compile_cache_dir)))
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
     devices = tpu_slice(cfg) if cfg.compile_topology else devices or pick_devices(cfg)
     cfg = resolve(cfg, task, devices[0].platform, devices[0].device_kind)
@@ -1497,6 +1680,11 @@ def main(argv):
         start_platforms()
         init_distributed()
         return DOES_NOT_FIT if run(cfg).get('fits') is False else 0
+    except STORAGE_ERRORS as e:  # a disk or bucket failing where no message above names the key: still one line
+        where = f' at {e.filename}' if getattr(e, 'filename', None) else ''
+        print(f'error: storage failed{where}: {storage_reason(e)}; checkpoints already committed are intact',
+              file=sys.stderr)
+        return 74
     except (ConfigError, data.DataError, FloatingPointError, WriteError, Preempted) as e:  # one line, no traceback
         print(f'{"stopped" if isinstance(e, Preempted) else "error"}: {e}', file=sys.stderr)
         # 3: the loss went non-finite; 74 (EX_IOERR): the run directory refused a write; 75 (EX_TEMPFAIL):
@@ -1511,6 +1699,8 @@ def quiet_libraries():
     its abandoned coroutine or into a closed event loop; a refused write leaves orbax's write coroutines
     unawaited, which Python reports at exit."""
     logging.getLogger('absl').setLevel(logging.CRITICAL)  # orbax logs a failed save it raises to us as well
+    for name in ('gcsfs', 'fsspec', 'google.auth'):  # their retries and credential fallbacks: we say it once
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     warnings.filterwarnings('ignore', r"coroutine '.*' was never awaited", RuntimeWarning)
     logging.getLogger('asyncio').setLevel(logging.CRITICAL)
     hook = sys.unraisablehook

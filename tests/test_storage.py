@@ -1,0 +1,247 @@
+"""Runs that live in a bucket: output_dir=gs://... and inputs from gs://, against a real GCS emulator (the Go
+fake-gcs-server, conftest's `gcs` fixture): exact resume after kill -9, two processes that share nothing but the
+bucket, one owner per run directory, faults in one line, and every input and output path of every mode."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import fsspec
+import numpy as np
+import pytest
+
+import train
+from conftest import BASE, HF, LM, ROOT, SUDOKU, TEXT, args, write_corpus, write_parquet
+
+# A run slow enough to be interrupted at a chosen checkpoint: each step sleeps 0.15 s first (the math is untouched);
+# with GATE set, step 5 waits until that file exists.
+SLOW = """
+import os, sys, time
+import train
+next_batch = train.next_batch
+def slow(cfg, feed, it, step):
+    time.sleep(0.15)
+    while step == 4 and os.environ.get('GATE') and not os.path.exists(os.environ['GATE']):
+        time.sleep(0.05)
+    return next_batch(cfg, feed, it, step)
+train.next_batch = slow
+sys.exit(train.main(['train.py', *sys.argv[1:]]))
+"""
+RUN = ['steps=12', 'checkpoint_every=4', 'keep_checkpoints=0', 'per_device_batch=2', 'grad_accum=2']
+
+
+def gs():
+    return fsspec.filesystem('gs')
+
+
+def launch(argv, env, cwd=ROOT, slow=True):
+    cmd = [sys.executable, '-c', SLOW, BASE, *argv] if slow else [sys.executable, f'{ROOT}/train.py', BASE, *argv]
+    return subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**env, 'PYTHONPATH': ROOT})
+
+
+def finish(p, timeout=300):
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def wait_for(path, process, timeout=240):
+    """Until `path` exists in the bucket (a checkpoint's commit marker); False if the process ended first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        gs().invalidate_cache()
+        if gs().exists(path):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def bucket_rows(run_dir):
+    """metrics.jsonl of a run in the bucket, checked to hold one row per step, in order."""
+    gs().invalidate_cache()
+    rows = [json.loads(line) for line in gs().cat_file(f'{run_dir}/metrics.jsonl').decode().splitlines()]
+    assert [r['step'] for r in rows] == list(range(1, len(rows) + 1)), [r['step'] for r in rows]
+    return rows
+
+
+def event_steps(run_dir, tmp_path):
+    """The steps of the `loss` scalars in the run's TensorBoard event files, read back by TensorBoard's reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    local = tmp_path / 'events'
+    local.mkdir(exist_ok=True)
+    for f in gs().glob(f'{run_dir}/events.out.tfevents.*'):
+        (local / os.path.basename(f)).write_bytes(gs().cat_file(f))
+    acc = EventAccumulator(str(local))
+    acc.Reload()
+    return [e.step for e in acc.Scalars('loss')]
+
+
+def test_run_in_a_bucket_has_one_owner_and_resumes_exactly_after_kill_9(gcs, tmp_path):
+    """output_dir=gs://...: the same command started beside a live run stops in one line naming the holder; kill -9
+    once checkpoint 8 is committed, rerun: the losses equal an uninterrupted run's in the same bucket layout,
+    metrics.jsonl and TensorBoard hold every step once, config.yml is there; the compile cache fills in the bucket."""
+    bucket = gcs.bucket()
+    ref = launch(args(tmp_path, *RUN, f'output_dir={bucket}/ref', f'compile_cache_dir={bucket}/xla'), gcs.env, slow=False)
+    run = launch(args(tmp_path, *RUN, f'output_dir={bucket}/cut'), {**gcs.env, 'GATE': str(tmp_path / 'go')})
+    assert wait_for(f'{bucket}/cut/default/checkpoints/4/commit_success.txt', run), finish(run)[2][-3000:]
+    code, _, err = finish(launch(args(tmp_path, *RUN, f'output_dir={bucket}/cut'), gcs.env, slow=False))
+    (tmp_path / 'go').touch()
+    assert code == 2 and said(err).count('\n') == 1, err[-2000:]  # the same command again: one owner
+    assert said(err).startswith(f'error: {bucket}/cut/default is in use by process {run.pid} on '), err
+    assert wait_for(f'{bucket}/cut/default/checkpoints/8/commit_success.txt', run), finish(run)[2][-3000:]
+    run.send_signal(signal.SIGKILL)
+    assert finish(run)[0] == -signal.SIGKILL
+    code, out, err = finish(ref)
+    assert code == 0, err[-3000:]
+    code, out, err = finish(launch(args(tmp_path, *RUN, f'output_dir={bucket}/cut'), gcs.env, slow=False))
+    assert code == 0 and 'resuming from checkpoint' in out, err[-3000:]
+    assert f'took over the lock of process {run.pid} on ' in out  # its process is gone: no wait for the lease
+    want, got = bucket_rows(f'{bucket}/ref/default'), bucket_rows(f'{bucket}/cut/default')
+    assert len(got) == 12 and np.max(np.abs(np.subtract([r['loss'] for r in want], [r['loss'] for r in got]))) == 0
+    assert event_steps(f'{bucket}/cut/default', tmp_path) == list(range(1, 13))
+    assert gs().exists(f'{bucket}/cut/default/config.yml') and gs().find(f'{bucket}/xla')  # the compile cache too
+
+
+def test_two_processes_sharing_only_the_bucket_train_like_one(gcs, tmp_path):
+    """Two processes as two hosts: separate working directories and caches, no shared local path, output_dir on the
+    emulator. kill -9 both after checkpoint 4, rerun both: losses equal a one-process run's on the same layout."""
+    bucket = gcs.bucket()
+    keys = [*RUN, 'mesh=2,-1,1', 'per_device_batch=1', 'prefetch=1']
+    hosts = [tmp_path / f'host{i}' for i in range(2)]
+    for h in hosts:
+        h.mkdir()
+
+    def pair(slow):
+        port = free_port()
+        return [launch(args(h, *keys, f'output_dir={bucket}/two'), {
+            **gcs.env, 'JAX_NUM_CPU_DEVICES': '2', 'JAX_COORDINATOR_ADDRESS': f'127.0.0.1:{port}',
+            'JAX_PROCESS_COUNT': '2', 'JAX_PROCESS_INDEX': str(i)}, cwd=h, slow=slow) for i, h in enumerate(hosts)]
+    one = launch(args(tmp_path, *keys, f'output_dir={bucket}/one'), {**gcs.env, 'JAX_NUM_CPU_DEVICES': '4'}, slow=False)
+    procs = pair(slow=True)
+    try:
+        assert wait_for(f'{bucket}/two/default/checkpoints/4/commit_success.txt', procs[0]), finish(procs[0])[2][-3000:]
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+        [finish(p) for p in procs]
+        procs = pair(slow=False)
+        results = [finish(p) for p in procs + [one]]
+    finally:
+        for p in procs + [one]:
+            p.kill()
+    assert [r[0] for r in results] == [0, 0, 0], [r[2][-2000:] for r in results]
+    assert 'resuming from checkpoint' in results[0][1]
+    assert not any(os.listdir(h / 'default') if (h / 'default').exists() else [] for h in hosts)  # nothing local
+    want, got = bucket_rows(f'{bucket}/one/default'), bucket_rows(f'{bucket}/two/default')
+    assert len(got) == 12
+    assert np.max(np.abs(np.subtract([r['loss'] for r in want], [r['loss'] for r in got]))) < 1e-5
+
+
+def said(err):
+    """stderr less tensorstore's note that it uses the emulator's dummy token (GOOGLE_AUTH_TOKEN_FOR_TESTING, a test
+    setting: no real run has it)."""
+    return ''.join(line for line in err.splitlines(keepends=True) if 'GOOGLE_AUTH_TOKEN_FOR_TESTING' not in line)
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def test_bucket_lease_expires_and_is_taken_over_once(gcs):
+    """The lock object of a run on another host: refused while its lease runs, taken over once it has run out
+    (conditionally: a second newcomer loses); on this host a holder whose process is gone is taken over at once."""
+    bucket = gcs.bucket()
+    path = f'{bucket}/run/.lock'
+    other = {'holder': 'process 7 on elsewhere since then', 'pid': 7, 'host': 'elsewhere', 'until': time.time() + 60}
+    gs().pipe_file(path, json.dumps(other).encode())
+    assert train.BucketLease(path).acquire() == other['holder']
+    gs().pipe_file(path, json.dumps({**other, 'until': time.time() - 1}).encode())
+    stale = gs().info(path)['generation']
+    winner = train.BucketLease(path)
+    assert winner.acquire() == ''
+    with pytest.raises(FileExistsError):  # a second newcomer that read the same stale lease: its takeover fails
+        train.BucketLease(path).put(stale)
+    assert train.BucketLease(path).acquire().startswith(f'process {os.getpid()} on ')  # the winner holds it
+    assert json.loads(gs().cat_file(path))['pid'] == os.getpid()
+    winner.close()
+    assert not gs().exists(path)
+    dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
+    gs().pipe_file(path, json.dumps({**other, 'pid': int(dead.stdout), 'host': train.socket.gethostname()}).encode())
+    assert train.BucketLease(path).acquire() == ''
+
+
+def test_missing_bucket_and_missing_credentials_are_one_line(gcs, tmp_path):
+    """Exit 74 and one line, before anything trains; gcsfs would otherwise create the bucket a typo names."""
+    code, _, err = finish(launch(args(tmp_path, 'steps=2', 'output_dir=gs://no-such-bucket/runs'), gcs.env, slow=False))
+    assert code == 74 and err.count('\n') == 1 and 'bucket gs://no-such-bucket does not exist' in err, err
+    assert not gs().exists('no-such-bucket')
+    env = {k: v for k, v in gcs.env.items() if k not in ('STORAGE_EMULATOR_HOST', 'TENSORSTORE_GCS_HTTP_URL')}
+    env['GOOGLE_APPLICATION_CREDENTIALS'] = str(tmp_path / 'no-key.json')
+    code, out, err = finish(launch(args(tmp_path, 'steps=2', 'output_dir=gs://any/runs'), env, slow=False))
+    assert code == 74 and err.count('\n') == 1 and 'no Google credentials found' in err, err
+    assert 'gcloud auth application-default login' in err
+
+
+def test_storage_going_away_mid_run_ends_in_one_line_and_keeps_checkpoints(gcs, tmp_path):
+    """The emulator stops after checkpoint 4: bounded retries, one line, exit 74, no traceback; once it is back,
+    checkpoint 4 is intact and the run resumes from it to the end."""
+    bucket = gcs.bucket()
+    run = launch(args(tmp_path, *RUN, f'output_dir={bucket}/runs'), gcs.env)
+    try:
+        assert wait_for(f'{bucket}/runs/default/checkpoints/4/commit_success.txt', run)
+        gcs.stop()
+        t0 = time.time()
+        code, _, err = finish(run, timeout=240)
+        took = time.time() - t0
+    finally:
+        run.kill()
+        if gcs.process.poll() is not None:
+            gcs.start()
+    err = said(err)
+    assert code == 74 and err.count('\n') == 1 and err.startswith('error: gs://'), err[-3000:]
+    assert 'intact' in err or 'the ones written before stay as they are' in err, err
+    assert took < 120, took
+    print('took', took)
+    code, out, err = finish(launch(args(tmp_path, *RUN, f'output_dir={bucket}/runs'), gcs.env, slow=False))
+    assert code == 0 and ('resuming from checkpoint' in out), err[-3000:]
+    assert out.count('resuming from checkpoint') == 1 and len(bucket_rows(f'{bucket}/runs/default')) == 12
+
+
+def test_every_input_and_output_path_on_a_bucket(gcs, tmp_path):
+    """Text files, a tokenizer, Hugging Face parquet files, Sudoku CSVs, load_params and load_hf read from gs://;
+    config.yml, metrics.jsonl, TensorBoard events, checkpoints, export, eval.json and
+    generation.txt written there; nothing of a run on local disk."""
+    import jax
+    from conftest import config
+    bucket = gcs.bucket()
+    write_corpus(tmp_path / 'corpus', 8, 'doc', 0)
+    write_parquet(str(tmp_path / 'hf' / 'train.parquet'), 8, 'doc', 0)
+    q, a = train.data.generate_sudoku(48, 45, 0, stream='test')
+    train.data.write_sudoku_csv(str(tmp_path / 'puzzles.csv'), q, a)
+    gs().put(str(tmp_path / 'corpus'), f'{bucket}/corpus', recursive=True)
+    gs().put(str(tmp_path / 'hf' / 'train.parquet'), f'{bucket}/hf/train.parquet')
+    gs().put(str(tmp_path / 'puzzles.csv'), f'{bucket}/sudoku.csv')
+    runs, one = f'{bucket}/runs', jax.devices()[:1]
+    text = lambda *o: config(tmp_path, f'dataset_path={bucket}/corpus/*.txt', f'output_dir={runs}', *o, preset=TEXT)
+    train.run(text('steps=2', 'run_name=a'), one)
+    train.run(text('mode=export', 'run_name=a', f'export_dir={bucket}/export'), one)
+    train.run(text('mode=eval', 'run_name=e', f'load_params={runs}/a', 'eval_batches=1'), one)
+    train.run(text('mode=generate', 'run_name=g', f'load_hf={bucket}/export', 'prompt=doc', 'max_new_tokens=4',
+                   'temperature=0', f'tokenizer_path={bucket}/export/tokenizer.model'), one)
+    train.run(config(tmp_path, f'hf_data_files={bucket}/hf/train.parquet', f'output_dir={runs}', 'run_name=h', 'steps=1',
+                     'eval_batches=0', preset=HF), one)
+    train.run(config(tmp_path, f'dataset_path={bucket}/sudoku.csv', f'eval_path={bucket}/sudoku.csv',
+                     f'output_dir={runs}', 'run_name=s', 'steps=1', preset=SUDOKU), one)
+    gs().invalidate_cache()
+    have = {p.removeprefix(bucket[5:] + '/') for p in gs().find(bucket)}
+    for want in ('runs/a/config.yml', 'runs/a/metrics.jsonl', 'runs/a/checkpoints/2/commit_success.txt',
+                 'export/model.safetensors', 'export/config.json', 'export/tokenizer.model', 'export/tokenizer_config.json',
+                 'runs/e/eval.json', 'runs/g/generation.txt', 'runs/h/checkpoints/1/commit_success.txt',
+                 'runs/s/metrics.jsonl'):
+        assert want in have, sorted(have)
+    assert any(p.startswith('runs/a/events.out.tfevents.steps-') for p in have)
+    assert not (tmp_path / 'runs').exists() and not os.path.exists(os.path.join(ROOT, 'gs:'))
