@@ -303,6 +303,11 @@ def check_paths(cfg):
     """Every path the user typed must exist, whatever else the run does (a resumable run directory would
     otherwise hide a mistyped load_params). Data paths may be globs; any of them may be on gs://."""
     check_credentials(cfg)
+    for key in ('data_dir', 'cache_dir'):  # array_record's own file layer (no TensorFlow) and flock: local only
+        if remote(getattr(cfg, key)):
+            raise ConfigError(f'{key}={getattr(cfg, key)}: prepared datasets are read through a local file layer; '
+                              f'give a local directory (copy the data down with `gcloud storage cp -r`, or mount the '
+                              'bucket with gcsfuse)')
     is_dir, is_file = lambda p: stored(p).is_dir(), lambda p: stored(p).is_file()
     matches = lambda pattern: bool(data.expand(pattern))
     listed = lambda files: all(matches(f.strip()) for f in files.split(',') if f.strip())
@@ -644,7 +649,7 @@ def check_credentials(cfg):
 
 
 PATH_KEYS = ('output_dir', 'load_params', 'load_hf', 'export_dir', 'dataset_path', 'eval_path', 'tokenizer_path',
-             'data_dir', 'hf_data_files', 'compile_cache_dir')
+             'hf_data_files', 'compile_cache_dir')
 
 
 class BucketLease:

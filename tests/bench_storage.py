@@ -80,7 +80,8 @@ def checkpoint_costs(emulator, work):
 
 def uploads(emulator):
     run = f'{emulator.bucket()}/runs'
-    argv = [*LM, 'steps=1000', 'log_every=10', 'checkpoint_every=100', 'eval_every=0', f'output_dir={run}']
+    argv = [*(o for o in LM if not o.startswith('log_every=')), 'steps=1000', 'log_every=10', 'checkpoint_every=100',
+            f'output_dir={run}']
     r = subprocess.run([sys.executable, '-c', COUNT, BASE, *argv], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': ROOT})
     assert r.returncode == 0, r.stderr[-3000:]

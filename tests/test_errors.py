@@ -43,6 +43,9 @@ CASES = [
     (['load_hf={tmp}/no-hf'], 'error: load_hf={tmp}/no-hf: no such directory; fix the path (or set load_hf= '
                               'to leave it out)'),
     (['load_params={tmp}', 'load_hf={tmp}'], 'error: load_params and load_hf are both set; keep one'),
+    (['data_dir=gs://b/tfds'], 'error: data_dir=gs://b/tfds: prepared datasets are read through a local file layer; '
+                               'give a local directory (copy the data down with `gcloud storage cp -r`, or mount the '
+                               'bucket with gcsfuse)'),
     (['tokenizer_path={tmp}/no.model'], 'error: tokenizer_path={tmp}/no.model: no such file; fix the path '
                                         '(or set tokenizer_path= to leave it out)'),
     (['dataset=files', 'dataset_path={tmp}/none/*.txt'], 'error: dataset_path={tmp}/none/*.txt: matches no files; '
