@@ -21,6 +21,7 @@ import os
 import pkgutil
 import re
 import resource
+import shutil
 import signal
 import socket
 import sys
@@ -1049,6 +1050,8 @@ class MetricsWriter:
         if self.main:
             self.flush()
             self.tb.close()
+            if self.tb_dir != self.run_dir:  # a bucket run's local staging for event files
+                shutil.rmtree(self.tb_dir, ignore_errors=True)
             if self.wandb:
                 self.wandb.finish()
 
