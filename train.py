@@ -748,12 +748,19 @@ def checkpoints(directory, cfg, read_only=False):
         yield mngr
     finally:
         try:
-            mngr.wait_until_finished()
-        except Exception as e:  # a save that failed in the background: the disk filled up, the mount went away
-            raise WriteError(f'{directory}: the last checkpoint could not be written ({first_line(e)}); the ones '
-                             'written before stay as they are') from None
+            wait_for_saves(mngr)
         finally:
             mngr.close()
+
+
+def wait_for_saves(mngr):
+    """Until the save in flight has committed; one that failed in the background (the disk filled up, the mount or
+    bucket went away) is a WriteError."""
+    try:
+        mngr.wait_until_finished()
+    except Exception as e:
+        raise WriteError(f'{mngr.directory}: the last checkpoint could not be written ({first_line(e)}); the ones '
+                         'written before stay as they are') from None
 
 
 class WriteError(Exception):
@@ -1223,34 +1230,33 @@ def next_batch(cfg, feed, it, step):
     return global_batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, feed.step_sharding, feed.rows)
 
 
-def train_loop(cfg, state, feed, steps, mngr, book, run_dir):
+def train_loop(cfg, state, feed, steps, mngr, book, run_dir, caught):
     """Dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps. Returns the
-    last metrics row; a signal ends the loop with a checkpoint and Preempted."""
+    last metrics row; a signal (noted in `caught`) ends the loop with a checkpoint and Preempted."""
     step, last = int(state['step']), {}
-    with preemption_signals() as caught:
-        while step < cfg.steps:
-            profile(cfg, book, step, run_dir)
-            t0 = time.perf_counter()
-            state, out = steps.train(state, next_batch(cfg, feed, book.it, step))
-            step += 1
-            book.dispatched(step, t0, out)
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                last = book.window(step)
-                if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                    last.update({k if k.startswith('eval') else f'eval_{k}': v
-                                 for k, v in steps.evaluate(state, cfg.eval_batches).items()})
-                book.writer.write(last, cfg.steps)
-                book.new_window()
-            preempted = caught or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
-            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
-                book.drain(0)  # a checkpoint holds only checked steps
-                book.writer.flush()  # before the save: a resume drops rows past the checkpoint, never misses one
-                save_checkpoint(mngr, step, state, book.it)  # async: training goes on while it writes
-                book.saved = step
-                book.writer.checkpointed(step)
-            if preempted:
-                raise Preempted(f'{caught[0] if caught else "preemption notice"}: saved checkpoint at step '
-                                f'{step} in {mngr.directory}; rerun the same command to resume')
+    while step < cfg.steps:
+        profile(cfg, book, step, run_dir)
+        t0 = time.perf_counter()
+        state, out = steps.train(state, next_batch(cfg, feed, book.it, step))
+        step += 1
+        book.dispatched(step, t0, out)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            last = book.window(step)
+            if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+                last.update({k if k.startswith('eval') else f'eval_{k}': v
+                             for k, v in steps.evaluate(state, cfg.eval_batches).items()})
+            book.writer.write(last, cfg.steps)
+            book.new_window()
+        preempted = caught or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
+            book.drain(0)  # a checkpoint holds only checked steps
+            book.writer.flush()  # before the save: a resume drops rows past the checkpoint, never misses one
+            save_checkpoint(mngr, step, state, book.it)  # async: training goes on while it writes
+            book.saved = step
+            book.writer.checkpointed(step)
+        if preempted:
+            raise Preempted(f'{caught[0] if caught else "preemption notice"}: saved checkpoint at step '
+                            f'{step} in {mngr.directory}; rerun the same command to resume')
     profile(cfg, book, step, run_dir)
     return last
 
@@ -1279,15 +1285,20 @@ def train(cfg, state, it, feed, steps, mngr, run_dir, flops):
         log(f'{run_dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise steps= to go on)')
         return {'step': start, 'run_dir': run_dir}
     writer = MetricsWriter(cfg, run_dir, start)  # before the compile: a W&B login problem shows at once
-    try:
-        t_xla, m = compile_step(cfg, steps.train, state, feed, accum_at(cfg, start))
-        line, compiled_gb = compiled_line(m) if m else ('', None)
-        log(f'step compiled in {t_xla:.1f}s; {line}')
-        book = StepLog(cfg, it, start, flops, writer)
-        summary = train_loop(cfg, state, feed, steps, mngr, book, run_dir)
-    finally:
-        it.close()
-        writer.close()
+    with preemption_signals() as caught:  # from before the compile until the last save has committed
+        try:
+            t_xla, m = compile_step(cfg, steps.train, state, feed, accum_at(cfg, start))
+            line, compiled_gb = compiled_line(m) if m else ('', None)
+            log(f'step compiled in {t_xla:.1f}s; {line}')
+            if caught:
+                raise Preempted(f'{caught[0]} before the first step: nothing new to save; rerun the same command to '
+                                'go on')
+            book = StepLog(cfg, it, start, flops, writer)
+            summary = train_loop(cfg, state, feed, steps, mngr, book, run_dir, caught)
+        finally:
+            it.close()
+            writer.close()
+            wait_for_saves(mngr)  # still under the handlers: a repeated SIGTERM cannot cut the last save short
     summary.update(run_dir=run_dir, compile_seconds=t_xla + (book.first_step_seconds or 0),
                    step_variants=steps.train._cache_size())
     mem = device_peak_memory_gb(jax.local_devices()[0])

@@ -412,3 +412,48 @@ def test_a_damaged_checkpoint_is_one_warning_line_and_no_stderr_through_the_comm
     # the reads start, one fails, the rest are left in flight
     r = subprocess.run(cmd + ['steps=9'], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0 and r.stderr == '' and r.stdout.count('is damaged') == 1, r.stderr[-3000:]
+
+
+# A trainer that waits at step 4 (0-based 3) until GATE exists, saying so, and announces the wait for its last save.
+SIGNALLED = """
+import os, sys, time
+import train
+next_batch, wait_for_saves = train.next_batch, train.wait_for_saves
+def gated(cfg, feed, it, step):
+    if step == 3:
+        print('AT GATE', flush=True)
+        while not os.path.exists(os.environ['GATE']):
+            time.sleep(0.02)
+    return next_batch(cfg, feed, it, step)
+def announced(mngr):
+    print('WAITING FOR THE SAVE', flush=True)
+    time.sleep(1.0)  # a second signal lands here, while the last checkpoint is being written
+    return wait_for_saves(mngr)
+train.next_batch, train.wait_for_saves = gated, announced
+sys.exit(train.main(['train.py', *sys.argv[1:]]))
+"""
+
+
+def test_a_second_sigterm_while_the_last_checkpoint_is_written_loses_nothing(tmp_path):
+    """SIGTERM at step 4, then SIGTERM again while that step's checkpoint is being written: the second is noted,
+    the save commits, exit 75; the rerun continues from it to the losses of an uninterrupted run, bit for bit."""
+    keys = ['steps=8', 'checkpoint_every=0', 'per_device_batch=2']
+    ref = subprocess.run([sys.executable, 'train.py', 'base.yml', *args(tmp_path, *keys, 'run_name=ref')], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=ENV)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    p = subprocess.Popen([sys.executable, '-c', SIGNALLED, 'base.yml', *args(tmp_path, *keys)], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**ENV, 'GATE': str(tmp_path / 'go')})
+    for line in p.stdout:
+        if line.startswith('AT GATE'):
+            p.send_signal(signal.SIGTERM)
+            (tmp_path / 'go').touch()
+        if line.startswith('WAITING FOR THE SAVE'):
+            p.send_signal(signal.SIGTERM)
+            break
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 75 and 'SIGTERM: saved checkpoint at step 4' in err, err[-2000:]
+    assert os.listdir(tmp_path / 'default' / 'checkpoints') == ['4']
+    r = subprocess.run([sys.executable, 'train.py', 'base.yml', *args(tmp_path, *keys)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=ENV)
+    assert r.returncode == 0 and 'resuming from checkpoint' in r.stdout, r.stderr[-2000:]
+    assert losses(tmp_path / 'default') == losses(tmp_path / 'ref')
