@@ -27,6 +27,9 @@ def slow(cfg, feed, it, step):
         time.sleep(0.05)
     return next_batch(cfg, feed, it, step)
 train.next_batch = slow
+if os.environ.get('FAST_RETRIES'):  # gcsfs's retry waits 1+2+4+8+16 s (measured: ~35 s to the error); a tenth here
+    import asyncio, types, gcsfs.retry
+    gcsfs.retry.asyncio = types.SimpleNamespace(sleep=lambda s: asyncio.sleep(s / 10))
 sys.exit(train.main(['train.py', *sys.argv[1:]]))
 """
 RUN = ['steps=12', 'checkpoint_every=4', 'keep_checkpoints=0', 'per_device_batch=2', 'grad_accum=2']
@@ -119,7 +122,9 @@ def test_two_hosts_sharing_only_a_bucket_have_one_owner_and_resume_exactly_after
     assert f'took over the lock of process {killed[0].pid} on ' in results[0][1]  # gone: no wait for its lease
     assert not any(os.listdir(h / 'default') if (h / 'default').exists() else [] for h in hosts)  # nothing local
     want, got = bucket_rows(f'{bucket}/one/default'), bucket_rows(f'{bucket}/two/default')
-    assert len(got) == 12 and np.max(np.abs(np.subtract([r['loss'] for r in want], [r['loss'] for r in got]))) < 1e-5
+    worst = np.max(np.abs(np.subtract([r['loss'] for r in want], [r['loss'] for r in got])))
+    print(f'two processes vs one, after kill -9 and resume: worst loss difference {worst:.3g}')
+    assert len(got) == 12 and worst < 1e-5
     assert event_steps(f'{bucket}/two/default', tmp_path) == list(range(1, 13))
     assert gs().exists(f'{bucket}/two/default/config.yml') and gs().find(f'{bucket}/xla')
 
@@ -165,18 +170,22 @@ def test_missing_bucket_and_missing_credentials_are_one_line(gcs, tmp_path):
     code, _, err = finish(launch(args(tmp_path, 'steps=2', 'output_dir=gs://no-such-bucket/runs'), gcs.env, slow=False))
     assert code == 74 and err.count('\n') == 1 and 'bucket gs://no-such-bucket does not exist' in err, err
     assert not gs().exists('no-such-bucket')
+    print(f'no bucket: exit {code}: {err.strip()}')
     env = {k: v for k, v in gcs.env.items() if k not in ('STORAGE_EMULATOR_HOST', 'TENSORSTORE_GCS_HTTP_URL')}
     env['GOOGLE_APPLICATION_CREDENTIALS'] = str(tmp_path / 'no-key.json')
     code, out, err = finish(launch(args(tmp_path, 'steps=2', 'output_dir=gs://any/runs'), env, slow=False))
     assert code == 74 and err.count('\n') == 1 and 'no Google credentials found' in err, err
+    print(f'no credentials: exit {code}: {err.strip()}')
     assert 'gcloud auth application-default login' in err
 
 
 def test_storage_going_away_mid_run_ends_in_one_line_and_keeps_checkpoints(gcs, tmp_path):
-    """The emulator stops after checkpoint 4 (the run waiting at step 5 meanwhile): bounded retries, then one line
-    and exit 74, no traceback; once the emulator is back, checkpoint 4 is committed and reads back."""
+    """The emulator stops after checkpoint 4 (the run waiting at step 5 meanwhile): bounded retries (gcsfs's, their
+    waits cut to a tenth here), then one line and exit 74, no traceback; once the emulator is back, checkpoint 4 is
+    committed and reads back."""
     bucket = gcs.bucket()
-    run = launch(args(tmp_path, *RUN, f'output_dir={bucket}/runs'), {**gcs.env, 'GATES': '4', 'GATE_DIR': str(tmp_path)})
+    run = launch(args(tmp_path, *RUN, f'output_dir={bucket}/runs'),
+                 {**gcs.env, 'GATES': '4', 'GATE_DIR': str(tmp_path), 'FAST_RETRIES': '1'})
     try:
         assert wait_for(f'{bucket}/runs/default/checkpoints/4/commit_success.txt', run), finish(run)[2][-3000:]
         gcs.stop()
@@ -191,7 +200,8 @@ def test_storage_going_away_mid_run_ends_in_one_line_and_keeps_checkpoints(gcs, 
     err = said(err)
     assert code == 74 and err.count('\n') == 1 and err.startswith('error: gs://'), err[-3000:]
     assert 'intact' in err or 'the ones written before stay as they are' in err, err
-    assert took < 120, took  # gcsfs's retries take about 35 s
+    assert took < 60, took
+    print(f'storage gone: exit {code} after {took:.0f} s: {err.strip()}')
     with train.checkpoints(f'{bucket}/runs/default/checkpoints', train.load_config(BASE), read_only=True) as mngr:
         assert 4 in mngr.all_steps() and mngr.restore(4)['train_state']['step'] == 4
 
