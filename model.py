@@ -28,6 +28,7 @@ axes only; the config keys trm.T and trm.n keep the TRM paper's names.
   J trajectories per puzzle (decoder=trm_parallel)          I vocabulary tiles, t entries each
 """
 import dataclasses
+import functools
 import math
 import os
 from typing import Callable, NamedTuple
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 import data
@@ -45,7 +47,9 @@ from data import MEMBERS, SUDOKU_LEN, dead_end, digits_seen, legal_digits, solve
 
 REMAT_POLICIES = {
     'full': None,  # recompute everything in the backward pass: least memory
-    'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projection outputs
+    # keep the projections' outputs (dot's results named 'dot'), in the compute dtype: a policy on the dot
+    # primitives themselves would keep their float32 sums, twice the bytes in a bf16 step
+    'save_dots': jax.checkpoint_policies.save_only_these_names('dot'),
 }
 
 # ==================================================================================================
@@ -89,22 +93,103 @@ def dividing_spec(logical, shape, rules, mesh_shape):
 
 
 def dot(eq, x, w, dtype, out_dtype=None):
-    """einsum in the compute dtype with float32 accumulation, result in the compute dtype (or out_dtype).
+    """einsum in the compute dtype with float32 accumulation (product), result in the compute dtype (or
+    out_dtype).
 
     preferred_element_type=float32 matters beyond precision: CPUs with bf16 matrix instructions (AVX-512
     BF16) run bf16 inputs accumulating in float32 at their bf16 speed, a bf16 -> bf16 dot at float32's.
     When x's trailing axes contract with w's leading ones (every projection here) it runs as one 2-D
     matmul [rows, in] x [in, out]: XLA:CPU differentiates that into plain matmuls, while the 3-D einsum
-    made it copy a transposed activation for each weight gradient.
+    made it copy a transposed activation for each weight gradient. A result in the compute dtype is what
+    remat=save_dots keeps (saved).
     """
     (lhs, rhs), out = eq.split('->')[0].split(','), eq.split('->')[1]
-    n = len(set(lhs) & set(rhs))
-    x, w = x.astype(dtype), w.astype(dtype)
+    n, out_dtype = len(set(lhs) & set(rhs)), out_dtype or dtype
+    keep = saved if jnp.dtype(out_dtype) == jnp.dtype(dtype) else lambda y: y
     if not n or lhs[-n:] != rhs[:n] or out != lhs[:-n] + rhs[n:]:
-        return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(out_dtype or dtype)
-    y = jnp.dot(x.reshape(-1, math.prod(w.shape[:n])), w.reshape(math.prod(w.shape[:n]), -1),
-                preferred_element_type=jnp.float32)
-    return y.reshape(x.shape[:-n] + w.shape[n:]).astype(out_dtype or dtype)
+        return keep(product(eq, x, w, dtype, out_dtype))
+    I = math.prod(w.shape[:n])
+    y = keep(product('ni,io->no', x.reshape(-1, I), w.reshape(I, -1), dtype, out_dtype))
+    return y.reshape(x.shape[:-n] + w.shape[n:])
+
+
+def saved(y):
+    """y named 'dot', for remat=save_dots (REMAT_POLICIES): the projections' outputs in the compute dtype,
+    not the float32 sums before the cast (twice the bytes in a bf16 step). A bf16 y is named as its uint16
+    bits (saved_bits): the layer scan stacks what is kept, and XLA:CPU has no bf16 dynamic-slice, so it
+    would keep a float32 copy of every stacked bf16 array for the backward pass."""
+    return checkpoint_name(y, 'dot') if y.dtype.itemsize != 2 else saved_bits(y)
+
+
+@jax.custom_vjp
+def saved_bits(y):
+    """y itself; differentiated, its forward passes y through uint16 bits named 'dot' (a bit cast has no
+    gradient of its own, so the cotangent passes straight through)."""
+    return y
+
+
+def saved_bits_fwd(y):
+    bits = checkpoint_name(jax.lax.bitcast_convert_type(y, jnp.uint16), 'dot')
+    return jax.lax.bitcast_convert_type(bits, y.dtype), None
+
+
+saved_bits.defvjp(saved_bits_fwd, lambda _, g: (g,))
+
+
+def product(eq, x, w, dtype, out_dtype):
+    """einsum(eq, x, w) of x and w cast to the compute dtype, accumulated in float32, result in out_dtype.
+
+    In float32 that is all. In a narrower dtype (bf16) jnp.einsum's own gradient would not stay in it: the
+    cotangent of the float32 sum is float32, so both backward products would be float32 x bf16, which
+    XLA:CPU runs as float32 x float32. Here (narrow_product) the cotangent is cast to the compute dtype and
+    both backward products are bf16 x bf16 accumulating in float32, as the forward one; the gradients come
+    back in x's and w's own dtypes (a float32 master weight gets its gradient unrounded)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return jnp.einsum(eq, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+    return narrow_product(eq, (x.dtype, w.dtype, jnp.dtype(dtype), jnp.dtype(out_dtype)), x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def narrow_product(eq, dtypes, x, w):
+    """product in a narrow compute dtype; dtypes = (x's, w's, compute, result)."""
+    return narrow_product_fwd(eq, dtypes, x, w)[0]
+
+
+def narrow_product_fwd(eq, dtypes, x, w):
+    x, w = x.astype(dtypes[2]), w.astype(dtypes[2])  # the residuals too: half float32's bytes
+    return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(dtypes[3]), (x, w)
+
+
+def narrow_product_bwd(eq, dtypes, xw, g):
+    """x's and w's gradients as einsums of the same form: g with w gives x's axes, x with g gives w's."""
+    (lhs, rhs), out = eq.split('->')[0].split(','), eq.split('->')[1]
+    (x, w), g = xw, g.astype(dtypes[2])
+    return contract(out, rhs, lhs, g, w).astype(dtypes[0]), contract(lhs, out, rhs, x, g).astype(dtypes[1])
+
+
+def contract(a_spec, b_spec, out_spec, a, b):
+    """einsum a_spec,b_spec->out_spec accumulating in float32, with a's summed axes moved last first.
+    XLA:CPU's bf16 matmuls (YNNPACK) take only a left operand stored with its contracted axes last; any
+    other bf16 x bf16 dot it converts to float32 x float32. A weight gradient sums over the rows, which
+    lead: the rows go last by a real transposed copy. A plain transpose would not do: XLA:CPU folds it
+    into the dot as a layout (the same column-major read), while through a unit axis it must be copied."""
+    lead = next(c for c in out_spec if (c in a_spec) != (c in b_spec))  # the result's first non-batch axis
+    if lead not in a_spec:  # its operand goes first, so the dot's [batch, lhs, rhs] result is the one wanted
+        (a_spec, a), (b_spec, b) = (b_spec, b), (a_spec, a)
+    summed = [c for c in a_spec if c in b_spec and c not in out_spec]
+    order = ''.join([c for c in a_spec if c not in summed] + summed)
+    if order != a_spec:
+        a, a_spec = transposed(a, [a_spec.index(c) for c in order]), order
+    return jnp.einsum(f'{a_spec},{b_spec}->{out_spec}', a, b, preferred_element_type=jnp.float32)
+
+
+narrow_product.defvjp(narrow_product_fwd, narrow_product_bwd)
+
+
+def transposed(x, perm):
+    """x.transpose(perm) stored in its new order. XLA:CPU may keep a plain transpose as a relabelled layout of
+    x's buffer, which a bf16 dot cannot read (contract); through a unit axis it is a real copy."""
+    return x[..., None].transpose(*perm, x.ndim)[..., 0]
 
 
 class RMSNorm(nnx.Module):
@@ -165,15 +250,15 @@ def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
     T, G = k_BTGK.shape[1], k_BTGK.shape[2]
     R = H // G
     q_BGQK = q_BLHK.reshape(B, L, G, R, K).transpose(0, 2, 3, 1, 4).reshape(B, G, R * L, K)
-    k_BGTK, v_BGTK = k_BTGK.transpose(0, 2, 1, 3), v_BTGK.transpose(0, 2, 1, 3)
-    s_BGRLT = jnp.einsum('bgqk,bgtk->bgqt', q_BGQK, k_BGTK,
-                         preferred_element_type=jnp.float32).reshape(B, G, R, L, T) * K ** -0.5
+    move = jnp.transpose if jnp.dtype(dtype) == jnp.float32 else transposed  # bf16 dots need a real copy
+    k_BGTK, v_BGTK = move(k_BTGK, (0, 2, 1, 3)), move(v_BTGK, (0, 2, 1, 3))
+    s_BGRLT = product('bgqk,bgtk->bgqt', q_BGQK, k_BGTK, dtype, jnp.float32).reshape(B, G, R, L, T) * K ** -0.5
     if causal:
         mask_B1LT = mask_B1LT & (jnp.arange(L)[:, None] >= jnp.arange(T)[None, :])
     s_BGRLT = jnp.where(mask_B1LT[:, :, None], s_BGRLT, -0.7 * jnp.finfo(jnp.float32).max)
     p_BGQT = jax.nn.softmax(s_BGRLT, axis=-1).astype(dtype).reshape(B, G, R * L, T)
-    o_BGQK = jnp.einsum('bgqt,bgtk->bgqk', p_BGQT, v_BGTK, preferred_element_type=jnp.float32)
-    return o_BGQK.astype(dtype).reshape(B, G, R, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
+    o_BGQK = product('bgqt,bgtk->bgqk', p_BGQT, v_BGTK, dtype, dtype)
+    return o_BGQK.reshape(B, G, R, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
 
 
 def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=False):
@@ -640,7 +725,7 @@ class TRM(nnx.Module):
         for t in range(cfg.trm.T - 1):
             y_BLD, z_BLD = cycle(y_BLD, z_BLD, t)
         y_BLD, z_BLD = cycle(*jax.lax.stop_gradient((y_BLD, z_BLD)), cfg.trm.T - 1)  # gradient through this one only
-        logits_BLV = jnp.einsum('bld,dv->blv', y_BLD, self.head[...].astype(dt), preferred_element_type=jnp.float32)
+        logits_BLV = product('bld,dv->blv', y_BLD, self.head[...], dt, jnp.float32)
         y32_BLD = y_BLD.astype(jnp.float32)
         q_B = jnp.mean(y32_BLD, axis=1) @ self.halt[...].astype(jnp.float32) + self.halt_bias[...]
         cell_BL = y32_BLD @ self.value[...].astype(jnp.float32) + self.value_bias[...]
