@@ -173,7 +173,7 @@ def contract(a_spec, b_spec, out_spec, a, b):
     other bf16 x bf16 dot it converts to float32 x float32. A weight gradient sums over the rows, which
     lead: the rows go last by a real transposed copy. A plain transpose would not do: XLA:CPU folds it
     into the dot as a layout (the same column-major read), while through a unit axis it must be copied."""
-    lead = next(c for c in out_spec if (c in a_spec) != (c in b_spec))  # the result's first non-batch axis
+    lead = next((c for c in out_spec if (c in a_spec) != (c in b_spec)), a_spec[0])  # result's first non-batch axis
     if lead not in a_spec:  # its operand goes first, so the dot's [batch, lhs, rhs] result is the one wanted
         (a_spec, a), (b_spec, b) = (b_spec, b), (a_spec, a)
     summed = [c for c in a_spec if c in b_spec and c not in out_spec]
