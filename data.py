@@ -429,17 +429,42 @@ def _hf_split(cfg, split, key, streaming=None):
     streaming = cfg.hf_streaming if streaming is None else streaming
     try:
         with _locked(cfg.cache_dir):
-            return datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=split,
-                                         streaming=streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
-    except ConnectionError as e:
-        raise DataError(f'hf_path={cfg.hf_path}: {e} (offline, only datasets in cache_dir load; a private one '
-                        'needs HF_TOKEN)') from None
-    except Exception as e:  # a split it lacks, files the builder cannot read, a dataset the hub refuses
-        text = str(e).splitlines()[0][:200] if str(e) else ''
-        if isinstance(e, ValueError) and 'split' in text.lower():
-            raise DataError(f'{key}={split}: {text}') from None
-        where = 'hf_data_files' if files else 'hf_path'
-        raise DataError(f'{where}={getattr(cfg, where)}: {type(e).__name__}: {text}') from None
+            found = datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=split,
+                                          streaming=streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
+    except Exception as e:
+        raise _hf_error(cfg, e, split, key) from None
+    return _HFRecords(cfg, found, split, key) if streaming else found
+
+
+def _hf_error(cfg, e, split, key):
+    """What the hub or the files refuse, loading or streaming: a DataError naming the key."""
+    if isinstance(e, DataError):
+        return e
+    text = str(e).splitlines()[0][:200] if str(e) else ''
+    if isinstance(e, ConnectionError):
+        return DataError(f'hf_path={cfg.hf_path}: {text} (offline, only datasets in cache_dir load; a private one '
+                         'needs HF_TOKEN)')
+    if isinstance(e, ValueError) and 'split' in text.lower():  # a split it lacks
+        return DataError(f'{key}={split}: {text}')
+    where = 'hf_data_files' if cfg.hf_data_files else 'hf_path'  # files the builder cannot read, a refused dataset
+    return DataError(f'{where}={getattr(cfg, where)}: {type(e).__name__}: {text}')
+
+
+class _HFRecords:
+    """A streamed split whose records come with the same one-line errors as loading it: a stream only reads
+    (and fails on) its files as it is iterated. The rest of the stream's interface passes through."""
+
+    def __init__(self, cfg, stream, split, key):
+        self.cfg, self.stream, self.split, self.key = cfg, stream, split, key
+
+    def __iter__(self):
+        try:
+            yield from self.stream
+        except Exception as e:
+            raise _hf_error(self.cfg, e, self.split, self.key) from None
+
+    def __getattr__(self, name):  # set_epoch, state_dict, load_state_dict, n_shards, ...
+        return getattr(self.stream, name)
 
 
 def _hf_identity(cfg, *parts):
@@ -653,7 +678,8 @@ class StreamData(TextData):
     def train_iter(self, local_rows, state=None):
         from datasets.distributed import split_dataset_by_node
         host = (self.process_index, self.process_count)
-        docs = _Stream(split_dataset_by_node(_hf_split(self.cfg, self.cfg.hf_split, 'hf_split'), *host),
+        share = split_dataset_by_node(_hf_split(self.cfg, self.cfg.hf_split, 'hf_split').stream, *host)
+        docs = _Stream(_HFRecords(self.cfg, share, self.cfg.hf_split, 'hf_split'),
                        self.encode, self.cfg.text_key)
         batches = _pack(docs, self.length).batch(local_rows, drop_remainder=True)
         lanes_state, first = self._resumable(state, local_rows * self.process_count), local_rows * self.process_index

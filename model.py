@@ -261,6 +261,12 @@ def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
     return o_BGQK.reshape(B, G, R, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
 
 
+def splash_block(L):
+    """The splash kernel's tile over a sequence of L tokens: the largest of 512, 256, 128 that divides L, the
+    whole length at toy sizes (up to 512); 0 where none fits (train.py refuses the config)."""
+    return L if L <= 512 else next((b for b in (512, 256, 128) if L % b == 0), 0)
+
+
 def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=False):
     """attention=splash: the Pallas TPU flash-attention kernel that ships with JAX (splash attention). Scores
     are made block by block in on-chip memory, never the [B, H, L, T] array the einsum keeps for the backward
@@ -274,7 +280,7 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
     def local(q_BLHK, k_BTGK, v_BTGK, seg_BL):
         B, L, H, K = q_BLHK.shape
         G = k_BTGK.shape[2]
-        b = min(512, L)  # the kernel's tiles: large on the chip, the whole length at toy sizes
+        b = splash_block(L)
         sizes = splash.BlockSizes(b, b, b, b, b, b, b, b)
         head = masks.CausalMask((L, L)) if causal else masks.FullMask((L, L))
         kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([head] * (H // G)), block_sizes=sizes,

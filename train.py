@@ -71,14 +71,20 @@ def _number(value):
 
 def _items(value):
     """A list typed on the command line: 4,4,2 or YAML ([[batch, data]]); from a YAML file as it is."""
+    if isinstance(value, str) and value.startswith('['):
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ValueError('a list: 4,4,2 or [4, 4, 2] with its brackets closed') from None
     if isinstance(value, str):
-        return yaml.safe_load(value) if value.startswith('[') else [v.strip() for v in value.split(',')]
+        return [v.strip() for v in value.split(',')]
     return value if isinstance(value, (list, tuple)) else [value]  # one value (YAML's 45) is a list of one
 
 
 Number = BeforeValidator(_number)
-Count = Annotated[int, Number, Field(ge=1)]            # at least one
-Off = Annotated[int, Number, Field(ge=0)]              # a count where 0 means off, none or all
+INT_MAX = 2 ** 31 - 1  # steps, counts and sizes reach jitted code as int32
+Count = Annotated[int, Number, Field(ge=1, le=INT_MAX)]            # at least one
+Off = Annotated[int, Number, Field(ge=0, le=INT_MAX)]              # a count where 0 means off, none or all
 Positive = Annotated[float, Number, Field(gt=0)]
 NonNeg = Annotated[float, Number, Field(ge=0)]
 Share = Annotated[float, Number, Field(ge=0, le=1)]    # a probability or fraction
@@ -114,7 +120,7 @@ SCHEMA = [
     (Ints, 'mesh profile_steps'),
     (Names, 'mesh_axes'),
     (Annotated[tuple[AxisRule, ...], BeforeValidator(_items)], 'logical_axis_rules'),
-    (Annotated[int, Number, Field(ge=0, lt=2 ** 31)], 'seed'),  # what every RNG here takes
+    (Off, 'seed'),  # what every RNG here takes
     (Count | Literal['auto'], 'per_device_batch'),
     (Off | Literal['auto'], 'vocab_tile'),
     (Annotated[tuple[Annotated[int, Number, Field(ge=0, le=81)], ...], BeforeValidator(_items), Field(min_length=1)],
@@ -179,6 +185,11 @@ def load_config(paths, overrides=()):
             raise ConfigError(f'argument {item!r} is not key=value')
         if key in given:
             raise ConfigError(f'{key} is given twice on the command line; keep one')
+        try:
+            text.encode()
+        except UnicodeEncodeError:  # Python keeps bytes that are not UTF-8 as surrogates: the tokenizer cannot
+            raise ConfigError(f'{key}=: the value is not UTF-8 text; retype it, or set the terminal to '
+                              'UTF-8') from None
         if key not in KEYS:
             raise ConfigError(unknown_key(key, path))
         given.add(key)
@@ -205,6 +216,9 @@ def read_yaml(path):
 def merge(into, new, path, prefix):
     """The keys of `new` (read from `path`) over `into`, section by section, each checked to be a key."""
     for name, value in new.items():
+        if isinstance(name, str) and '.' in name:  # `trm.T: 3` in a file is `trm:` then `T: 3`
+            name, _, rest = name.partition('.')
+            value = {rest: value}
         key = f'{prefix}{name}'
         if not any(k == key or k.startswith(f'{key}.') for k in KEYS):
             raise ConfigError(f'{path}: {unknown_key(key, path)}')
@@ -245,7 +259,8 @@ def schema_error(err, path, raw):
     expected = {'int': 'an integer', 'float': 'a number', 'value': 'a number', 'bool': 'true or false', 'string': 'text',
                 'model': 'a section of keys', 'dict': 'a section of keys', 'tuple': 'a list', 'list': 'a list',
                 'finite': 'a finite number'}
-    what = next((v for k, v in expected.items() if kind.startswith(k)), kind)
+    what = err['ctx']['error'] if kind == 'value_error' else next((v for k, v in expected.items()
+                                                                   if kind.startswith(k)), kind)
     return f'{key}={shown}: expected {what}' + (' in each entry' if any(isinstance(p, int) for p in err['loc']) else '')
 
 
@@ -343,9 +358,16 @@ def resolve(cfg, task, platform, device_kind=''):
         log(f'attention=auto: {fixed["attention"]} on {device_kind or platform}')
     if cfg.vocab_tile == 'auto':  # on TPU the memory it frees buys batch; XLA:CPU runs the recompute slower
         fixed['vocab_tile'] = 4096 if platform == 'tpu' and cfg.vocab_size % 4096 == 0 else 0
-    if cfg.attention == 'splash' and (platform != 'tpu' or old_tpu):
+    attention = fixed.get('attention', cfg.attention)
+    if attention == 'splash' and (platform != 'tpu' or old_tpu):
         raise ConfigError(f'attention=splash: the Pallas kernel compiles for TPU v4 and later, not for '
                           f'{device_kind or platform}; use attention=auto')
+    if attention == 'splash' and not model_lib.splash_block(cfg.max_target_length):
+        raise ConfigError(f'attention=splash: max_target_length={cfg.max_target_length} is not a multiple of the '
+                          'kernel\'s 128-token blocks (nor 512 or less); use a multiple of 128, or attention=xla')
+    if attention == 'cudnn' and platform != 'gpu':
+        raise ConfigError(f'attention=cudnn: cuDNN\'s kernel runs on NVIDIA GPUs, not on {device_kind or platform}; '
+                          'use attention=auto')
     return cfg.model_copy(update=fixed)
 
 
@@ -602,8 +624,21 @@ def storage_reason(e):
     return re.sub(r'(?i)(token|signature|key)=[^\s&]+', r'\1=...', text)
 
 
+HELD = {}  # run directory -> whether it is still the one this run opened (filled by run_directory)
+
+
+def check_held(path):
+    """A run holds the directory it opened, not its path: one moved away, or replaced by another (a disk's by
+    its inode, a bucket's by the run's lease on it), stops the run before it writes into what is there now."""
+    for run_dir, still_ours in HELD.items():
+        if path.startswith(run_dir) and not still_ours():
+            raise WriteError(f'{run_dir} was moved or replaced under this run: stopped without writing into what is '
+                             'there now (what the run wrote went with its directory)')
+
+
 def write(path, data):
     """Process 0 writes `data` (text or bytes) as the whole of `path`; a refusal stops the run in one line."""
+    check_held(path)
     if jax.process_index() == 0:
         try:
             stored(path).write_bytes(data if isinstance(data, bytes) else data.encode())
@@ -614,6 +649,7 @@ def write(path, data):
 def append(path, text):
     """Adds text to the end of `path`. A bucket has no append, and rewriting the object each time would upload
     O(N^2) bytes over a run: the new text goes up as its own object, then GCS composes the two server-side."""
+    check_held(path)
     try:
         if not remote(path):
             with open(path, 'a') as f:
@@ -790,6 +826,7 @@ def save_checkpoint(mngr, step, state, it):
     """Step `step`'s train state and data position (with the identity of the data it counts in), saved
     asynchronously: training goes on while it is written."""
     data_state = {'lanes': data_state_array(it.state()), 'source': np.frombuffer(it.source.encode(), np.uint8)}
+    check_held(str(mngr.directory))
     try:
         mngr.check_for_errors()  # the save before this one, finished in the background
         mngr.save(step, args=ocp.args.Composite(train_state=ocp.args.PyTreeSave(state),
@@ -1084,7 +1121,13 @@ def open_wandb(cfg, run_dir):
     system's temporary directory, since wandb writes only to a local disk)."""
     import wandb
     path = os.path.join(run_dir, 'wandb_id')
-    run_id = stored(path).read_text().strip() if stored(path).exists() else os.urandom(6).hex()
+    try:
+        run_id = stored(path).read_text().strip() if stored(path).exists() else os.urandom(6).hex()
+    except UnicodeDecodeError:
+        run_id = ''
+    if not re.fullmatch(r'[a-z0-9]{1,64}', run_id):
+        raise ConfigError(f'{path}: not a W&B run id (a run writes 12 hex digits there); restore it to keep logging '
+                          'to the same W&B run, or delete it to start a new one')
     write(path, run_id + '\n')
     local = os.path.join(tempfile.gettempdir(), 'wandb', cfg.run_name) if remote(run_dir) else run_dir
     os.makedirs(local, exist_ok=True)
@@ -1204,14 +1247,26 @@ class StepLog:
         return {'median_step_seconds': med, 'median_tokens_per_sec': r['tokens_per_sec'], 'median_mfu': r['mfu']}
 
 
+class Signals(list):
+    """The SIGTERM / SIGINT names a run has noted. Until `saving` is set (the loop is about to take its first
+    step) there is nothing new to save, and a signal stops the run at once, where it is."""
+    saving = False
+
+
 @contextlib.contextmanager
 def preemption_signals():
-    """SIGTERM (preemption, schedulers) and SIGINT are noted, not obeyed at once: the loop finishes the
-    step, checkpoints and exits. With several processes a signal reaching one host must stop them all at
-    the same step: JAX's preemption sync point listens for SIGTERM, so SIGINT is passed on to it as one.
-    Yields the list of signals the loop must act on alone (single process)."""
-    caught, several = [], jax.process_count() > 1
-    note = lambda signum, _: caught.append(signal.Signals(signum).name)
+    """SIGTERM (preemption, schedulers) and SIGINT, from the start of the run to its last committed save. Before
+    the loop a signal raises Preempted at once (nothing new to save); in the loop it is noted, not obeyed: the
+    loop finishes the step, checkpoints and exits, and a repeated signal during that save is noted too. With
+    several processes a signal reaching one host must stop them all at the same step: JAX's preemption sync
+    point listens for SIGTERM, so SIGINT is passed on to it as one. Yields the Signals the loop acts on."""
+    caught, several = Signals(), jax.process_count() > 1
+
+    def note(signum, _):
+        name = signal.Signals(signum).name
+        if not caught.saving:
+            raise Preempted(f'{name} before the first step: nothing new to save; rerun the same command to go on')
+        caught.append(name)
     to_sync_point = lambda signum, _: os.kill(os.getpid(), signal.SIGTERM)
     wanted = {signal.SIGINT: to_sync_point} if several else {signal.SIGTERM: note, signal.SIGINT: note}
     handlers = ({sig: signal.signal(sig, handler) for sig, handler in wanted.items()}
@@ -1287,27 +1342,24 @@ def profile(cfg, book, step, run_dir):
         log(f'profile of steps {cfg.profile_steps[0]}-{step}: {run_dir}/profile')
 
 
-def train(cfg, state, it, feed, steps, mngr, run_dir, flops):
+def train(cfg, state, it, feed, steps, mngr, run_dir, flops, caught):
     """mode=train: from state['step'] to cfg.steps; returns the last metrics row with the benchmark's medians."""
     start = int(state['step'])
     if start >= cfg.steps:
         log(f'{run_dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise steps= to go on)')
         return {'step': start, 'run_dir': run_dir}
     writer = MetricsWriter(cfg, run_dir, start)  # before the compile: a W&B login problem shows at once
-    with preemption_signals() as caught:  # from before the compile until the last save has committed
-        try:
-            t_xla, m = compile_step(cfg, steps.train, state, feed, accum_at(cfg, start))
-            line, compiled_gb = compiled_line(m) if m else ('', None)
-            log(f'step compiled in {t_xla:.1f}s; {line}')
-            if caught:
-                raise Preempted(f'{caught[0]} before the first step: nothing new to save; rerun the same command to '
-                                'go on')
-            book = StepLog(cfg, it, start, flops, writer)
-            summary = train_loop(cfg, state, feed, steps, mngr, book, run_dir, caught)
-        finally:
-            it.close()
-            writer.close()
-            wait_for_saves(mngr)  # still under the handlers: a repeated SIGTERM cannot cut the last save short
+    try:
+        t_xla, m = compile_step(cfg, steps.train, state, feed, accum_at(cfg, start))
+        line, compiled_gb = compiled_line(m) if m else ('', None)
+        log(f'step compiled in {t_xla:.1f}s; {line}')
+        caught.saving = True  # from here a signal is noted and answered with a checkpoint
+        book = StepLog(cfg, it, start, flops, writer)
+        summary = train_loop(cfg, state, feed, steps, mngr, book, run_dir, caught)
+    finally:
+        it.close()
+        writer.close()
+        wait_for_saves(mngr)  # still under the handlers: a repeated SIGTERM cannot cut the last save short
     summary.update(run_dir=run_dir, compile_seconds=t_xla + (book.first_step_seconds or 0),
                    step_variants=steps.train._cache_size())
     mem = device_peak_memory_gb(jax.local_devices()[0])
@@ -1577,11 +1629,24 @@ def run_directory(cfg):
         raise (WriteError if remote(run_dir) else ConfigError)(
             f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable '
             'output_dir') from None
+    HELD[run_dir] = held(run_dir, lock)
     try:
         yield run_dir
     finally:
+        HELD.pop(run_dir, None)
         if lock:
             lock.close()
+
+
+def held(run_dir, lock):
+    """How check_held tells the run directory is still this run's: its lease (a bucket), or its inode (a disk)."""
+    if remote(run_dir):
+        return lambda: not (lock and lock.lost)
+    def inode():
+        with contextlib.suppress(OSError):
+            return os.stat(run_dir).st_dev, os.stat(run_dir).st_ino
+    first = inode()
+    return lambda: inode() == first
 
 
 def own(run_dir):
@@ -1610,6 +1675,24 @@ def own(run_dir):
     return lock
 
 
+TOKENIZER_KEYS = ('tokenizer_path', 'vocab_size', 'dataset', 'dataset_path', 'tfds_name', 'train_split', 'hf_path',
+                  'hf_name', 'hf_data_files', 'hf_split', 'text_key')
+
+
+def keep_tokenizer(cfg, ds, run_dir, resumed):
+    """What a checkpoint's token ids mean is part of it: a run keeps its tokenizer as RUN_DIR/tokenizer.model, and
+    a resume whose tokenizer differs (other files, vocab_size, tokenizer_path) stops, naming what changed."""
+    path, model = os.path.join(run_dir, 'tokenizer.model'), ds.tokenizer.serialized_model_proto()
+    if not (resumed and stored(path).exists()):
+        return write(path, model)
+    if stored(path).read_bytes() != model:
+        changed = [c for c in config_changes(run_dir, cfg) if c.split()[0] in TOKENIZER_KEYS] or [
+            'the training text (its files changed, so the tokenizer trained on them did)']
+        raise ConfigError(f'{path}: this run\'s tokenizer would change with {", ".join(changed)}: the checkpoint\'s '
+                          'token ids would mean other text; undo the change, set tokenizer_path=' + path + ' to keep '
+                          'its tokenizer, or start a new run_name (load_params= takes the weights)')
+
+
 def write_config(cfg, run_dir, derived):
     """The resolved config, the derived figures as a comment on top (config.MODE.yml for the other modes,
     so the training record stays)."""
@@ -1630,8 +1713,9 @@ def describe(cfg, devices, mesh, rows):
     return batch
 
 
-def run(cfg, devices=None):
-    """Train, evaluate, export or generate per cfg; returns a summary dict. `devices` lets tests pick a subset."""
+def run(cfg, devices=None, caught=None):
+    """Train, evaluate, export or generate per cfg; returns a summary dict. `devices` lets tests pick a subset;
+    `caught`: the signals main() listens for."""
     task = model_lib.TASKS[cfg.task]  # what is trained: the one place train.py asks
     check(cfg, task)
     if cfg.compile_cache_dir:  # before the first compile; every program is cached, however quick to compile
@@ -1653,6 +1737,8 @@ def run(cfg, devices=None):
     with run_directory(cfg) as run_dir, jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules), \
             checkpoints(os.path.join(run_dir, 'checkpoints'), cfg) as mngr:
         state, data_state, trained = restore_or_init(cfg, task, mngr, layout)
+        if cfg.mode == 'train' and ds.tokenizer:
+            keep_tokenizer(cfg, ds, run_dir, resumed=int(state['step']) > 0)
         write_config(cfg, run_dir, batch)
         log(f'model: {sum(x.size for x in jax.tree.leaves(state["params"])) / 1e6:.2f}M parameters, '
             f'{task.flops_per_token(cfg) / 1e6:.1f} MFLOPs per token (train)')
@@ -1671,7 +1757,7 @@ def run(cfg, devices=None):
         if cfg.mode == 'eval':
             return eval_mode(cfg, task, steps, state, run_dir)
         it = ds.train_iter(feed.rows // jax.process_count(), state=data_state)
-        return train(cfg, state, it, feed, steps, mngr, run_dir, flops)
+        return train(cfg, state, it, feed, steps, mngr, run_dir, flops, Signals() if caught is None else caught)
 
 
 def build(cfg, task, devices):
@@ -1707,7 +1793,9 @@ def main(argv):
         quiet_libraries()
         start_platforms()
         init_distributed()
-        return DOES_NOT_FIT if run(cfg).get('fits') is False else 0
+        check_backends()
+        with preemption_signals() as caught:  # from here to the last save a signal ends the run in one line
+            return DOES_NOT_FIT if run(cfg, caught=caught).get('fits') is False else 0
     except STORAGE_ERRORS as e:  # a disk or bucket failing where no message above names the key: still one line
         where = f' at {e.filename}' if getattr(e, 'filename', None) else ''
         print(f'error: storage failed{where}: {storage_reason(e)}; checkpoints already committed are intact',
@@ -1727,7 +1815,7 @@ def quiet_libraries():
     its abandoned coroutine or into a closed event loop; a refused write leaves orbax's write coroutines
     unawaited, which Python reports at exit."""
     logging.getLogger('absl').setLevel(logging.CRITICAL)  # orbax logs a failed save it raises to us as well
-    for name in ('gcsfs', 'fsspec', 'google.auth'):  # their retries and credential fallbacks: we say it once
+    for name in ('gcsfs', 'fsspec', 'google.auth', 'wandb'):  # retries and fallbacks: what matters, we say once
         logging.getLogger(name).setLevel(logging.CRITICAL)
     warnings.filterwarnings('ignore', r"coroutine '.*' was never awaited", RuntimeWarning)
     logging.getLogger('asyncio').setLevel(logging.CRITICAL)
@@ -1758,6 +1846,17 @@ def start_platforms():
     gpus = [name for name, vendor in (('cuda', '0x10de'), ('rocm', '0x1002'))
             if vendor in vendors and any(p.startswith(f'jax_{name}') for p in plugins)]
     jax.config.update('jax_platforms', ','.join(gpus + ['cpu']))
+
+
+def check_backends():
+    """JAX starts the platforms JAX_PLATFORMS names, or fails deep inside (RuntimeError, or a bare AssertionError
+    for a GPU whose plugin is missing): one line instead."""
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise ConfigError(f'JAX_PLATFORMS={jax.config.jax_platforms}: JAX cannot start it on this host'
+                          + (f' ({first_line(e)})' if str(e) else '') + '; name platforms this host has (cpu, gpu '
+                          'with jax[cuda], tpu on a TPU VM), or unset JAX_PLATFORMS') from None
 
 
 def init_distributed():

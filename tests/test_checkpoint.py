@@ -457,3 +457,53 @@ def test_a_second_sigterm_while_the_last_checkpoint_is_written_loses_nothing(tmp
                        text=True, timeout=300, env=ENV)
     assert r.returncode == 0 and 'resuming from checkpoint' in r.stdout, r.stderr[-2000:]
     assert losses(tmp_path / 'default') == losses(tmp_path / 'ref')
+
+
+@pytest.mark.parametrize('sig, line', [(signal.SIGINT, 'devices:'), (signal.SIGTERM, 'model:')])
+def test_a_signal_before_the_first_step_exits_75_in_one_line(tmp_path, sig, line):
+    """Ctrl-C while the data is prepared, SIGTERM between the restore and the compile: nothing new to save, so the
+    run stops at once, with exit 75 and one line (before, SIGTERM there exited 143 silently, SIGINT a traceback)."""
+    p = subprocess.Popen([sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'steps=100000')], cwd=ROOT,
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    for out in p.stdout:
+        if out.startswith(line):
+            p.send_signal(sig)
+            break
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 75, err[-2000:]
+    assert err == f'stopped: {sig.name} before the first step: nothing new to save; rerun the same command to go on\n'
+
+
+def test_a_run_directory_moved_away_under_a_live_run_stops_it(tmp_path):
+    """The run directory renamed and another put at its path mid-run: the run stops at its next write with one line
+    and exit 74, and writes nothing into the replacement (before, it went on writing its steps there)."""
+    run_dir = tmp_path / 'default'
+    p = subprocess.Popen([sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'steps=1000000')], cwd=ROOT,
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    for out in p.stdout:
+        if out.startswith('step 3/'):
+            os.rename(run_dir, tmp_path / 'moved')
+            run_dir.mkdir()
+            (run_dir / 'another-run').write_text('')
+            break
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 74 and err.count('\n') == 1, err[-2000:]
+    assert f'{run_dir} was moved or replaced under this run' in err
+    assert os.listdir(run_dir) == ['another-run']
+    assert metrics(tmp_path / 'moved')[0]['step'] == 1  # what it wrote went with its directory
+
+
+def test_a_resume_whose_tokenizer_would_change_stops_naming_it(tmp_path):
+    """The run keeps its tokenizer (RUN_DIR/tokenizer.model). Resumed on text files that changed, a new tokenizer
+    would give the checkpoint's token ids another meaning: one line names the change (before: nothing said);
+    the same files resume as before."""
+    from conftest import write_corpus
+    write_corpus(tmp_path / 'corpus', 6, 'doc', 0)
+    keys = [f'dataset_path={tmp_path}/corpus/*.txt', f'cache_dir={tmp_path}/cache']
+    train.run(config(tmp_path, 'steps=2', *keys, preset=TEXT), jax.devices()[:1])
+    shutil.rmtree(tmp_path / 'cache')  # trained again from the same text: the same tokenizer
+    assert train.run(config(tmp_path, 'steps=3', *keys, preset=TEXT), jax.devices()[:1])['step'] == 3
+    assert (tmp_path / 'default' / 'tokenizer.model').is_file()
+    write_corpus(tmp_path / 'corpus', 6, 'other', 1)
+    with pytest.raises(train.ConfigError, match=r'tokenizer would change with the training text .*start a new run_name'):
+        train.run(config(tmp_path, 'steps=4', *keys, preset=TEXT), jax.devices()[:1])

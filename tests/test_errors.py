@@ -10,7 +10,7 @@ import pytest
 import safetensors.numpy
 
 import train
-from conftest import ENV, LM, ROOT, TEXT, args, config, start_trainer, trainer_results, write_corpus
+from conftest import BASE, ENV, LM, ROOT, TEXT, args, config, start_trainer, trainer_results, write_corpus
 
 # (arguments after `python train.py`, the line stderr shows); {tmp} is a scratch directory the fixture
 # fills with the files some cases need. A first argument ending in .yml replaces base.yml (more may follow it).
@@ -86,7 +86,7 @@ CASES = [
     (['base.yml', '{tmp}/partial.yml', '{tmp}/yes.yml'], 'error: steps=true: expected a number'),
     (['base.yml', '{tmp}/scalar.yml'], 'error: {tmp}/scalar.yml: trm is a section of keys, not a value'),
     (['base.yml', '{tmp}/typo.yml'], "error: {tmp}/typo.yml: unknown key 'stepz'; did you mean steps?"),
-    (['seed=99999999999'], 'error: seed=99999999999: must be < 2147483648'),
+    (['seed=99999999999'], 'error: seed=99999999999: must be <= 2147483647'),
     # Paths that exist but hold the wrong thing.
     ([*TEXT, 'dataset_path={tmp}/corpus/*.txt', 'tokenizer_path={tmp}/text.model'],
      "error: tokenizer_path={tmp}/text.model: not a sentencepiece model (INTERNAL: could not parse ModelProto from "
@@ -113,6 +113,20 @@ CASES = [
     (['wandb_project=p', *LM], 'error: wandb_project=p: W&B refused the run (UsageError: No API key configured. Use '
                                '`wandb login` to log in.): log in with `wandb login` (or set WANDB_API_KEY), log '
                                'offline with WANDB_MODE=offline, or set wandb_project='),
+    # Values past every bound, malformed lists, dotted keys in a file (read as the nested key), text not UTF-8.
+    (['mesh=[1,-1'], 'error: mesh=[1,-1: expected a list: 4,4,2 or [4, 4, 2] with its brackets closed'),
+    (['steps=99999999999'], 'error: steps=99999999999: must be <= 2147483647'),
+    (['seed=1e400'], 'error: seed=1e400: expected an integer'),
+    (['base.yml', '{tmp}/dotted.yml'], 'error: trm.T=0: must be >= 1'),
+    (['mode=generate', 'prompt=\udcff\udcfeab'], 'error: prompt=: the value is not UTF-8 text; retype it, or set the '
+                                                 'terminal to UTF-8'),
+    (['attention=cudnn', *LM], "error: attention=cudnn: cuDNN's kernel runs on NVIDIA GPUs, not on cpu; use "
+                               'attention=auto'),
+    # A stream fails as the same file read whole does; a damaged W&B run id is not a login problem.
+    (['dataset=hf', 'hf_path=json', 'hf_data_files={tmp}/bad.jsonl', 'hf_streaming=true', 'eval_batches=0'],
+     'error: hf_data_files={tmp}/bad.jsonl: ArrowInvalid: JSON parse error: Invalid value. in row 1'),
+    (['wandb_project=p', 'output_dir={tmp}/wandb', *LM], 'error: {tmp}/wandb/default/wandb_id: not a W&B run id (a run '
+     'writes 12 hex digits there); restore it to keep logging to the same W&B run, or delete it to start a new one'),
 ]
 
 
@@ -142,6 +156,10 @@ def results(tmp_path_factory):
     (tmp / 'yes.yml').write_text('steps: yes\n')
     (tmp / 'scalar.yml').write_text('trm: 3\n')
     (tmp / 'typo.yml').write_text('stepz: 5\n')
+    (tmp / 'dotted.yml').write_text('trm.T: 0\n')
+    (tmp / 'bad.jsonl').write_text('{"text": "a"}\nnot json at all\n')
+    (tmp / 'wandb' / 'default').mkdir(parents=True)
+    (tmp / 'wandb' / 'default' / 'wandb_id').write_bytes(b'\xff\x00 torn')
     write_corpus(tmp / 'corpus', 6, 'doc', 0)
     (tmp / 'text.model').write_text('not a model\n')
     (tmp / 'hf-list').mkdir()
@@ -185,3 +203,22 @@ def test_a_cpu_run_prints_nothing_on_stderr(tmp_path):
                        env={**env, 'JAX_NUM_CPU_DEVICES': '1'})
     assert r.returncode == 0 and r.stderr == '', r.stderr[-3000:]
     assert 'building the text dataset' in r.stdout and 'step 2/2' in r.stdout, r.stdout
+
+
+def test_a_platform_jax_cannot_start_is_one_line():
+    r = subprocess.run([sys.executable, 'train.py', 'base.yml', 'steps=1'], cwd=ROOT, capture_output=True, text=True,
+                       env={**ENV, 'JAX_PLATFORMS': 'cuda'}, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith('error: JAX_PLATFORMS=cuda: JAX cannot start it on this host'), \
+        r.stderr[-2000:]
+
+
+@pytest.mark.parametrize('length, ok', [(32, True), (1024, True), (768, True), (700, False)])
+def test_splash_attention_needs_lengths_its_blocks_divide(tmp_path, length, ok):
+    """Checked before compiling, against the kernel's 128-token blocks (a length up to 512 is one block)."""
+    cfg = train.load_config(BASE, args(tmp_path, 'attention=splash', f'max_target_length={length}'))
+    resolve = lambda: train.resolve(cfg, train.model_lib.TASKS['lm'], 'tpu', 'TPU v4')
+    if ok:
+        assert resolve().attention == 'splash'
+    else:
+        with pytest.raises(train.ConfigError, match='max_target_length=700 is not a multiple of the kernel'):
+            resolve()
