@@ -54,6 +54,12 @@ _SUDOKU_GEN_VERSION = 1    # bump when the generator changes, so cached puzzle s
 _STDLIB_SKIP = {'site-packages', 'dist-packages', 'test', 'tests', 'idle_test', '__pycache__'}
 
 
+def first_line(e, typed=True, limit=160):
+    """An exception as one line for an error message: its type (typed) and the first line of its text."""
+    text = str(e).splitlines()[0][:limit] if str(e) else ''
+    return f'{type(e).__name__}: {text}' if typed and text else text or type(e).__name__
+
+
 class DataError(Exception):
     """A mistake in the data settings; the message names the key or file and the fix."""
 
@@ -440,7 +446,7 @@ def _hf_error(cfg, e, split, key):
     """What the hub or the files refuse, loading or streaming: a DataError naming the key."""
     if isinstance(e, DataError):
         return e
-    text = str(e).splitlines()[0][:200] if str(e) else ''
+    text = first_line(e, typed=False, limit=200) if str(e) else ''
     if isinstance(e, ConnectionError):
         return DataError(f'hf_path={cfg.hf_path}: {text} (offline, only datasets in cache_dir load; a private one '
                          'needs HF_TOKEN)')
@@ -584,7 +590,7 @@ def _tokenizer(cfg, train_texts, identity, log=None):
         sp = (spm.SentencePieceProcessor(model_proto=epath.Path(path).read_bytes()) if '://' in path  # gs://
               else spm.SentencePieceProcessor(model_file=path))
     except (OSError, RuntimeError) as e:
-        raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({str(e).splitlines()[0][:120]}); give '
+        raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({first_line(e, typed=False, limit=120)}); give '
                         "a .model file, or '' to train one") from None
     size = sp.get_piece_size()
     if size != cfg.vocab_size:
@@ -999,15 +1005,16 @@ class SudokuData(_Data):
 
 # ---- entry points -----------------------------------------------------------------------------
 
-def make_dataset(cfg, process_index=0, process_count=1, log=None):
+def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     """The dataset this process reads: its share of the records, in a seed-determined order. `log` (a print
-    function, or None for silence) hears about the slow one-time preparations."""
+    function, or None for silence) hears about the slow one-time preparations. `source`: a task's own data
+    (model.Task.dataset), in place of the text pipelines."""
     try:
         os.makedirs(cfg.cache_dir, exist_ok=True)
     except OSError as e:
         raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable cache_dir') from None
-    if cfg.task == 'sudoku':
-        ds = SudokuData(cfg, process_index, process_count, log)
+    if source:
+        ds = source(cfg, process_index, process_count, log)
     elif cfg.dataset == 'synthetic':
         ds = SyntheticData(cfg, process_index, process_count)
     elif cfg.dataset == 'hf' and cfg.hf_streaming:

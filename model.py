@@ -520,7 +520,7 @@ def lm_eval_result(cfg, outs, batches, ds, save_to=None):
     """Eval loss per real target token over every batch, and its perplexity (NaN: no tokens to score)."""
     tokens = float(sum(o['tokens'] for o in outs))
     loss = float(sum(o['loss'] for o in outs)) / tokens if tokens else float('nan')
-    return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 50.0))}
+    return {'loss': loss, 'perplexity': math.exp(min(loss, 50.0))}
 
 
 def generate(cfg, graph, params, prompt_BP, key):
@@ -669,10 +669,14 @@ class Task:
     after_update: Callable = lambda cfg, state, params, carry: {}  # that state after an update
     eval_weights: str = 'params'  # the state entry eval and generate read
     eval_all: bool = False        # mode=eval reads the whole eval set, not eval_batches
+    keys: tuple = ()              # its own config keys: (kind, 'key key ...'), kinds as train.kind_type reads them
+    dataset: Callable = None      # (cfg, process_index, process_count, log) -> its data; None: the text pipelines
+    shown: tuple = ()             # (metric, format) pairs the progress line adds after the loss
+    lm_memory: bool = True        # train.py's memory estimate (a language model's arithmetic) holds for it
 
 
 LM = Task(module=Transformer, loss=lm_loss, flops_per_token=lm_flops_per_token, eval_step=lm_eval_step,
-          eval_result=lm_eval_result, generate=lm_generate, check=lm_check)
+          eval_result=lm_eval_result, generate=lm_generate, check=lm_check, shown=(('eval_loss', 'eval loss {:.4f}'),))
 
 
 # ==================================================================================================
@@ -1286,7 +1290,26 @@ def trm_step_metrics(sums, weight):
     return out
 
 
+SUDOKU_KEYS = (
+    ('count', 'sudoku_train_puzzles sudoku_eval_puzzles beam_width max_depth max_thoughts trm.T trm.n trm.N_sup '
+              'parallel.trajectories tot.policy_steps tot.value_step'),
+    ('off', 'trm.eval_steps tot.start_step tot.frontier'),
+    ('nonneg', 'trm.halt_loss_weight parallel.noise tot.loss_weight tot.logp_weight'),
+    ('share', 'trm.halt_explore_prob'),
+    ('decay', 'trm.ema_decay'),
+    ('bool', 'augment tot.rule_checks tot.propagate'),
+    (('ints', 0, 81), 'sudoku_blanks'),
+    (('int', 1, 9), 'thoughts_per_step'),
+    (('int', 1, 81), 'thought_cells'),
+    (DECODERS, 'decoder'),
+    (('first', 'best', 'last'), 'trm.eval_halt'),
+    (('attention', 'mlp'), 'trm.mixer'),
+    (('halting', 'random'), 'parallel.pick'),
+)
 SUDOKU = Task(
+    keys=SUDOKU_KEYS, dataset=data.SudokuData, lm_memory=False,
+    shown=(('train_exact', 'solved {:.1%}'), ('eval_exact_accuracy', 'eval solved {:.1%}'),
+           ('eval_cell_accuracy', 'cells {:.1%}')),
     module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token,
     eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
     fixed=lambda cfg: {'vocab_size': data.SUDOKU_VOCAB, 'max_target_length': SUDOKU_LEN},

@@ -1,10 +1,13 @@
 """Train a GQA transformer with JAX: python train.py base.yml [your.yml ...] [key=value ...]
 
-Reads top to bottom in execution order, under banners: config, devices and mesh, sharding, state, the
-step, eval, checkpoints, metrics, the loop, the other modes (export / import, the TPU fit check), run(),
-and last the command line with the process plumbing it needs. What is trained, the language model or the
-puzzle heads, is a model.Task picked once in run(); the data pipelines are in data.py. Shape letters:
-model.py's header.
+The sections, under banners, go from the pieces to the whole: config, devices and mesh, sharding, state, the
+step, eval, storage, checkpoints, metrics, the loop, the other modes, the TPU fit check, the run directory and
+run(), and last the command line. A run calls them in this order (each name is a function here):
+  main -> load_config -> run: check, resolve -> build (make_mesh, make_feed, state_layout) -> data.make_dataset
+  -> run_directory -> restore_or_init -> compile_steps (make_train_step) -> train: compile_step -> train_loop
+  (next_batch, the step, InFlight / Window -> MetricsWriter, save_checkpoint).
+What is trained, the language model or the puzzle heads, is a model.Task picked once in run(); the data
+pipelines are in data.py. Shape letters: model.py's header.
 """
 import contextlib
 import dataclasses
@@ -29,7 +32,7 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import Annotated, Callable, Literal, NamedTuple
+from typing import Annotated, Any, Callable, Literal, NamedTuple
 
 from flax import nnx
 import jax
@@ -99,34 +102,42 @@ class Keys(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(frozen=True, extra='forbid', coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
+KINDS = {'count': Count, 'off': Off, 'positive': Positive, 'nonneg': NonNeg, 'share': Share, 'decay': Decay,
+         'bool': bool, 'str': str}
+
+
+def kind_type(kind):
+    """A task's key kind (model.Task.keys) as its type: a name in KINDS, ('int', lo, hi), ('ints', lo, hi) for a
+    list of those, or a tuple of the values allowed."""
+    if isinstance(kind, str):
+        return KINDS[kind]
+    if kind[0] in ('int', 'ints'):
+        one = Annotated[int, Number, Field(ge=kind[1], le=kind[2])]
+        return one if kind[0] == 'int' else Annotated[tuple[one, ...], BeforeValidator(_items), Field(min_length=1)]
+    return Literal[kind]
+
+
 # (type, keys): every key of base.yml, each once, grouped by type; what it means and its default are written
-# in base.yml. A dotted key lives in a section (trm.T: `T` of section `trm`).
+# in base.yml. A dotted key lives in a section (trm.T: `T` of section `trm`). The trainer's keys, then each
+# task's own (model.Task.keys).
 SCHEMA = [
     (Count, 'steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads mlp_dim '
-            'max_target_length grad_accum batch_ramp_every sudoku_train_puzzles sudoku_eval_puzzles '
-            'beam_width max_depth max_thoughts trm.T trm.n trm.N_sup parallel.trajectories tot.policy_steps '
-            'tot.value_step'),
+            'max_target_length grad_accum batch_ramp_every'),
     (Off, 'eval_every eval_batches checkpoint_every keep_checkpoints skip_nonfinite_steps top_k head_dim '
-          'batch_ramp_start warmup_steps prefetch trm.eval_steps tot.start_step tot.frontier'),
+          'batch_ramp_start warmup_steps prefetch seed'),
     (Positive, 'rope_theta norm_eps learning_rate adam_eps'),
-    (NonNeg, 'temperature weight_decay grad_clip trm.halt_loss_weight parallel.noise tot.loss_weight tot.logp_weight'),
-    (Share, 'min_lr_ratio trm.halt_explore_prob'),
-    (Decay, 'adam_b1 adam_b2 trm.ema_decay'),
-    (bool, 'print_sharding resume platform_strict tie_embeddings scan_layers augment tot.rule_checks tot.propagate '
-           'hf_streaming'),
+    (NonNeg, 'temperature weight_decay grad_clip'),
+    (Share, 'min_lr_ratio'),
+    (Decay, 'adam_b1 adam_b2'),
+    (bool, 'print_sharding resume platform_strict tie_embeddings scan_layers hf_streaming'),
     (str, 'run_name output_dir compile_cache_dir load_params export_dir load_hf prompt compile_topology dataset_path '
           'eval_path tfds_name data_dir train_split eval_split text_key tokenizer_path cache_dir wandb_project '
           'wandb_entity hf_path hf_name hf_data_files hf_split hf_eval_split'),
     (Ints, 'mesh profile_steps'),
     (Names, 'mesh_axes'),
     (Annotated[tuple[AxisRule, ...], BeforeValidator(_items)], 'logical_axis_rules'),
-    (Off, 'seed'),  # what every RNG here takes
     (Count | Literal['auto'], 'per_device_batch'),
     (Off | Literal['auto'], 'vocab_tile'),
-    (Annotated[tuple[Annotated[int, Number, Field(ge=0, le=81)], ...], BeforeValidator(_items), Field(min_length=1)],
-     'sudoku_blanks'),
-    (Annotated[int, Number, Field(ge=1, le=9)], 'thoughts_per_step'),
-    (Annotated[int, Number, Field(ge=1, le=81)], 'thought_cells'),
     (Literal[tuple(model_lib.TASKS)], 'task'),
     (Literal['train', 'eval', 'export', 'generate'], 'mode'),
     (Literal['', 'cpu', 'gpu', 'tpu'], 'platform'),
@@ -135,11 +146,7 @@ SCHEMA = [
     (Literal['none', 'full', 'save_dots'], 'remat'),
     (Literal['auto', 'einsum', 'xla', 'cudnn', 'splash'], 'attention'),
     (Literal['stdlib', 'files', 'tfds', 'hf', 'synthetic'], 'dataset'),
-    (Literal[model_lib.DECODERS], 'decoder'),
-    (Literal['first', 'best', 'last'], 'trm.eval_halt'),
-    (Literal['attention', 'mlp'], 'trm.mixer'),
-    (Literal['halting', 'random'], 'parallel.pick'),
-]
+] + [(kind_type(kind), keys) for task in model_lib.TASKS.values() for kind, keys in task.keys]
 KEYS = [key for _, keys in SCHEMA for key in keys.split()]
 
 
@@ -207,7 +214,7 @@ def read_yaml(path):
     except OSError as e:
         raise ConfigError(f'cannot read config file {path}: {e.strerror}') from None
     except (yaml.YAMLError, ValueError) as e:  # ValueError: bytes that are not text
-        raise ConfigError(f'{path} is not valid YAML: {str(e).splitlines()[0]}') from None
+        raise ConfigError(f'{path} is not valid YAML: {first_line(e, typed=False, limit=None)}') from None
     if not isinstance(raw, dict):
         raise ConfigError(f'{path}: expected key: value lines at the top level, as in base.yml')
     return raw
@@ -578,20 +585,23 @@ def accum_at(cfg, step):
 # ==================================================================================================
 # Eval: the task's eval step on fixed batches, its metrics computed on the host.
 # ==================================================================================================
-def evaluate(cfg, task, eval_step, params, ds, feed, n_batches, save_to=None):
-    """The task's eval metrics on n fixed batches (the same every call, so curves compare; None: the whole
-    eval set), and the seconds they took. save_to: a directory for the task's answers (process 0 only)."""
-    if n_batches == 0:
-        return {}
-    t0 = time.perf_counter()
-    batches, outs = ds.eval_batches(feed.rows // jax.process_count(), n_batches), []
-    for i, b in enumerate(batches):
-        outs.append(to_host(eval_step(params, global_batch(b, feed.eval_sharding, feed.rows))))
-        if len(batches) > 1 and time.perf_counter() - t0 > 10:  # a search can take minutes: say where it is
-            log(f'eval: {i + 1}/{len(batches)} batches ({time.perf_counter() - t0:.0f}s)')
-    result = task.eval_result(cfg, outs, [to_host(b) for b in batches], ds,
-                              save_to if jax.process_index() == 0 else None)
-    return {**result, 'seconds': time.perf_counter() - t0}
+def evaluator(cfg, task, eval_step, ds, feed):
+    """evaluate(state, n_batches, save_to=None): the task's eval metrics of the state's eval weights on n fixed
+    batches (the same every call, so curves compare; None: the whole eval set), and the seconds they took.
+    save_to: a directory for the task's answers (process 0 only)."""
+    def evaluate(state, n_batches, save_to=None):
+        if n_batches == 0:
+            return {}
+        t0 = time.perf_counter()
+        batches, outs = ds.eval_batches(feed.rows // jax.process_count(), n_batches), []
+        for i, b in enumerate(batches):
+            outs.append(to_host(eval_step(state[task.eval_weights], global_batch(b, feed.eval_sharding, feed.rows))))
+            if len(batches) > 1 and time.perf_counter() - t0 > 10:  # a search can take minutes: say where it is
+                log(f'eval: {i + 1}/{len(batches)} batches ({time.perf_counter() - t0:.0f}s)')
+        result = task.eval_result(cfg, outs, [to_host(b) for b in batches], ds,
+                                  save_to if jax.process_index() == 0 else None)
+        return {**result, 'seconds': time.perf_counter() - t0}
+    return evaluate
 
 
 # ==================================================================================================
@@ -808,8 +818,7 @@ class WriteError(Exception):
     written before stays."""
 
 
-def first_line(e):
-    return f'{type(e).__name__}: {str(e).splitlines()[0][:160]}' if str(e) else type(e).__name__
+first_line = data.first_line
 
 
 def data_state_array(lane_states):
@@ -878,17 +887,13 @@ def _read_step(mngr, step, abstract, part):
         if part:  # another run's optimizer may differ: read the params subtree alone
             got = mngr.restore(step, args=ocp.args.Composite(train_state=restore({part: target}, partial_restore=True)))
             return got['train_state'][part], None
-        saved = mngr.item_metadata(step)['data_state']
-        got = mngr.restore(step, args=ocp.args.Composite(
-            train_state=restore(abstract), **({'data_state': ocp.args.StandardRestore()} if 'lanes' in saved else {})))
-        if 'lanes' not in saved:  # a position per process, from before the data moved to grain
-            log(f'WARNING: checkpoint {mngr.directory}/{step} holds a data position per process (written before the '
-                'data moved to grain): the data order starts again from its beginning')
-            return got['train_state'], None
+        got = mngr.restore(step, args=ocp.args.Composite(train_state=restore(abstract),
+                                                         data_state=ocp.args.StandardRestore()))
         data_state = got['data_state']
-        return got['train_state'], {
-            'lanes': [json.loads(row.tobytes().decode().strip()) for row in data_state['lanes']],
-            'source': data_state['source'].tobytes().decode() if 'source' in data_state else None}
+        if 'lanes' not in data_state or 'source' not in data_state:  # not a position this trainer wrote
+            return got['train_state'], {'lanes': [], 'source': 'a data state without per-row positions'}
+        return got['train_state'], {'lanes': [json.loads(row.tobytes().decode().strip()) for row in data_state['lanes']],
+                                    'source': data_state['source'].tobytes().decode()}
     except Exception as e:  # orbax/tensorstore raise bare Exception for unreadable data
         raise Damaged(first_line(e)) from None
 
@@ -996,7 +1001,7 @@ PEAK_BF16_FLOPS = {  # per JAX device (a v2/v3 device is one core = half a chip)
 def device_peak_flops(dtype, device):
     """bf16 peak from the table; on CPU measured now, in the compute dtype on all cores: the best of two
     matmul shapes, each warmed and then timed five times. A busy machine still reads low, which
-    `StepLog.rates` corrects when the step itself runs faster."""
+    `rates` corrects when the step itself runs faster."""
     for name, flops in PEAK_BF16_FLOPS.items():
         if name in device.device_kind:
             return flops, f'{device.device_kind} spec sheet'
@@ -1027,16 +1032,15 @@ def device_peak_memory_gb(device):
     return stats.get('peak_bytes_in_use', 0) / 2 ** 30 if stats else None
 
 
-def short_line(m, steps):
+def short_line(m, steps, shown):
     """The line a person reads: progress, loss, speed, time left, and the eval when there is one. The whole
-    row (grad norm, learning rate, memory, data wait, ...) is in metrics.jsonl and TensorBoard."""
+    row (grad norm, learning rate, memory, data wait, ...) is in metrics.jsonl and TensorBoard; `shown`: the
+    task's (metric, format) pairs."""
     parts = [f'step {m["step"]}/{steps}', f'loss {m["loss"]:.4f}']
     if 'tokens_per_sec' in m:
         eta = int(m['step_seconds'] * (steps - m['step']))
         parts += [f'{m["tokens_per_sec"]:,.0f} tokens/s', f'MFU {m["mfu"]:.1%}',
                   f'ETA {eta // 3600}h{eta // 60 % 60:02d}m' if eta >= 3600 else f'ETA {eta // 60}m{eta % 60:02d}s']
-    shown = (('train_exact', 'solved {:.1%}'), ('eval_loss', 'eval loss {:.4f}'),
-             ('eval_exact_accuracy', 'eval solved {:.1%}'), ('eval_cell_accuracy', 'cells {:.1%}'))
     return '  '.join(parts + [fmt.format(m[k]) for k, fmt in shown if k in m])
 
 
@@ -1048,8 +1052,9 @@ class MetricsWriter:
     flush, named by its steps). A resumed run first drops the rows past its checkpoint, so every step appears
     once; W&B's history cannot drop rows, so it gets a row once a checkpoint holds its step."""
 
-    def __init__(self, cfg, run_dir, start_step):
+    def __init__(self, cfg, run_dir, start_step, shown=()):
         self.main, self.run_dir, self.path = jax.process_index() == 0, run_dir, os.path.join(run_dir, 'metrics.jsonl')
+        self.shown = shown
         self.wandb, self.unsent, self.rows = open_wandb(cfg, run_dir) if self.main and cfg.wandb_project else None, [], []
         self.tb = None
         if self.main:
@@ -1061,7 +1066,7 @@ class MetricsWriter:
             self.tb = SummaryWriter(self.tb_dir)
 
     def write(self, m, steps):
-        log(short_line(m, steps))
+        log(short_line(m, steps, self.shown))
         if self.main:
             for k, v in m.items():
                 if k != 'step' and isinstance(v, (int, float)):
@@ -1154,63 +1159,45 @@ def step_flops(cfg, task, devices):
 # ==================================================================================================
 # The loop: dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps.
 # ==================================================================================================
-class StepLog:
-    """The loop's bookkeeping. Outputs of dispatched steps are read back here, oldest first: keeping one
-    step in flight lets the host dispatch step n+1 while step n runs, and every log line, eval and
-    checkpoint reads them all first (drain()), so none of them sees a step whose loss was not checked.
-    It also keeps the metrics window since the last log line and every step's time for the benchmark."""
+def rates(flops, tps):
+    """Throughput at `tps` tokens/s: per device, in TFLOP/s per device, and as MFU. A measured CPU peak that the
+    step outruns was timed on a busy CPU: it is raised to the step's own rate, so MFU never passes 100%."""
+    if tps * flops['per_token'] > flops['peak'] and 'spec sheet' not in flops['peak_source']:
+        if not flops['peak_source'].startswith('this run'):
+            log('peak: raised to this run\'s fastest step (the CPU was busy when its matmul was timed)')
+        flops['peak'] = flops['peak_per_device'] = tps * flops['per_token']
+        flops['peak_source'] = 'this run\'s fastest step'
+    n = flops['devices']
+    return {'tokens_per_sec': tps, 'tokens_per_sec_per_device': tps / n,
+            'tflops_per_device': tps * flops['per_token'] / n / 1e12, 'mfu': tps * flops['per_token'] / flops['peak']}
 
-    def __init__(self, cfg, it, step, flops, writer):
-        self.cfg, self.it, self.saved = cfg, it, step
-        self.flops, self.writer, self.schedule = flops, writer, make_optimizer(cfg)[1]
-        self.pending, self.step_times, self.skipped = [], [], 0  # (step, dispatch time, outputs) oldest first
-        self.t_done = self.first_step_seconds = self.last = None
-        self.new_window()
 
-    def dispatched(self, step, t0, out):
-        self.pending.append((step, t0, out))
-        self.drain(keep=1)
+class Window:
+    """The steps since the last metrics row: their losses, the task's metrics, tokens and time, and how long
+    the data kept the loop waiting (`waited`: the iterator's running total)."""
 
-    def drain(self, keep=0):
-        """Read finished steps until `keep` remain in flight; returns the newest outputs read."""
-        while len(self.pending) > keep:
-            step, t0, out = self.pending.pop(0)
-            out = self.last = jax.device_get(out)
-            now = time.perf_counter()
-            if self.first_step_seconds is None:  # warms up (the program was compiled before): not a timed step
-                self.first_step_seconds = now - t0
-                log(f'first step: {now - t0:.1f}s')
-                self.t_window, self.wait0 = now, self.it.wait_seconds
-            else:
-                self.tokens += float(out['tokens'])
-                self.timed += 1
-                self.step_times.append(now - max(self.t_done, t0))  # from the last step's end or this dispatch
-            self.t_done = now
-            self.check_finite(step, out)
-        return self.last
+    def __init__(self, waited):
+        self.waited, self.losses, self.extras, self.tokens, self.timed = waited, [], [], 0.0, 0
+        self.restart_clock()
 
-    def check_finite(self, step, out):
-        if np.isfinite(out['loss']) and np.isfinite(out['grad_norm']):
-            self.losses.append(float(out['loss']))
-            self.extras.append({k: float(v) for k, v in out.items()  # the task's metrics; NaN = not measured
-                                if k not in ('loss', 'grad_norm', 'tokens') and np.isfinite(v)})
-            return
-        self.skipped += 1
-        if self.skipped > self.cfg.skip_nonfinite_steps:
-            raise FloatingPointError(
-                f'loss is {out["loss"]} at step {step}; stopping (checkpoints up to step {self.saved} are intact; '
-                'lower learning_rate, raise warmup_steps, or set skip_nonfinite_steps)')
-        log(f'WARNING: non-finite loss at step {step}: update skipped ({self.skipped} of '
-            f'skip_nonfinite_steps={self.cfg.skip_nonfinite_steps})')
+    def restart_clock(self):
+        self.t0, self.wait0 = time.perf_counter(), self.waited()
 
-    def window(self, step):
-        """The metrics row for the steps since the last row."""
-        out, dt = self.drain(0), max(time.perf_counter() - self.t_window, 1e-9)
+    def add(self, out, timed):
+        self.losses.append(float(out['loss']))
+        self.extras.append({k: float(v) for k, v in out.items()  # the task's metrics; NaN = not measured
+                            if k not in ('loss', 'grad_norm', 'tokens') and np.isfinite(v)})
+        self.tokens += float(out['tokens']) if timed else 0.0
+        self.timed += timed
+
+    def row(self, step, out, learning_rate, flops):
+        """The window's metrics row; `out`: the newest step's outputs."""
+        dt = max(time.perf_counter() - self.t0, 1e-9)
         m = {'step': step, 'loss': float(np.mean(self.losses)) if self.losses else float('nan'),
-             'learning_rate': float(self.schedule(step - 1)), 'grad_norm': float(out['grad_norm'])}
+             'learning_rate': learning_rate, 'grad_norm': float(out['grad_norm'])}
         if self.tokens:  # a window holding only the compiling first step has no rate to report
-            m.update(self.rates(self.tokens / dt), step_seconds=dt / max(self.timed, 1))
-        m.update(tokens_per_step=float(out['tokens']), data_wait_fraction=(self.it.wait_seconds - self.wait0) / dt,
+            m.update(rates(flops, self.tokens / dt), step_seconds=dt / max(self.timed, 1))
+        m.update(tokens_per_step=float(out['tokens']), data_wait_fraction=(self.waited() - self.wait0) / dt,
                  host_rss_gb=host_rss_gb())
         m.update({k: float(np.mean([e[k] for e in self.extras if k in e]))
                   for k in dict.fromkeys(k for e in self.extras for k in e)})
@@ -1218,33 +1205,56 @@ class StepLog:
             m['device_peak_memory_gb'] = mem
         return m
 
-    def new_window(self):
-        """The metrics window starts: called after a row is written (and any eval has run), so eval time
-        counts in no window."""
-        self.losses, self.extras, self.tokens, self.timed = [], [], 0.0, 0  # per step since the last row
-        self.t_window, self.wait0 = time.perf_counter(), self.it.wait_seconds
 
-    def rates(self, tps):
-        """Throughput at `tps` tokens/s: per device, in TFLOP/s per device, and as MFU."""
-        flops, n_dev = self.flops, self.flops['devices']
-        if tps * flops['per_token'] > flops['peak'] and 'spec sheet' not in flops['peak_source']:
-            if not flops['peak_source'].startswith('this run'):  # the matmul at start was timed on a busy CPU
-                log('peak: raised to this run\'s fastest step (the CPU was busy when its matmul was timed)')
-            flops['peak'] = flops['peak_per_device'] = tps * flops['per_token']
-            flops['peak_source'] = 'this run\'s fastest step'
-        return {'tokens_per_sec': tps, 'tokens_per_sec_per_device': tps / n_dev,
-                'tflops_per_device': tps * flops['per_token'] / n_dev / 1e12, 'mfu': tps * flops['per_token'] / flops['peak']}
+class InFlight:
+    """Dispatched steps' outputs, read back oldest first: one step in flight lets the host dispatch step n+1
+    while step n runs, and every log line, eval and checkpoint reads them all first (drain), so none of them
+    sees a step whose loss was not checked. Keeps each timed step's seconds for the benchmark."""
 
-    def benchmark(self, tokens_per_step, note):
-        """Medians over every timed step (the first, compiling, excluded), for the summary and one line."""
-        if not self.step_times:
-            return {}
-        med = float(np.median(self.step_times))
-        r = self.rates(tokens_per_step / med)
-        log(f'benchmark: {len(self.step_times)} timed steps, median {med:.3f} s/step = {r["tokens_per_sec"]:,.0f} '
-            f'tokens/s, {r["tflops_per_device"]:.3f} TFLOP/s per device, MFU {r["mfu"]:.1%} of '
-            f'{self.flops["peak_per_device"] / 1e12:.3f} TFLOP/s ({self.flops["peak_source"]}); {note}')
-        return {'median_step_seconds': med, 'median_tokens_per_sec': r['tokens_per_sec'], 'median_mfu': r['mfu']}
+    def __init__(self, skip_nonfinite):
+        self.skip_nonfinite, self.skipped, self.pending, self.step_times = skip_nonfinite, 0, [], []
+        self.t_done = self.first_step_seconds = self.last = None
+
+    def drain(self, window, saved, keep=0):
+        """Read finished steps into `window` until `keep` remain in flight; returns the newest outputs read.
+        `saved`: the last checkpointed step, named if a non-finite loss stops the run."""
+        while len(self.pending) > keep:
+            step, t0, out = self.pending.pop(0)
+            out = self.last = jax.device_get(out)
+            now, timed = time.perf_counter(), self.first_step_seconds is not None
+            if timed:
+                self.step_times.append(now - max(self.t_done, t0))  # from the last step's end or this dispatch
+            else:  # the first step warms up (the program was compiled before): not timed
+                self.first_step_seconds = now - t0
+                log(f'first step: {now - t0:.1f}s')
+                window.restart_clock()
+            self.t_done = now
+            if np.isfinite(out['loss']) and np.isfinite(out['grad_norm']):
+                window.add(out, timed)
+            else:
+                self.skip(step, out, saved)
+        return self.last
+
+    def skip(self, step, out, saved):
+        self.skipped += 1
+        if self.skipped > self.skip_nonfinite:
+            raise FloatingPointError(
+                f'loss is {out["loss"]} at step {step}; stopping (checkpoints up to step {saved} are intact; '
+                'lower learning_rate, raise warmup_steps, or set skip_nonfinite_steps)')
+        log(f'WARNING: non-finite loss at step {step}: update skipped ({self.skipped} of '
+            f'skip_nonfinite_steps={self.skip_nonfinite})')
+
+
+def benchmark(flight, flops, tokens_per_step, note):
+    """Medians over every timed step (the first, compiling, excluded), for the summary and one line."""
+    if not flight.step_times:
+        return {}
+    med = float(np.median(flight.step_times))
+    r = rates(flops, tokens_per_step / med)
+    log(f'benchmark: {len(flight.step_times)} timed steps, median {med:.3f} s/step = {r["tokens_per_sec"]:,.0f} '
+        f'tokens/s, {r["tflops_per_device"]:.3f} TFLOP/s per device, MFU {r["mfu"]:.1%} of '
+        f'{flops["peak_per_device"] / 1e12:.3f} TFLOP/s ({flops["peak_source"]}); {note}')
+    return {'median_step_seconds': med, 'median_tokens_per_sec': r['tokens_per_sec'], 'median_mfu': r['mfu']}
 
 
 class Signals(list):
@@ -1279,9 +1289,19 @@ def preemption_signals():
 
 
 class Steps(NamedTuple):
-    """The run's two compiled functions: a train step, and eval of a state on n fixed batches."""
+    """The run's compiled functions and what goes with them."""
     train: Callable      # (state, batch [A, B, L]) -> (new state, metrics)
     evaluate: Callable   # (state, n batches or None = all, save_to=None) -> eval metrics
+    feed: Feed           # how batches reach the devices
+    schedule: Callable   # step -> learning rate (for the metrics row)
+    flops: dict = None   # step_flops: FLOPs per token and the peak (mode=train)
+
+
+class Place(NamedTuple):
+    """Where a run lives, as run() opened it: its directory, its checkpoints, and the signals it answers."""
+    run_dir: str
+    mngr: ocp.CheckpointManager
+    caught: Signals
 
 
 def next_batch(cfg, feed, it, step):
@@ -1294,46 +1314,47 @@ def next_batch(cfg, feed, it, step):
     return global_batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, feed.step_sharding, feed.rows)
 
 
-def train_loop(cfg, state, feed, steps, mngr, book, run_dir, caught):
-    """Dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps. Returns the
-    last metrics row; a signal (noted in `caught`) ends the loop with a checkpoint and Preempted."""
-    step, last = int(state['step']), {}
+def train_loop(cfg, state, it, steps, place, writer):
+    """Dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps. Returns the last
+    metrics row and the steps' timings; a signal (noted in place.caught) ends it with a checkpoint and Preempted."""
+    step = saved = int(state['step'])
+    flight, window, last = InFlight(cfg.skip_nonfinite_steps), Window(lambda: it.wait_seconds), {}
     while step < cfg.steps:
-        profile(cfg, book, step, run_dir)
+        profile(cfg, step, place.run_dir, lambda: flight.drain(window, saved))
         t0 = time.perf_counter()
-        state, out = steps.train(state, next_batch(cfg, feed, book.it, step))
+        state, out = steps.train(state, next_batch(cfg, steps.feed, it, step))
         step += 1
-        book.dispatched(step, t0, out)
+        flight.pending.append((step, t0, out))
+        flight.drain(window, saved, keep=1)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            last = book.window(step)
+            last = window.row(step, flight.drain(window, saved), float(steps.schedule(step - 1)), steps.flops)
             if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                last.update({k if k.startswith('eval') else f'eval_{k}': v
-                             for k, v in steps.evaluate(state, cfg.eval_batches).items()})
-            book.writer.write(last, cfg.steps)
-            book.new_window()
-        preempted = caught or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
+                last.update({f'eval_{k}': v for k, v in steps.evaluate(state, cfg.eval_batches).items()})
+            writer.write(last, cfg.steps)
+            window = Window(window.waited)  # after the eval: its time counts in no window
+        preempted = place.caught or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
-            book.drain(0)  # a checkpoint holds only checked steps
-            book.writer.flush()  # before the save: a resume drops rows past the checkpoint, never misses one
-            save_checkpoint(mngr, step, state, book.it)  # async: training goes on while it writes
-            book.saved = step
-            book.writer.checkpointed(step)
+            flight.drain(window, saved)  # a checkpoint holds only checked steps
+            writer.flush()  # before the save: a resume drops rows past the checkpoint, never misses one
+            save_checkpoint(place.mngr, step, state, it)  # async: training goes on while it writes
+            saved = step
+            writer.checkpointed(step)
         if preempted:
-            raise Preempted(f'{caught[0] if caught else "preemption notice"}: saved checkpoint at step '
-                            f'{step} in {mngr.directory}; rerun the same command to resume')
-    profile(cfg, book, step, run_dir)
-    return last
+            raise Preempted(f'{place.caught[0] if place.caught else "preemption notice"}: saved checkpoint at step '
+                            f'{step} in {place.mngr.directory}; rerun the same command to resume')
+    profile(cfg, step, place.run_dir, lambda: flight.drain(window, saved))
+    return last, flight
 
 
-def profile(cfg, book, step, run_dir):
+def profile(cfg, step, run_dir, drain):
     """profile_steps=a,b: a jax.profiler trace of steps a..b (1-based) into RUN_DIR/profile; called with the
-    steps done so far, before each dispatch and after the last."""
+    steps done so far, before each dispatch and after the last. `drain` reads back the steps in flight."""
     local = os.path.join(tempfile.gettempdir(), 'profile', cfg.run_name) if remote(run_dir) else run_dir
     if step + 1 == cfg.profile_steps[0]:
-        book.drain(0)
+        drain()
         jax.profiler.start_trace(os.path.join(local, 'profile'))
     if step == cfg.profile_steps[1] and step:
-        book.drain(0)
+        drain()
         jax.profiler.stop_trace()
         for f in glob.glob(os.path.join(local, 'profile', '**', '*'), recursive=True) if local != run_dir else ():
             if os.path.isfile(f):  # the profiler writes local files only: copied up to the bucket's run directory
@@ -1342,42 +1363,44 @@ def profile(cfg, book, step, run_dir):
         log(f'profile of steps {cfg.profile_steps[0]}-{step}: {run_dir}/profile')
 
 
-def train(cfg, state, it, feed, steps, mngr, run_dir, flops, caught):
+def train(cfg, task, state, it, steps, place):
     """mode=train: from state['step'] to cfg.steps; returns the last metrics row with the benchmark's medians."""
-    start = int(state['step'])
+    start, run_dir = int(state['step']), place.run_dir
     if start >= cfg.steps:
         log(f'{run_dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise steps= to go on)')
         return {'step': start, 'run_dir': run_dir}
-    writer = MetricsWriter(cfg, run_dir, start)  # before the compile: a W&B login problem shows at once
+    writer = MetricsWriter(cfg, run_dir, start, task.shown)  # before the compile: a W&B login problem shows at once
     try:
-        t_xla, m = compile_step(cfg, steps.train, state, feed, accum_at(cfg, start))
+        t_xla, m = compile_step(cfg, task, steps.train, state, steps.feed, accum_at(cfg, start))
         line, compiled_gb = compiled_line(m) if m else ('', None)
         log(f'step compiled in {t_xla:.1f}s; {line}')
-        caught.saving = True  # from here a signal is noted and answered with a checkpoint
-        book = StepLog(cfg, it, start, flops, writer)
-        summary = train_loop(cfg, state, feed, steps, mngr, book, run_dir, caught)
+        place.caught.saving = True  # from here a signal is noted and answered with a checkpoint
+        summary, flight = train_loop(cfg, state, it, steps, place, writer)
     finally:
         it.close()
         writer.close()
-        wait_for_saves(mngr)  # still under the handlers: a repeated SIGTERM cannot cut the last save short
-    summary.update(run_dir=run_dir, compile_seconds=t_xla + (book.first_step_seconds or 0),
+        wait_for_saves(place.mngr)  # still under the handlers: a repeated SIGTERM cannot cut the last save short
+    summary.update(run_dir=run_dir, compile_seconds=t_xla + (flight.first_step_seconds or 0),
                    step_variants=steps.train._cache_size())
     mem = device_peak_memory_gb(jax.local_devices()[0])
-    summary.update(book.benchmark(summary.get('tokens_per_step', 0.0), (
+    summary.update(benchmark(flight, steps.flops, summary.get('tokens_per_step', 0.0), (
         f'compile + first step {summary["compile_seconds"]:.1f}s; host RSS {host_rss_gb():.2f} GiB'
         + (f', device peak {mem:.2f} GiB' if mem is not None else '')
         + (f', compiled step {gb(compiled_gb)}' if compiled_gb else ''))))
     log('done: ' + json.dumps({k: summary.get(k) for k in ('step', 'loss', 'eval_loss', 'tokens_per_sec', 'mfu',
                                                            'compile_seconds', 'run_dir')}))
-    log(f'checkpoints: {mngr.directory}; metrics: {run_dir}/metrics.jsonl (TensorBoard: tensorboard --logdir {run_dir})')
+    log(f'checkpoints: {place.mngr.directory}; metrics: {run_dir}/metrics.jsonl (TensorBoard: tensorboard --logdir '
+        f'{run_dir})')
     return summary
 
 
-def compile_step(cfg, train_step, state, feed, A):
+def compile_step(cfg, task, train_step, state, feed, A):
     """Compile the step for this state and an [A, B, L] batch ahead of its first call (which then reuses the
-    program), printing the config's memory estimate first. Returns (seconds, the compiler's memory analysis)."""
+    program), printing the memory estimate first where its language-model arithmetic holds for the task.
+    Returns (seconds, the compiler's memory analysis)."""
     t0 = time.perf_counter()
-    log(estimate_line(cfg, memory_estimate(cfg, state, feed.step_sharding.mesh)))
+    if task.lm_memory:
+        log(estimate_line(cfg, memory_estimate(cfg, state, feed.step_sharding.mesh)))
     m = train_step.lower(state, abstract_batch(A, feed.rows, feed.length, feed.step_sharding)).compile()
     return time.perf_counter() - t0, m.memory_analysis()
 
@@ -1395,9 +1418,9 @@ def eval_mode(cfg, task, steps, state, run_dir):
     return result
 
 
-def generate_mode(cfg, task, graph, params, ds, run_dir, rows):
+def generate_mode(cfg, task, built, params, ds, run_dir):
     """mode=generate: the task's generation from prompt=, printed and written to RUN_DIR/generation.txt."""
-    summary, shown, text = task.generate(cfg, graph, params, ds, rows)
+    summary, shown, text = task.generate(cfg, built.graph, params, ds, built.mesh.size)
     log(shown)
     write(os.path.join(run_dir, 'generation.txt'), text)
     return {**summary, 'run_dir': run_dir}
@@ -1520,7 +1543,7 @@ def tpu_slice(cfg):
                                                chip_config_name=chips).devices
     except Exception as e:  # no libtpu, an older one, or another process holding it
         raise ConfigError(f'compile_topology={cfg.compile_topology}: libtpu cannot describe the slice: '
-                          f'{str(e).splitlines()[0][:200]} (pip install -r tests/requirements.txt brings libtpu)'
+                          f'{first_line(e, typed=False, limit=200)} (pip install -r tests/requirements.txt brings libtpu)'
                           ) from None
     log(f'AOT compile for {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {gb(hbm)} HBM each')
     return devices
@@ -1529,15 +1552,15 @@ def tpu_slice(cfg):
 def fit_memory(cfg, task, devices):
     """Compile the real train step of cfg for the slice's devices: (bytes per device or None where the
     compiler refuses it as too large, the compiler's figures, the log line). Nothing runs, no data is read."""
-    mesh, feed, graph, tx, layout = build(cfg, task, devices)
-    step = compile_steps(cfg, task, graph, tx, layout, None, feed).train
+    built = build(cfg, task, devices)
+    step = compile_steps(cfg, task, built, None).train
     try:
-        with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
-            seconds, m = compile_step(cfg, step, layout.abstract, feed, cfg.grad_accum)
+        with jax.set_mesh(built.mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
+            seconds, m = compile_step(cfg, task, step, built.layout.abstract, built.feed, cfg.grad_accum)
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program over its HBM
         if 'RESOURCE_EXHAUSTED' not in str(e):
             raise
-        return None, None, f'compiler: {str(e).splitlines()[0][:300]}'
+        return None, None, f'compiler: {first_line(e, typed=False, limit=300)}'
     line, need = compiled_line(m)
     return need, {k: getattr(m, f'{k}_size_in_bytes') for k in ('argument', 'temp', 'output', 'alias')}, \
         f'compiled in {seconds:.1f}s; {line}'
@@ -1727,23 +1750,23 @@ def run(cfg, devices=None, caught=None):
         warn_tpu_dims(cfg)
     if cfg.compile_topology:
         return (fit_search if cfg.per_device_batch == 'auto' else fit_check)(cfg, task, devices)
-    mesh, feed, graph, tx, layout = build(cfg, task, devices)
-    batch = describe(cfg, devices, mesh, feed.rows)
-    ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log)
+    built = build(cfg, task, devices)
+    batch = describe(cfg, devices, built.mesh, built.feed.rows)
+    ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log, task.dataset)
     if ds.vocab_size != cfg.vocab_size:
         raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
                           f'set vocab_size={ds.vocab_size}')
     flops = step_flops(cfg, task, devices) if cfg.mode == 'train' else None  # its probe runs outside the mesh
-    with run_directory(cfg) as run_dir, jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules), \
+    with run_directory(cfg) as run_dir, jax.set_mesh(built.mesh), nnx.logical_axis_rules(cfg.logical_axis_rules), \
             checkpoints(os.path.join(run_dir, 'checkpoints'), cfg) as mngr:
-        state, data_state, trained = restore_or_init(cfg, task, mngr, layout)
+        state, data_state, trained = restore_or_init(cfg, task, mngr, built.layout)
         if cfg.mode == 'train' and ds.tokenizer:
             keep_tokenizer(cfg, ds, run_dir, resumed=int(state['step']) > 0)
         write_config(cfg, run_dir, batch)
         log(f'model: {sum(x.size for x in jax.tree.leaves(state["params"])) / 1e6:.2f}M parameters, '
             f'{task.flops_per_token(cfg) / 1e6:.1f} MFLOPs per token (train)')
         if cfg.print_sharding:
-            log(sharding_table(state['params'], layout.shardings['params']))
+            log(sharding_table(state['params'], built.layout.shardings['params']))
         if cfg.mode != 'train' and not trained:
             raise ConfigError(f'mode={cfg.mode} needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, or '
                               f'run_name= a run with checkpoints (none in {run_dir}/checkpoints)')
@@ -1752,31 +1775,40 @@ def run(cfg, devices=None, caught=None):
             export_hf(cfg, state['params'], ds, out_dir)
             return {'export_dir': out_dir}
         if cfg.mode == 'generate':
-            return generate_mode(cfg, task, graph, state[task.eval_weights], ds, run_dir, mesh.size)
-        steps = compile_steps(cfg, task, graph, tx, layout, ds, feed)
+            return generate_mode(cfg, task, built, state[task.eval_weights], ds, run_dir)
+        steps = compile_steps(cfg, task, built, ds, flops)
         if cfg.mode == 'eval':
             return eval_mode(cfg, task, steps, state, run_dir)
-        it = ds.train_iter(feed.rows // jax.process_count(), state=data_state)
-        return train(cfg, state, it, feed, steps, mngr, run_dir, flops, Signals() if caught is None else caught)
+        it = ds.train_iter(built.feed.rows // jax.process_count(), state=data_state)
+        return train(cfg, task, state, it, steps, Place(run_dir, mngr, Signals() if caught is None else caught))
+
+
+class Built(NamedTuple):
+    """What build() makes of a config for a set of devices; nothing here holds an array yet."""
+    mesh: jax.sharding.Mesh
+    feed: Feed           # the batch's shardings and rows
+    graph: Any           # the model's static graph (nnx.split)
+    tx: Any              # the optimizer (optax)
+    schedule: Callable   # its learning rate per step
+    layout: Layout       # the train state's shapes and shardings
 
 
 def build(cfg, task, devices):
-    """The mesh, the batch feed, the model's graph (no arrays), the optimizer and the state's layout."""
+    """The mesh, the batch feed, the model's graph, the optimizer and its schedule, and the state's layout."""
     mesh = make_mesh(cfg, devices)
     feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
-    graph, tx = model_lib.abstract(cfg)[0], make_optimizer(cfg)[0]
-    return mesh, feed, graph, tx, state_layout(cfg, task, mesh, tx, feed.rows)
+    tx, schedule = make_optimizer(cfg)
+    return Built(mesh, feed, model_lib.abstract(cfg)[0], tx, schedule, state_layout(cfg, task, mesh, tx, feed.rows))
 
 
-def compile_steps(cfg, task, graph, tx, layout, ds, feed):
+def compile_steps(cfg, task, built, ds, flops=None):
     """The jitted train step (the state donated: updated in place) and eval of a state's eval weights."""
-    train_step = jax.jit(make_train_step(cfg, task, graph, tx), in_shardings=(layout.shardings, feed.step_sharding),
-                         out_shardings=(layout.shardings, None), donate_argnums=0)
-    eval_step = jax.jit(functools.partial(task.eval_step, cfg, graph),
+    layout, feed = built.layout, built.feed
+    train_step = jax.jit(make_train_step(cfg, task, built.graph, built.tx), out_shardings=(layout.shardings, None),
+                         in_shardings=(layout.shardings, feed.step_sharding), donate_argnums=0)
+    eval_step = jax.jit(functools.partial(task.eval_step, cfg, built.graph),
                         in_shardings=(layout.shardings['params'], feed.eval_sharding))
-    evaluate_state = lambda state, n, save_to=None: evaluate(cfg, task, eval_step, state[task.eval_weights], ds,
-                                                             feed, n, save_to)
-    return Steps(train_step, evaluate_state)
+    return Steps(train_step, evaluator(cfg, task, eval_step, ds, feed), feed, built.schedule, flops)
 
 
 # ==================================================================================================

@@ -60,10 +60,10 @@ def checkpoint_costs(emulator, work):
     for name, keys in MODELS.items():
         cfg = train.resolve(train.load_config(BASE, ['mesh=1,1,1', *keys]), train.model_lib.TASKS['lm'], 'cpu')
         task, devices = train.model_lib.TASKS['lm'], jax.devices()[:1]
-        mesh, feed, graph, tx, layout = train.build(cfg, task, devices)
-        with jax.set_mesh(mesh), train.nnx.logical_axis_rules(cfg.logical_axis_rules):
-            state = train.init_state(cfg, layout)
-        it = types.SimpleNamespace(state=lambda: [{'row': 0}] * feed.rows, source='bench')
+        built = train.build(cfg, task, devices)
+        with jax.set_mesh(built.mesh), train.nnx.logical_axis_rules(cfg.logical_axis_rules):
+            state = train.init_state(cfg, built.layout)
+        it = types.SimpleNamespace(state=lambda: [{'row': 0}] * built.feed.rows, source='bench')
         n = sum(x.size for x in jax.tree.leaves(state['params']))
         for where in (os.path.join(work, name[:5]), f'{emulator.bucket()}/bench'):
             stall, commit = [], []

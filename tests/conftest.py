@@ -69,6 +69,11 @@ def config(tmp_path, *overrides, preset=LM):
     return train.resolve(cfg, train.model_lib.TASKS[cfg.task], 'cpu')
 
 
+def dataset(cfg, process_index=0, process_count=1):
+    """cfg's data as run() makes it: the task's own (model.Task.dataset), else the text pipelines."""
+    return train.data.make_dataset(cfg, process_index, process_count, None, train.model_lib.TASKS[cfg.task].dataset)
+
+
 def train_state(cfg, devices):
     """(mesh, layout, train state, optimizer) of cfg on these devices, built as run() builds them."""
     mesh, tx = train.make_mesh(cfg, devices), train.make_optimizer(cfg)[0]

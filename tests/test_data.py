@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import data
-from conftest import HF, ROOT, SUDOKU, TEXT, VOCAB, config, documents_text, write_corpus, write_parquet
+from conftest import HF, ROOT, SUDOKU, TEXT, VOCAB, config, dataset, documents_text, write_corpus, write_parquet
 
 
 @pytest.fixture(scope='module')
@@ -76,7 +76,7 @@ def rest_of_epoch(ds, it, rows, first=0, limit=500):
 
 def test_files_build_tokenizer_and_cache_reuse(tmp_path, corpus, monkeypatch):
     cfg = files_cfg(tmp_path, corpus)
-    ds = data.make_dataset(cfg)
+    ds = dataset(cfg)
     assert ds.vocab_size == VOCAB and len(ds.train_texts) == 12 and len(ds.eval_texts) == 4
     text = ds.train_texts[0]
     assert ds.tokenizer.decode(ds.tokenizer.encode(text)) == text  # code layout survives
@@ -91,27 +91,27 @@ def test_files_build_tokenizer_and_cache_reuse(tmp_path, corpus, monkeypatch):
     def no_training(*args):
         raise AssertionError('the cached tokenizer should have been reused')
     monkeypatch.setattr(data, '_train_tokenizer', no_training)
-    again = data.make_dataset(cfg)
+    again = dataset(cfg)
     assert again.train_texts[0] == text
     after = {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
              for d, _, fs in os.walk(cfg.cache_dir) for f in fs if f != '.lock'}
     assert after == {p: t for p, t in stamps.items() if not p.endswith('.lock')}  # nothing rebuilt
 
     # Another glob is another dataset: it gets its own prepared copy.
-    other = data.make_dataset(files_cfg(tmp_path, corpus, f'dataset_path={corpus}/train/train0*.txt',
+    other = dataset(files_cfg(tmp_path, corpus, f'dataset_path={corpus}/train/train0*.txt',
                                         f'tokenizer_path={[p for p in stamps if p.endswith(".model")][0]}'))
     assert len(other.train_texts) == 10
 
 
 def test_held_out_split_without_eval_path(tmp_path, corpus):
-    ds = data.make_dataset(files_cfg(tmp_path, corpus, 'eval_path='))
+    ds = dataset(files_cfg(tmp_path, corpus, 'eval_path='))
     train = {ds.train_texts[i] for i in range(len(ds.train_texts))}
     held = {ds.eval_texts[i] for i in range(len(ds.eval_texts))}
     assert held and not train & held and len(train) + len(held) == 12
 
 
 def test_packing_reproduces_documents_and_pads(tmp_path, corpus):
-    ds = data.make_dataset(files_cfg(tmp_path, corpus))
+    ds = dataset(files_cfg(tmp_path, corpus))
     n = 40  # far more than the 4 eval documents fill: the tail is padding
     batches = ds.eval_batches(3, n)
     docs = documents(batches, ds.eos_id)
@@ -139,7 +139,7 @@ def test_pack_small_example():
 def test_two_hosts_read_disjoint_records_covering_all(tmp_path, corpus):
     """Host p of 2 reads lanes 2p, 2p+1 of 4: lane r reads the shuffled order's positions r, r + 4, r + 8."""
     cfg = files_cfg(tmp_path, corpus)
-    hosts = [data.make_dataset(cfg, p, 2) for p in range(2)]
+    hosts = [dataset(cfg, p, 2) for p in range(2)]
     seen = []
     for p, host in enumerate(hosts):  # the first epoch of each host holds exactly its own documents
         it = host.train_iter(2)
@@ -162,7 +162,7 @@ def test_text_resume_is_exact(tmp_path, corpus, prefetch, source):
     else:
         write_parquet(str(tmp_path / 'train.parquet'), 12, 'train', 0)
         cfg = config(tmp_path, f'hf_data_files={tmp_path}/train.parquet', f'prefetch={prefetch}', preset=HF)
-    ds = data.make_dataset(cfg)
+    ds = dataset(cfg)
     it = ds.train_iter(3)
     for _ in range(5):
         next(it)
@@ -181,12 +181,12 @@ def test_hf_dataset_held_out_split_and_text_key(tmp_path):
     same every time); a text_key the records lack is one line naming it."""
     write_parquet(str(tmp_path / 'd.parquet'), 200, 'doc', 0)
     cfg = config(tmp_path, f'hf_data_files={tmp_path}/d.parquet', preset=HF)
-    ds = data.make_dataset(cfg)
+    ds = dataset(cfg)
     train, held = [ds.train_texts[i] for i in range(len(ds.train_texts))], [ds.eval_texts[i] for i in range(len(ds.eval_texts))]
     assert 0 < len(held) < 20 and len(train) + len(held) == 200 and not set(train) & set(held)
-    assert held == [data.make_dataset(cfg).eval_texts[i] for i in range(len(held))]
+    assert held == [dataset(cfg).eval_texts[i] for i in range(len(held))]
     with pytest.raises(data.DataError, match="text_key='body' is not a feature of the records .*'id', 'text'"):
-        data.make_dataset(config(tmp_path, f'hf_data_files={tmp_path}/d.parquet', 'text_key=body', preset=HF))
+        dataset(config(tmp_path, f'hf_data_files={tmp_path}/d.parquet', 'text_key=body', preset=HF))
 
 
 def test_hf_stream_reads_every_document_once_and_resumes_there(tmp_path):
@@ -197,7 +197,7 @@ def test_hf_stream_reads_every_document_once_and_resumes_there(tmp_path):
     write_parquet(str(tmp_path / 'd.parquet'), 8, 'doc', 0)
     cfg = config(tmp_path, f'hf_data_files={tmp_path}/d.parquet', 'hf_streaming=true', 'eval_batches=0', 'prefetch=2',
                  preset=HF)
-    ds = data.make_dataset(cfg)
+    ds = dataset(cfg)
     want = [ds.encode(t).tolist() for t in documents_text(8, 'doc', 0)]
     it = ds.train_iter(2)
     first = [next(it) for _ in range(3)]
@@ -213,33 +213,33 @@ def test_hf_stream_reads_every_document_once_and_resumes_there(tmp_path):
     resumed.close()
     shares = []
     for p in range(2):
-        host = data.make_dataset(cfg, p, 2).train_iter(1)
+        host = dataset(cfg, p, 2).train_iter(1)
         shares.append(documents([next(host) for _ in range(40)], ds.eos_id)[:4])
         host.close()
     assert sorted(map(tuple, shares[0] + shares[1])) == sorted(map(tuple, want))
     with pytest.raises(data.DataError, match='a streaming run resumes on the process count that wrote it'):
-        data.make_dataset(cfg, 0, 2).train_iter(1, state={'lanes': state['lanes'][:2], 'source': ds.identity})
+        dataset(cfg, 0, 2).train_iter(1, state={'lanes': state['lanes'][:2], 'source': ds.identity})
 
 
 def test_tfds_data_source_with_mock_data(tmp_path, corpus):
     import tensorflow_datasets as tfds
-    tokenizer = data.make_dataset(files_cfg(tmp_path, corpus)).tokenizer.serialized_model_proto()
+    tokenizer = dataset(files_cfg(tmp_path, corpus)).tokenizer.serialized_model_proto()
     (tmp_path / 'tok.model').write_bytes(tokenizer)
     tfds_args = ['dataset=tfds', 'tfds_name=imdb_reviews', 'eval_split=test', 'text_key=text',
                  f'tokenizer_path={tmp_path}/tok.model', f'vocab_size={VOCAB}', 'max_target_length=16', 'prefetch=1']
     cfg = config(tmp_path, *tfds_args, preset=())
     with tfds.testing.mock_data(num_examples=6):
-        ds = data.make_dataset(cfg)
+        ds = dataset(cfg)
         it = ds.train_iter(2)
         batches = [next(it) for _ in range(6)]
         it.close()
     assert len(ds.train_texts) == 6 and any(documents(lane, ds.eos_id) for lane in lanes(batches))
     with tfds.testing.mock_data(num_examples=6), pytest.raises(data.DataError, match='text_key'):
-        next(data.make_dataset(config(tmp_path, *tfds_args, 'text_key=nope', preset=())).train_iter(2))
+        next(dataset(config(tmp_path, *tfds_args, 'text_key=nope', preset=())).train_iter(2))
 
 
 def test_default_stdlib_dataset(tmp_path):
-    ds = data.make_dataset(config(tmp_path, preset=()))
+    ds = dataset(config(tmp_path, preset=()))
     assert ds.vocab_size == 1024 and len(ds.train_texts) > 100 and len(ds.eval_texts) > 5
     it = ds.train_iter(2)
     batch = next(it)
@@ -249,8 +249,8 @@ def test_default_stdlib_dataset(tmp_path):
 
 def test_synthetic_global_batch_does_not_depend_on_process_count(tmp_path):
     cfg = config(tmp_path, 'vocab_size=50', 'max_target_length=16')  # the LM preset: synthetic tokens
-    one = data.make_dataset(cfg).train_iter(8)
-    two = [data.make_dataset(cfg, p, 2).train_iter(4) for p in range(2)]
+    one = dataset(cfg).train_iter(8)
+    two = [dataset(cfg, p, 2).train_iter(4) for p in range(2)]
     for _ in range(3):
         whole, halves = next(one), [next(it) for it in two]
         for k in whole:
@@ -266,18 +266,18 @@ def test_user_errors_name_the_key(tmp_path, corpus):
              ('vocab_size=100000', 'vocab_size=100000')]
     for override, key in cases:
         with pytest.raises(data.DataError, match=key):
-            data.make_dataset(files_cfg(tmp_path, corpus, override))
+            dataset(files_cfg(tmp_path, corpus, override))
     with pytest.raises(data.DataError, match='tfds_name='):
-        data.make_dataset(config(tmp_path, 'dataset=tfds', 'tfds_name=no_such_dataset_xyz', preset=()))
+        dataset(config(tmp_path, 'dataset=tfds', 'tfds_name=no_such_dataset_xyz', preset=()))
     with pytest.raises(data.DataError, match='dataset_path='):
-        data.make_dataset(config(tmp_path, f'dataset_path={tmp_path}/missing.csv', preset=SUDOKU))
+        dataset(config(tmp_path, f'dataset_path={tmp_path}/missing.csv', preset=SUDOKU))
 
 
 def test_vocab_mismatch(tmp_path, corpus):
-    model = data.make_dataset(files_cfg(tmp_path, corpus)).tokenizer.serialized_model_proto()
+    model = dataset(files_cfg(tmp_path, corpus)).tokenizer.serialized_model_proto()
     (tmp_path / 'tok.model').write_bytes(model)
     with pytest.raises(data.DataError, match=f'vocab_size=512 .*tok.model.* set vocab_size={VOCAB}'):
-        data.make_dataset(files_cfg(tmp_path, corpus, 'vocab_size=512', f'tokenizer_path={tmp_path}/tok.model'))
+        dataset(files_cfg(tmp_path, corpus, 'vocab_size=512', f'tokenizer_path={tmp_path}/tok.model'))
 
 
 def test_prefetch_thread_errors_reraise_and_close_stops():
@@ -456,7 +456,7 @@ def test_a_list_of_blanks_is_taken_in_turn(tmp_path):
     assert config(tmp_path, preset=SUDOKU).sudoku_blanks == (45,)  # base.yml's single 45
     cfg = config(tmp_path, 'sudoku_blanks=30,81', 'sudoku_train_puzzles=4', 'sudoku_eval_puzzles=2', preset=SUDOKU)
     assert cfg.sudoku_blanks == (30, 81)
-    assert np.array_equal(data.make_dataset(cfg).train_q, data.generate_sudoku(4, (30, 81), cfg.seed)[0])  # via its cache
+    assert np.array_equal(dataset(cfg).train_q, data.generate_sudoku(4, (30, 81), cfg.seed)[0])  # via its cache
 
 
 def test_sudoku_dataset_train_eval_disjoint(tmp_path, monkeypatch):
@@ -470,7 +470,7 @@ def test_sudoku_dataset_train_eval_disjoint(tmp_path, monkeypatch):
         return q, a
     monkeypatch.setattr(data, 'generate_sudoku', overlapping)
     cfg = config(tmp_path, 'sudoku_train_puzzles=20', 'sudoku_eval_puzzles=8', 'sudoku_blanks=40', preset=SUDOKU)
-    ds = data.make_dataset(cfg)
+    ds = dataset(cfg)
     assert ds.vocab_size == 11 and len(ds.train_q) == 20 and len(ds.eval_q) == 8  # the 3 repeats dropped
     train = {s.tobytes() for s in ds.train_a}
     assert not any(s.tobytes() in train for s in ds.eval_a)
@@ -497,7 +497,7 @@ def test_augment_keeps_puzzles_valid():
 def test_sudoku_resume_is_exact(tmp_path, prefetch):
     cfg = config(tmp_path, 'sudoku_train_puzzles=10', 'sudoku_eval_puzzles=4', 'sudoku_blanks=30',
                  f'prefetch={prefetch}', preset=SUDOKU)
-    ds = data.make_dataset(cfg)
+    ds = dataset(cfg)
     it = ds.train_iter(4)
     for _ in range(3):
         next(it)
@@ -522,7 +522,7 @@ def test_sudoku_csv_roundtrip_and_cli(tmp_path):
     q2, a2 = data.read_sudoku_csv(str(tmp_path / 'copy.csv'))
     assert np.array_equal(q, q2) and np.array_equal(a, a2)
     cfg = config(tmp_path, f'dataset_path={out}', f'eval_path={tmp_path}/copy.csv', preset=SUDOKU)
-    assert len(data.make_dataset(cfg).eval_q) == 3
+    assert len(dataset(cfg).eval_q) == 3
 
 
 @pytest.mark.parametrize('layout', ['public q,a', 'question,answer', 'no header', 'bare pairs, 0 for blanks'])

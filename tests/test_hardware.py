@@ -17,7 +17,7 @@ import pytest
 
 import data
 import train
-from conftest import (BASE, ENV, HF, ROOT, SUDOKU, TEXT, args, config, losses, metrics, start_trainer,
+from conftest import (BASE, ENV, HF, ROOT, SUDOKU, TEXT, args, config, dataset, losses, metrics, start_trainer,
                       trainer_results, write_corpus, write_parquet)
 
 
@@ -242,7 +242,7 @@ def test_elastic_resume_reads_what_an_uninterrupted_run_reads(tmp_path, source):
         return [{k: sum((b[k] for b in batches), []) for k in batches[0]} for batches in zip(*read)]  # process 0 first
 
     got = run(2, 1) + run(4, 2) + run(6, 1)
-    it = data.make_dataset(config(tmp_path, *keys, preset=preset)).train_iter(4)
+    it = dataset(config(tmp_path, *keys, preset=preset)).train_iter(4)
     assert got == [{k: v.tolist() for k, v in next(it).items()} for _ in range(6)]
     it.close()
 

@@ -435,6 +435,18 @@ def test_base_yml_and_the_schema_name_the_same_keys():
     assert not set(train.KEYS) - set(keys), f'in the schema, not in base.yml: {sorted(set(train.KEYS) - set(keys))}'
 
 
+def test_train_py_names_nothing_of_the_puzzle():
+    """The task owns its keys and words (model.Task: keys, shown, dataset): no puzzle key, decoder or metric
+    name appears in train.py's code (its names and strings; comments and docstrings may say what a task is)."""
+    import tokenize
+    with open(os.path.join(ROOT, 'train.py')) as f:
+        toks = [t.string for t in tokenize.generate_tokens(f.readline) if t.type in (tokenize.NAME, tokenize.STRING)]
+    code = '\n'.join(t for t in toks if not t.startswith(('"""', "'''"))).lower()
+    names = [n for task in model_lib.TASKS.values() for _, keys in task.keys for n in keys.split()]
+    names += ['sudoku', 'DECODERS', 'exact', 'thought', 'halt', 'beam', 'solved']
+    assert len(names) > 30 and not sorted({n for n in names if n.lower() in code}), names
+
+
 def test_override_types(tmp_path):
     cfg = config(tmp_path, 'mesh=4,4,2', 'learning_rate=1', 'scan_layers=false', 'logical_axis_rules=[[batch, data]]')
     assert cfg.mesh == (4, 4, 2) and cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
