@@ -640,6 +640,7 @@ HELD = {}  # run directory -> whether it is still the one this run opened (fille
 def check_held(path):
     """A run holds the directory it opened, not its path: one moved away, or replaced by another (a disk's by
     its inode, a bucket's by the run's lease on it), stops the run before it writes into what is there now."""
+    path = path if remote(path) else os.path.abspath(path)  # orbax names its directory absolutely
     for run_dir, still_ours in HELD.items():
         if path.startswith(run_dir) and not still_ours():
             raise WriteError(f'{run_dir} was moved or replaced under this run: stopped without writing into what is '
@@ -1652,11 +1653,12 @@ def run_directory(cfg):
         raise (WriteError if remote(run_dir) else ConfigError)(
             f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable '
             'output_dir') from None
-    HELD[run_dir] = held(run_dir, lock)
+    key = run_dir if remote(run_dir) else os.path.abspath(run_dir)
+    HELD[key] = held(run_dir, lock)
     try:
         yield run_dir
     finally:
-        HELD.pop(run_dir, None)
+        HELD.pop(key, None)
         if lock:
             lock.close()
 

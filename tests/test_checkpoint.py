@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import train
-from conftest import (ENV, HF, ROOT, TEXT, args, config, losses, metrics, read_checkpoint, train_state, train_step,
+from conftest import (BASE, ENV, HF, ROOT, TEXT, args, config, losses, metrics, read_checkpoint, train_state, train_step,
                       write_parquet)
 
 # The text run interrupted below: real code (the first 40 stdlib modules, documents spanning many rows), two
@@ -489,3 +489,14 @@ def test_a_resume_whose_tokenizer_would_change_stops_naming_it(tmp_path):
     write_corpus(tmp_path / 'corpus', 6, 'other', 1)
     with pytest.raises(train.ConfigError, match=r'tokenizer would change with the training text .*start a new run_name'):
         train.run(config(tmp_path, 'steps=4', *keys, preset=TEXT), jax.devices()[:1])
+
+
+def test_a_run_holds_its_directory_whatever_form_its_path_takes(tmp_path, monkeypatch):
+    """Under a relative output_dir, a swap is caught on the paths as written and as orbax names them (absolute)."""
+    monkeypatch.chdir(tmp_path)
+    with train.run_directory(train.load_config(BASE, args(tmp_path, 'output_dir=rel'))):
+        os.rename('rel/default', 'moved')
+        os.makedirs('rel/default')
+        for path in ('rel/default/metrics.jsonl', str(tmp_path / 'rel' / 'default' / 'checkpoints')):
+            with pytest.raises(train.WriteError, match='was moved or replaced under this run'):
+                train.check_held(path)
