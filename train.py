@@ -642,7 +642,7 @@ def check_held(path):
     its inode, a bucket's by the run's lease on it), stops the run before it writes into what is there now."""
     path = path if remote(path) else os.path.abspath(path)  # orbax names its directory absolutely
     for run_dir, still_ours in HELD.items():
-        if path.startswith(run_dir) and not still_ours():
+        if (path == run_dir or path.startswith(run_dir.rstrip('/') + '/')) and not still_ours():
             raise WriteError(f'{run_dir} was moved or replaced under this run: stopped without writing into what is '
                              'there now (what the run wrote went with its directory)')
 
