@@ -15,7 +15,6 @@ import time
 import jax
 import pytest
 
-import data
 import train
 from conftest import (BASE, ENV, HF, ROOT, SUDOKU, TEXT, args, config, dataset, losses, metrics, start_trainer,
                       trainer_results, write_corpus, write_parquet)
