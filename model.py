@@ -168,19 +168,26 @@ def narrow_product_bwd(eq, dtypes, xw, g):
 
 
 def contract(a_spec, b_spec, out_spec, a, b):
-    """einsum a_spec,b_spec->out_spec accumulating in float32, with a's summed axes moved last first.
-    XLA:CPU's bf16 matmuls (YNNPACK) take only a left operand stored with its contracted axes last; any
-    other bf16 x bf16 dot it converts to float32 x float32. A weight gradient sums over the rows, which
-    lead: the rows go last by a real transposed copy. A plain transpose would not do: XLA:CPU folds it
-    into the dot as a layout (the same column-major read), while through a unit axis it must be copied."""
-    lead = next((c for c in out_spec if (c in a_spec) != (c in b_spec)), a_spec[0])  # result's first non-batch axis
-    if lead not in a_spec:  # its operand goes first, so the dot's [batch, lhs, rhs] result is the one wanted
-        (a_spec, a), (b_spec, b) = (b_spec, b), (a_spec, a)
-    summed = [c for c in a_spec if c in b_spec and c not in out_spec]
-    order = ''.join([c for c in a_spec if c not in summed] + summed)
-    if order != a_spec:
-        a, a_spec = transposed(a, [a_spec.index(c) for c in order]), order
-    return jnp.einsum(f'{a_spec},{b_spec}->{out_spec}', a, b, preferred_element_type=jnp.float32)
+    """einsum a_spec,b_spec->out_spec accumulating in float32, in the one form XLA:CPU's bf16 matmuls (YNNPACK) take:
+    the left operand stored with its summed axes last, the result in the dot's own order (shared axes, the left's,
+    the right's); any other bf16 x bf16 dot it runs as float32 x float32. A weight gradient sums over the rows,
+    which lead both operands, so one of them is copied transposed: of the two ways (either operand on the left,
+    the result transposed after if its order differs) the one that moves fewer bytes. For the MLP's down
+    projection that copies the [rows, d_model] gradient, not the [rows, mlp_dim] activation."""
+    def plan(l_spec, r_spec, l):
+        summed = [c for c in l_spec if c in r_spec and c not in out_spec]
+        order = ''.join([c for c in l_spec if c not in summed] + summed)
+        natural = ''.join([c for c in order if c in r_spec and c in out_spec] + [c for c in order if c not in r_spec]
+                          + [c for c in r_spec if c not in l_spec])
+        out_size = math.prod(dict(zip(a_spec + b_spec, a.shape + b.shape))[c] for c in out_spec)
+        return (order != l_spec) * l.size * l.dtype.itemsize + (natural != out_spec) * out_size * 4, order, natural
+    (cost, order, natural), swap = min((plan(a_spec, b_spec, a), False), (plan(b_spec, a_spec, b), True),
+                                       key=lambda p: p[0][0])
+    (l_spec, l), (r_spec, r) = ((b_spec, b), (a_spec, a)) if swap else ((a_spec, a), (b_spec, b))
+    if order != l_spec:
+        l = transposed(l, [l_spec.index(c) for c in order])
+    y = jnp.einsum(f'{order},{r_spec}->{natural}', l, r, preferred_element_type=jnp.float32)
+    return y if natural == out_spec else transposed(y, [natural.index(c) for c in out_spec])
 
 
 narrow_product.defvjp(narrow_product_fwd, narrow_product_bwd)
