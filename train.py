@@ -44,8 +44,6 @@ import pydantic
 import safetensors.numpy
 import yaml
 from etils import epath
-from gcsfs.retry import HttpError
-from google.auth import exceptions as auth_exceptions
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from pydantic import BeforeValidator, Field
@@ -609,7 +607,7 @@ def evaluator(cfg, task, eval_step, ds, feed):
 # local or gs://bucket/... (gcsfs underneath, without TensorFlow). GCS has no append and no file locks:
 # append() composes objects, and a run owns a gs:// directory through a lease object (BucketLease).
 # ==================================================================================================
-STORAGE_ERRORS = (OSError, HttpError, auth_exceptions.GoogleAuthError)  # what a disk or a bucket can raise
+STORAGE_ERRORS = (OSError,)  # what a disk can raise; a bucket adds gcsfs's HTTP and credential errors (use_gcs)
 
 
 def remote(path):
@@ -618,12 +616,24 @@ def remote(path):
 
 def stored(path):
     """epath.Path of a local path (absolute: orbax writes it into its metadata) or a gs:// one (as given)."""
+    if remote(path):
+        use_gcs()
     return epath.Path(path if remote(path) else os.path.abspath(os.path.expanduser(path)))
+
+
+def use_gcs():
+    """gcsfs, loaded by the first gs:// path (its import costs a local run half a second); from then on its HTTP
+    and credential errors count as storage errors."""
+    global STORAGE_ERRORS
+    from gcsfs.retry import HttpError
+    from google.auth.exceptions import GoogleAuthError
+    STORAGE_ERRORS = (OSError, HttpError, GoogleAuthError)
 
 
 def gcs():
     """The gcsfs file system epath itself uses (fsspec keeps one instance, so both see one listings cache)."""
     import fsspec
+    use_gcs()
     return fsspec.filesystem('gs')
 
 
@@ -688,9 +698,10 @@ def check_credentials(cfg):
     if not used or os.environ.get('STORAGE_EMULATOR_HOST'):
         return
     import google.auth
+    use_gcs()
     try:
         google.auth.default()
-    except auth_exceptions.DefaultCredentialsError as e:
+    except google.auth.exceptions.DefaultCredentialsError as e:
         raise WriteError(f'{used[0]}={getattr(cfg, used[0])}: no Google credentials found ({storage_reason(e)}); on '
                          'a Cloud TPU VM the VM\'s service account is used, elsewhere run `gcloud auth '
                          'application-default login` or set GOOGLE_APPLICATION_CREDENTIALS') from None
@@ -1001,20 +1012,20 @@ PEAK_BF16_FLOPS = {  # per JAX device (a v2/v3 device is one core = half a chip)
 @functools.lru_cache  # once per process: the machine's peak does not change between runs in it
 def device_peak_flops(dtype, device):
     """bf16 peak from the table; on CPU measured now, in the compute dtype on all cores: the best of two
-    matmul shapes, each warmed and then timed five times. A busy machine still reads low, which
-    `rates` corrects when the step itself runs faster."""
+    matmul shapes, each warmed and then timed eight times (0.1 s; larger squares ran no faster on 2 cores). A busy
+    machine still reads low, which `rates` corrects when the step itself runs faster."""
     for name, flops in PEAK_BF16_FLOPS.items():
         if name in device.device_kind:
             return flops, f'{device.device_kind} spec sheet'
     dt, f, best = jnp.dtype(dtype), jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32)), 0.0
-    for n in (1024, 2048):
+    for n in (512, 1024):
         a = jax.device_put(jnp.ones((n, n), dt), device)
         f(a).block_until_ready()
-        for _ in range(5):
+        for _ in range(8):
             t = time.perf_counter()
             f(a).block_until_ready()
             best = max(best, 2 * n ** 3 / (time.perf_counter() - t))
-    return best, f'best {dt.name} matmul of 1024^2 and 2048^2 on {device.device_kind}'
+    return best, f'best {dt.name} matmul of 512^2 and 1024^2 on {device.device_kind}'
 
 
 def log(msg):

@@ -22,6 +22,10 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:  # the run's first process (xd
     atexit.register(shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True)
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+# The suite is compile-bound: LLVM's least optimization (machine code only; XLA's graph passes, the HLO the tests
+# read, and the math are unchanged) compiles a tiny step in ~40% less CPU time, and tiny steps run as fast anyway.
+if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import jax  # noqa: E402  (after the environment it reads)
 
