@@ -35,12 +35,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIMS = dict(d_model=384, num_layers=4, num_heads=6, num_kv_heads=2, mlp_dim=1024, vocab_size=4096,
             max_target_length=256, per_device_batch=8)
 # Ours: the default command's settings (base.yml: dtype=auto, layers scanned), bf16 scanned (the default before
-# dtype=auto), and each dtype unscanned; 'noynn' runs with XLA_FLAGS=NOYNN: Eigen's dot kernels instead of
-# YNNPACK's (XLA:CPU's default in jax 0.10).
-NOYNN = '--xla_cpu_experimental_ynn_fusion_type='
+# dtype=auto), and each dtype unscanned; each also with one of FLAGS added to XLA_FLAGS ('jax default onednn'):
+# noynn = Eigen's dot kernels instead of YNNPACK's (XLA:CPU's default since jax 0.10), onednn = oneDNN's matmuls,
+# ynn-eltwise = YNNPACK fusing elementwise work into its dots too.
+FLAGS = {'noynn': '--xla_cpu_experimental_ynn_fusion_type=',
+         'onednn': '--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot',
+         'ynn-eltwise': '--xla_cpu_experimental_ynn_fusion_type=dot,eltwise'}
 OURS = {'jax default': [], 'jax bf16 scanned': ['dtype=bfloat16'], 'jax f32': ['dtype=float32', 'scan_layers=false'],
         'jax bf16': ['dtype=bfloat16', 'scan_layers=false']}
-OURS.update({f'{k} noynn': v for k, v in OURS.items()})
+OURS.update({f'{k} {flag}': v for k, v in list(OURS.items()) for flag in FLAGS})
 TORCH = ('torch fp32', 'torch bf16 autocast', 'torch.compile fp32', 'torch.compile bf16 autocast')
 # The benchmark step's matmul shapes ([rows, in] x [in, out]: projections, the MLP's down and its weight gradient, the
 # LM head) and the 2048^3 peak probe, for --kernels.
@@ -212,7 +215,7 @@ def main():
     p.add_argument('--torch-python', help="the torch venv's python (e.g. /tmp/tv/bin/python)")
     p.add_argument('--steps', type=int, default=12, help='steps per run; the first (compile) is not timed')
     p.add_argument('--repeats', type=int, default=3, help='alternating runs of every variant; medians reported')
-    p.add_argument('--variants', default=','.join(list(OURS) + list(TORCH)),
+    p.add_argument('--variants', default=','.join(list(OURS)[:4] + list(TORCH)),
                    help='comma-separated subset of: ' + ', '.join(list(OURS) + list(TORCH)))
     p.add_argument('--scaling', action='store_true', help='our scaling table: 3 sizes x 2 sequence lengths')
     p.add_argument('--kernels', action='store_true', help="the step's matmuls alone, jax vs torch, 1 core and all")
@@ -251,7 +254,7 @@ def main():
     for rep in range(args.repeats):
         for v in variants:
             if v in OURS:
-                r = run_ours(OURS[v], args.steps, out, xla_flags=NOYNN if v.endswith(' noynn') else '')
+                r = run_ours(OURS[v], args.steps, out, xla_flags=FLAGS.get(v.rsplit(' ', 1)[-1], ''))
             else:
                 proc = subprocess.run([args.torch_python, os.path.abspath(__file__), '--worker', v, '--tokens', tokens,
                                        '--flops', str(flops)], capture_output=True, text=True)
