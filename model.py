@@ -679,7 +679,6 @@ class Task:
     keys: tuple = ()              # its own config keys: (kind, 'key key ...'), kinds as train.kind_type reads them
     dataset: Callable = None      # (cfg, process_index, process_count, log) -> its data; None: the text pipelines
     shown: tuple = ()             # (metric, format) pairs the progress line adds after the loss
-    lm_memory: bool = True        # train.py's memory estimate (a language model's arithmetic) holds for it
 
 
 LM = Task(module=Transformer, loss=lm_loss, flops_per_token=lm_flops_per_token, eval_step=lm_eval_step,
@@ -1314,7 +1313,7 @@ SUDOKU_KEYS = (
     (('halting', 'random'), 'parallel.pick'),
 )
 SUDOKU = Task(
-    keys=SUDOKU_KEYS, dataset=data.SudokuData, lm_memory=False,
+    keys=SUDOKU_KEYS, dataset=data.SudokuData,
     shown=(('train_exact', 'solved {:.1%}'), ('eval_exact_accuracy', 'eval solved {:.1%}'),
            ('eval_cell_accuracy', 'cells {:.1%}')),
     module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token,

@@ -1383,7 +1383,7 @@ def train(cfg, task, state, it, steps, place):
         return {'step': start, 'run_dir': run_dir}
     writer = MetricsWriter(cfg, run_dir, start, task.shown)  # before the compile: a W&B login problem shows at once
     try:
-        t_xla, m = compile_step(cfg, task, steps.train, state, steps.feed, accum_at(cfg, start))
+        t_xla, m = compile_step(steps.train, state, steps.feed, accum_at(cfg, start))
         line, compiled_gb = compiled_line(m) if m else ('', None)
         log(f'step compiled in {t_xla:.1f}s; {line}')
         place.caught.saving = True  # from here a signal is noted and answered with a checkpoint
@@ -1406,13 +1406,11 @@ def train(cfg, task, state, it, steps, place):
     return summary
 
 
-def compile_step(cfg, task, train_step, state, feed, A):
+def compile_step(train_step, state, feed, A):
     """Compile the step for this state and an [A, B, L] batch ahead of its first call (which then reuses the
-    program), printing the memory estimate first where its language-model arithmetic holds for the task.
-    Returns (seconds, the compiler's memory analysis)."""
+    program). Returns (seconds, the compiler's memory analysis: its per-device figures are the truth for every
+    task, where a hand estimate would know only a language model's arithmetic)."""
     t0 = time.perf_counter()
-    if task.lm_memory:
-        log(estimate_line(cfg, memory_estimate(cfg, state, feed.step_sharding.mesh)))
     m = train_step.lower(state, abstract_batch(A, feed.rows, feed.length, feed.step_sharding)).compile()
     return time.perf_counter() - t0, m.memory_analysis()
 
@@ -1499,38 +1497,10 @@ TPU_SLICES = {  # slice name: (libtpu topology, chip config, HBM per JAX device;
 DOES_NOT_FIT = 4  # exit code of compile_topology when the step needs more HBM than the slice has
 
 
-def memory_estimate(cfg, abstract, mesh):
-    """Per-device bytes predicted from the config, to set beside the compiler's figures: the state as
-    sharded, float32 gradients, and the activations one microbatch keeps for the backward pass."""
-    shard = lambda x, size=None: math.prod(x.sharding.shard_shape(x.shape)) * (size or x.dtype.itemsize)
-    params = sum(shard(x) for x in jax.tree.leaves(abstract['params']))
-    splits = lambda logical, shape: math.prod(mesh.shape[a] for s in mesh_spec(logical, shape, cfg, mesh)
-                                             for a in ((s,) if isinstance(s, str) else s or ()))
-    L, D, F, H, G, K = (cfg.max_target_length, cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads,
-                        model_lib.dims(cfg))
-    rows = cfg.per_device_batch * mesh.size
-    tokens = rows * L / splits(('batch', 'length'), (rows, L))
-    t = splits(('heads',), (H,))
-    scores = 0 if cfg.attention == 'splash' else 2 * H * L  # the flash kernel keeps none of the [L, T] scores
-    per_layer = {  # values kept per token per layer, in the compute dtype
-        'full': D,  # only the layer input; everything else is recomputed
-        'save_dots': 3 * D + ((H + 2 * G) * K + H * K + 2 * F) / t,
-        'none': 6 * D + (2 * (H + 2 * G) * K + H * K + 4 * F + scores) / t}[cfg.remat]
-    V = cfg.vocab_tile or cfg.vocab_size / splits(('vocab',), (cfg.vocab_size,))  # logits alive at once, per token
-    acts = tokens * (cfg.num_layers * per_layer * jnp.dtype(cfg.dtype).itemsize + 3 * 4 * V)  # f32 logits, softmax, grad
-    return {'params': params, 'optimizer': sum(shard(x) for x in jax.tree.leaves(abstract['opt_state'])),
-            'gradients': sum(shard(x, 4) for x in jax.tree.leaves(abstract['params'])), 'activations': int(acts)}
-
-
 def abstract_batch(A, rows, L, sharding):
     """The step's [A, rows, L] batch as shapes only: to compile ahead of time, nothing read."""
     return {k: jax.ShapeDtypeStruct((A, rows, L), jnp.float32 if k == 'loss_mask' else jnp.int32, sharding=sharding)
             for k in ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')}
-
-
-def estimate_line(cfg, est):
-    return ('estimate per device: ' + ', '.join(f'{k} {gb(v)}' for k, v in est.items()) +
-            f' (remat={cfg.remat}) = {gb(sum(est.values()))}')
 
 
 def compiled_line(m):
@@ -1568,7 +1538,7 @@ def fit_memory(cfg, task, devices):
     step = compile_steps(cfg, task, built, None).train
     try:
         with jax.set_mesh(built.mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
-            seconds, m = compile_step(cfg, task, step, built.layout.abstract, built.feed, cfg.grad_accum)
+            seconds, m = compile_step(step, built.layout.abstract, built.feed, cfg.grad_accum)
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program over its HBM
         if 'RESOURCE_EXHAUSTED' not in str(e):
             raise
