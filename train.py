@@ -1148,6 +1148,14 @@ def open_wandb(cfg, run_dir):
     write(path, run_id + '\n')
     local = os.path.join(tempfile.gettempdir(), 'wandb', cfg.run_name) if remote(run_dir) else run_dir
     os.makedirs(local, exist_ok=True)
+    # wandb's core keeps its logs in its cache directory (~/.cache/wandb) and, where it cannot make that (a home
+    # that is not writable), prints them on stderr instead, line after line: then the cache goes beside the run.
+    cache = os.environ.get('WANDB_CACHE_DIR') or os.path.join(
+        os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'wandb')
+    with contextlib.suppress(OSError):
+        os.makedirs(cache, exist_ok=True)
+    if not os.access(cache, os.W_OK):
+        os.environ['WANDB_CACHE_DIR'] = os.path.join(local, 'wandb-cache')
     try:
         return wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity or None, id=run_id, resume='allow',
                           name=cfg.run_name, dir=local, config=cfg.model_dump(mode='json'),

@@ -365,8 +365,11 @@ def wandb_history(run_dir):
 def test_wandb_offline_run_equals_metrics_across_a_resume(tmp_path):
     """wandb_project= with WANDB_MODE=offline, stopped by SIGTERM after its step-10 checkpoint (a checkpoint at
     the step it stops at) and rerun: the W&B run (one id, kept in the run directory) holds every step once, with
-    the values metrics.jsonl holds."""
-    env = {**ENV, 'WANDB_MODE': 'offline'}
+    the values metrics.jsonl holds. The home directory is not writable (wandb's cache cannot go there): nothing on
+    stderr all the same."""
+    (tmp_path / 'a-file').touch()
+    env = {**{k: v for k, v in ENV.items() if k not in ('XDG_CACHE_HOME', 'WANDB_CACHE_DIR')}, 'WANDB_MODE': 'offline',
+           'HOME': str(tmp_path / 'a-file' / 'home')}
     cmd = [sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'steps=40', 'checkpoint_every=10',
                                                           'wandb_project=trainer-test')]
     assert run_until(cmd, tmp_path, 15, signal.SIGTERM, env)[0] == 75
