@@ -181,7 +181,7 @@ def contract(a_spec, b_spec, out_spec, a, b):
                           + [c for c in r_spec if c not in l_spec])
         out_size = math.prod(dict(zip(a_spec + b_spec, a.shape + b.shape))[c] for c in out_spec)
         return (order != l_spec) * l.size * l.dtype.itemsize + (natural != out_spec) * out_size * 4, order, natural
-    (cost, order, natural), swap = min((plan(a_spec, b_spec, a), False), (plan(b_spec, a_spec, b), True),
+    (_, order, natural), swap = min((plan(a_spec, b_spec, a), False), (plan(b_spec, a_spec, b), True),
                                        key=lambda p: p[0][0])
     (l_spec, l), (r_spec, r) = ((b_spec, b), (a_spec, a)) if swap else ((a_spec, a), (b_spec, b))
     if order != l_spec:
