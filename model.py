@@ -881,8 +881,7 @@ def halt_decode(preds_SNL, q_SN, rule='first'):
 def parallel_decode(cfg, graph, params, q_BL, steps):
     """decoder=trm_parallel: J = parallel.trajectories runs of the TRM per puzzle, each decoded by the
     trm.eval_halt rule, the first without noise and the others with parallel.noise on the latent; the
-    answer is the one the halting head is surest of (highest q; parallel.pick=random: a random one, the
-    control). No Sudoku rule is used. The draws depend on the puzzle and the trajectory, not on the batch.
+    answer is the one the halting head is surest of (highest q). No Sudoku rule is used. The draws depend on the puzzle and the trajectory, not on the batch.
     Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every trajectory's)."""
     B, L = q_BL.shape
     J = cfg.parallel.trajectories
@@ -892,9 +891,6 @@ def parallel_decode(cfg, graph, params, q_BL, steps):
     run = trm_steps(cfg, graph, params, jnp.repeat(q_BL, J, axis=0), steps,
                     (keys_BJ.reshape(B * J), scale_N[:, None, None]))
     preds_SNL, q_SN, halt_N = halt_decode(run.preds_SNL, run.halt_SN, cfg.trm.eval_halt)
-    if cfg.parallel.pick == 'random':
-        q_SN = jnp.broadcast_to(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1 << 20)))(keys_BJ.ravel()),
-                                q_SN.shape)
     best_SB = jnp.argmax(q_SN.reshape(steps, B, J), axis=-1)
     preds_SBL = jnp.take_along_axis(preds_SNL.reshape(steps, B, J, L), best_SB[..., None, None], axis=2)[:, :, 0]
     return preds_SBL, halt_N.reshape(B, J).sum(axis=1)
@@ -948,7 +944,7 @@ def value_bce(log_v_B, label_B):
 
 
 def puzzle_hash(q_BL):
-    """uint32[B]: a hash of each puzzle's givens. It seeds per-puzzle random draws (the shuffled control,
+    """uint32[B]: a hash of each puzzle's givens. It seeds per-puzzle random draws (trm_parallel's noise,
     eval's value states), so a puzzle's result does not depend on the batch around it."""
     mix_L = jnp.arange(q_BL.shape[-1], dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
     return jnp.sum(q_BL.astype(jnp.uint32) * mix_L, axis=-1)
@@ -1047,14 +1043,14 @@ class Search:
     cells: int = 1                     # cells one thought fills (thought_cells)
     max_depth: int = SUDOKU_LEN        # steps per puzzle at most
     max_thoughts: int = SUDOKU_LEN + 1  # states evaluated per puzzle at most
-    score: str = 'logp'                # 'value' | 'logp' | 'shuffled': see tree_search
+    score: str = 'logp'                # 'value' | 'logp': see tree_search
     logp_weight: float = 0.0           # ranking: log value + this x the path's summed log-prob
     frontier: int = 0                  # states held between steps (0 = width: a plain beam)
     rules: bool = True                 # the Sudoku rules: legal moves, dead ends, a valid grid ends the search
     propagate: bool = False            # with rules: every state gets the moves the rules force
 
 
-def tree_search(evaluate, q_BL, search, key=None):
+def tree_search(evaluate, q_BL, search):
     """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled function.
     evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N], halting logit [N]).
 
@@ -1066,8 +1062,6 @@ def tree_search(evaluate, q_BL, search, key=None):
     continue, ranked by `score` (cum = the path's summed log-prob):
       'value'    log value + logp_weight x cum: ToT
       'logp'     cum only (plain beam search, no value head)
-      'shuffled' as 'value' with the value scores permuted at random among a puzzle's candidates (control;
-                 the draws depend on the key, the puzzle and the depth only, not on the batch around it)
     A `finished` grid ends a puzzle's search: a complete candidate, or any state's blanks filled by the
     policy's argmax (checked at every state, no extra pass); a complete one that is not is dropped.
     rules=False: no rule checks anywhere, the halting head decides what is finished. propagate: the root and
@@ -1091,9 +1085,8 @@ def tree_search(evaluate, q_BL, search, key=None):
     fill0 = fill_argmax(q_BL, logp0[:, 0])
     done = finished(fill0, q0[:, 0], search.rules)
     carry = {'held': held, 'done': done, 'stop': done, 'answer': fill0, 'fallback': fill0,
-             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0), 'puzzle': puzzle_hash(q_BL)}
-    key = jax.random.key(0) if key is None else key
-    c = shrinking_loop(lambda c: search_step(evaluate, search, key, c), carry, shared=('depth',))
+             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0)}
+    c = shrinking_loop(lambda c: search_step(evaluate, search, c), carry, shared=('depth',))
     return jnp.where(c['done'][:, None], c['answer'], c['fallback']), c['evals']
 
 
@@ -1108,14 +1101,15 @@ def take_rows(x_BN, i_BK):
     return jnp.take_along_axis(x_BN, i_BK.reshape(*i_BK.shape, *[1] * (x_BN.ndim - 2)), axis=1)
 
 
-def search_step(evaluate, search, key, c):
+def search_step(evaluate, search, c):
     """One step of tree_search for every puzzle of the carry c: expand the best held states, evaluate
     and rank their candidates, note a finished answer, hold the M best states for the next step."""
     B, live_B = c['stop'].shape[0], ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
     cand, rest = expand(c['held'], search)
     g_BNL, alive_BN = cand['grid'], cand['alive']
     logp_BNLC, logv_BN, q_BN = evaluate_grids(evaluate, g_BNL)
-    s_BN = jnp.where(alive_BN, rank(search, key, c, cand, logv_BN), -jnp.inf)
+    rank_BN = cand['cum'] if search.score == 'logp' else logv_BN + search.logp_weight * cand['cum']
+    s_BN = jnp.where(alive_BN, rank_BN, -jnp.inf)
     fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
     ok_BN = alive_BN & finished(fill_BNL, q_BN, search.rules)
     pick = lambda x, i_B: take_rows(x, i_B[:, None])[:, 0]
@@ -1135,7 +1129,7 @@ def search_step(evaluate, search, key, c):
     stop = (c['stop'] | done | (evals >= search.max_thoughts) | ~jnp.any(top_BM > -jnp.inf, axis=1)
             | (depth >= search.max_depth))
     return {'held': held, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
-            'evals': evals, 'depth': depth, 'puzzle': c['puzzle']}
+            'evals': evals, 'depth': depth}
 
 
 def expand(held, search):
@@ -1156,22 +1150,10 @@ def expand(held, search):
     return {'grid': g_BNL, 'cum': (bm['cum'][..., None] + gain).reshape(B, N), 'alive': alive_BN}, rest
 
 
-def rank(search, key, c, cand, logv_BN):
-    """The candidates' scores by search.score (see tree_search)."""
-    if search.score == 'logp':
-        return cand['cum']
-    if search.score == 'shuffled':
-        N = logv_BN.shape[1]
-        draw = lambda p: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, p), c['depth']), (N,))
-        perm_BN = jnp.argsort(jnp.where(cand['alive'], jax.vmap(draw)(c['puzzle']), 2.0), axis=1)
-        logv_BN = jnp.take_along_axis(logv_BN, perm_BN, axis=1)
-    return logv_BN + search.logp_weight * cand['cum']
-
-
 # ==================================================================================================
 # The Sudoku task: the TRM's train state and metrics, decoding with cfg.decoder, host-side scoring.
 # ==================================================================================================
-DECODERS = ('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot', 'tot_shuffled')
+DECODERS = ('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot')
 
 
 def sudoku_search(cfg, decoder):
@@ -1180,7 +1162,7 @@ def sudoku_search(cfg, decoder):
     if decoder == 'greedy':
         return Search(rules=rules, propagate=rules and cfg.tot.propagate)
     return Search(cfg.beam_width, cfg.thoughts_per_step, cfg.thought_cells, cfg.max_depth, cfg.max_thoughts,
-                  {'beam_logp': 'logp', 'tot': 'value', 'tot_shuffled': 'shuffled'}[decoder], cfg.tot.logp_weight,
+                  {'beam_logp': 'logp', 'tot': 'value'}[decoder], cfg.tot.logp_weight,
                   cfg.tot.frontier, rules, rules and cfg.tot.propagate)
 
 
@@ -1201,7 +1183,7 @@ def sudoku_decode(cfg, graph, params, batch):
     elif cfg.decoder == 'trm_parallel':
         preds_SBL, passes_B = parallel_decode(cfg, graph, params, q_BL, steps)
     else:
-        grids_BL, evals_B = tree_search(evaluate, q_BL, sudoku_search(cfg, cfg.decoder), jax.random.key(cfg.seed))
+        grids_BL, evals_B = tree_search(evaluate, q_BL, sudoku_search(cfg, cfg.decoder))
         preds_SBL, passes_B = grids_BL[None] + 1, evals_B * steps
     partial_BL, label_B = puzzle_partial_states(jax.random.key(cfg.seed), q_BL, batch['targets'] - 1)
     log_value_B = trm_steps(cfg, graph, params, partial_BL, cfg.tot.value_step).log_value_N
@@ -1271,8 +1253,6 @@ def sudoku_check(cfg):
     """The puzzle task's own config rules: a message naming the key, or ''."""
     if cfg.mode == 'export' or cfg.load_hf:
         return f'{"mode=export" if cfg.mode == "export" else "load_hf"} is for task=lm (a TRM solver has no Llama form)'
-    if cfg.batch_ramp_start:
-        return 'batch_ramp_start: the ramp is for task=lm (the TRM carry holds grad_accum microbatches)'
     if cfg.mode == 'generate' and data.parse_grid(cfg.prompt) is None:
         return f'prompt={cfg.prompt!r}: give the puzzle as 81 characters, digits 1-9 and . or 0 for blanks, row by row'
     return ''
@@ -1310,7 +1290,6 @@ SUDOKU_KEYS = (
     (DECODERS, 'decoder'),
     (('first', 'best', 'last'), 'trm.eval_halt'),
     (('attention', 'mlp'), 'trm.mixer'),
-    (('halting', 'random'), 'parallel.pick'),
 )
 SUDOKU = Task(
     keys=SUDOKU_KEYS, dataset=data.SudokuData,

@@ -120,14 +120,14 @@ def kind_type(kind):
 # task's own (model.Task.keys).
 SCHEMA = [
     (Count, 'steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads mlp_dim '
-            'max_target_length grad_accum batch_ramp_every'),
+            'max_target_length grad_accum'),
     (Off, 'eval_every eval_batches checkpoint_every keep_checkpoints skip_nonfinite_steps top_k head_dim '
-          'batch_ramp_start warmup_steps prefetch seed'),
+          'warmup_steps prefetch seed'),
     (Positive, 'rope_theta norm_eps learning_rate adam_eps'),
     (NonNeg, 'temperature weight_decay grad_clip'),
     (Share, 'min_lr_ratio'),
     (Decay, 'adam_b1 adam_b2'),
-    (bool, 'print_sharding resume platform_strict tie_embeddings scan_layers hf_streaming'),
+    (bool, 'print_sharding resume tie_embeddings scan_layers hf_streaming'),
     (str, 'run_name output_dir compile_cache_dir load_params export_dir load_hf prompt compile_topology dataset_path '
           'eval_path tfds_name data_dir train_split eval_split text_key tokenizer_path cache_dir wandb_project '
           'wandb_entity hf_path hf_name hf_data_files hf_split hf_eval_split'),
@@ -138,7 +138,6 @@ SCHEMA = [
     (Off | Literal['auto'], 'vocab_tile'),
     (Literal[tuple(model_lib.TASKS)], 'task'),
     (Literal['train', 'eval', 'export', 'generate'], 'mode'),
-    (Literal['', 'cpu', 'gpu', 'tpu'], 'platform'),
     (Literal['auto', 'float32', 'bfloat16', 'float16'], 'dtype'),
     (Literal['float32', 'bfloat16'], 'weight_dtype'),
     (Literal['none', 'full', 'save_dots'], 'remat'),
@@ -300,9 +299,6 @@ def check(cfg, task):
     if cfg.per_device_batch == 'auto' and not cfg.compile_topology:
         raise ConfigError('per_device_batch=auto is the fit check\'s search: give compile_topology=SLICE, or a number '
                           'to train')
-    if cfg.batch_ramp_start > cfg.grad_accum:
-        raise ConfigError(f'batch_ramp_start={cfg.batch_ramp_start}: the ramp starts at 1..grad_accum='
-                          f'{cfg.grad_accum} microbatches (0 = off)')
     if cfg.load_params and cfg.load_hf:
         raise ConfigError('load_params and load_hf are both set; keep one')
     if not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in ('.', '..'):
@@ -379,21 +375,6 @@ def resolve(cfg, task, platform, device_kind=''):
 # ==================================================================================================
 # Devices and mesh. Only this file builds the mesh.
 # ==================================================================================================
-def pick_devices(cfg):
-    """What JAX finds (TPU, then GPU, then CPU), or the platform asked for, with a loud fallback."""
-    if cfg.platform:
-        try:
-            return jax.devices(cfg.platform)
-        except RuntimeError:
-            found = jax.default_backend()
-            if cfg.platform_strict:
-                raise ConfigError(f'platform={cfg.platform}: no {cfg.platform} devices here (JAX found '
-                                  f'{found}); drop platform= or set platform_strict=false') from None
-            log(f'WARNING: platform={cfg.platform} asked for, but JAX sees no such device; '
-                f'falling back to {found}')
-    return jax.devices()
-
-
 def cpu_has_bf16():
     """Whether this CPU has bf16 instructions: avx512_bf16 or amx_bf16 among /proc/cpuinfo's flags."""
     flags = open('/proc/cpuinfo').read().split() if os.path.exists('/proc/cpuinfo') else []
@@ -413,16 +394,6 @@ def make_mesh(cfg, devices):
     # Auto axes: the compiler propagates shardings from our annotations (Explicit is make_mesh's default now).
     return jax.make_mesh(shape, cfg.mesh_axes, devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-
-
-def warn_tpu_dims(cfg):
-    """The TPU MXU works on 128 x 128 tiles: other sizes pad and waste compute, silently."""
-    sizes = {'d_model': cfg.d_model, 'mlp_dim': cfg.mlp_dim, 'vocab_size': cfg.vocab_size,
-             'num_heads x head dim': cfg.num_heads * model_lib.dims(cfg)}
-    odd = [f'{k}={v}' for k, v in sizes.items() if v % 128]
-    if odd:
-        log(f'WARNING: on TPU, {", ".join(odd)} not a multiple of 128 (the MXU tile): pad them up to one '
-            '(change d_model / mlp_dim / vocab_size / num_heads or head_dim)')
 
 
 # ==================================================================================================
@@ -548,8 +519,7 @@ def make_train_step(cfg, task, graph, tx):
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         # Random draws (TRM's halting exploration) are a function of (seed, step): resume stays exact.
-        A = jax.tree.leaves(batch_ABL)[0].shape[0]  # microbatches in this step (the batch ramp varies it)
-        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state['step']), A)
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state['step']), cfg.grad_accum)
         (grads, loss), (sums_A, carry) = jax.lax.scan(micro, (zeros, 0.0), (batch_ABL, state.get('carry'), keys))
         sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums_A)
         denom = jnp.maximum(sums['weight'], 1.0)  # all real tokens (LM) / examples (TRM) of the step
@@ -570,14 +540,6 @@ def make_train_step(cfg, task, graph, tx):
         return new_state, {'loss': loss / denom, 'grad_norm': grad_norm, 'tokens': sums['tokens'],
                            **task.step_metrics(sums, denom)}
     return train_step
-
-
-def accum_at(cfg, step):
-    """Microbatches in update `step` (0-based). The ramp grows the batch through accumulation, so the
-    microbatch shape never changes and each distinct count compiles once."""
-    if not cfg.batch_ramp_start:
-        return cfg.grad_accum
-    return min(cfg.grad_accum, cfg.batch_ramp_start * 2 ** (step // cfg.batch_ramp_every))
 
 
 # ==================================================================================================
@@ -1324,13 +1286,9 @@ class Place(NamedTuple):
     caught: Signals
 
 
-def next_batch(cfg, feed, it, step):
-    """The A microbatches of update `step` as one global [A, B, L] batch. Data is read in microbatch units,
-    so the batch ramp changes only how many a step takes."""
-    A = accum_at(cfg, step)
-    if cfg.batch_ramp_start and step % cfg.batch_ramp_every == 0:
-        log(f'batch ramp: step {step + 1} on: {A} x {feed.rows} = {A * feed.rows} examples per step')
-    mbs = [next(it) for _ in range(A)]
+def next_batch(cfg, feed, it):
+    """The next grad_accum microbatches as one global [A, B, L] batch."""
+    mbs = [next(it) for _ in range(cfg.grad_accum)]
     return global_batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, feed.step_sharding, feed.rows)
 
 
@@ -1342,7 +1300,7 @@ def train_loop(cfg, state, it, steps, place, writer):
     while step < cfg.steps:
         profile(cfg, step, place.run_dir, lambda: flight.drain(window, saved))
         t0 = time.perf_counter()
-        state, out = steps.train(state, next_batch(cfg, steps.feed, it, step))
+        state, out = steps.train(state, next_batch(cfg, steps.feed, it))
         step += 1
         flight.pending.append((step, t0, out))
         flight.drain(window, saved, keep=1)
@@ -1391,7 +1349,7 @@ def train(cfg, task, state, it, steps, place):
         return {'step': start, 'run_dir': run_dir}
     writer = MetricsWriter(cfg, run_dir, start, task.shown)  # before the compile: a W&B login problem shows at once
     try:
-        t_xla, m = compile_step(steps.train, state, steps.feed, accum_at(cfg, start))
+        t_xla, m = compile_step(steps.train, state, steps.feed, cfg.grad_accum)
         line, compiled_gb = compiled_line(m) if m else ('', None)
         log(f'step compiled in {t_xla:.1f}s; {line}')
         place.caught.saving = True  # from here a signal is noted and answered with a checkpoint
@@ -1400,8 +1358,7 @@ def train(cfg, task, state, it, steps, place):
         it.close()
         writer.close()
         wait_for_saves(place.mngr)  # still under the handlers: a repeated SIGTERM cannot cut the last save short
-    summary.update(run_dir=run_dir, compile_seconds=t_xla + (flight.first_step_seconds or 0),
-                   step_variants=steps.train._cache_size())
+    summary.update(run_dir=run_dir, compile_seconds=t_xla + (flight.first_step_seconds or 0))
     mem = device_peak_memory_gb(jax.local_devices()[0])
     summary.update(benchmark(flight, steps.flops, summary.get('tokens_per_step', 0.0), (
         f'compile + first step {summary["compile_seconds"]:.1f}s; host RSS {host_rss_gb():.2f} GiB'
@@ -1563,7 +1520,8 @@ def fit_check(cfg, task, devices):
     fits = need is not None and need <= hbm
     log(f'{line} of {gb(hbm)} HBM: {"fits" if fits else "does not fit"}')
     if not fits:
-        log('to fit, try: ' + '; '.join(fit_advice(cfg, make_mesh(cfg, devices))))
+        log('to fit: per_device_batch=auto finds the largest batch that does; or remat=full, more fsdp (mesh=1,-1,1), '
+            'a smaller model or a larger slice')
     return {'fits': fits, 'bytes_per_device': need, 'hbm_bytes': hbm, 'memory': memory}
 
 
@@ -1596,18 +1554,6 @@ def fit_search(cfg, task, devices):
                                                                      'compile_topology')]
     log(f'largest that fits: {" ".join(found)}\nrun on the slice: python train.py {" ".join(kept + found)}')
     return {'fits': True, 'per_device_batch': b, 'grad_accum': total // b, 'remat': remat}
-
-
-def fit_advice(cfg, mesh):
-    """What to change when the step does not fit, most effective first."""
-    tips = [f'remat=full (now {cfg.remat}): keep only each layer input, recompute the rest'] if cfg.remat != 'full' else []
-    if cfg.per_device_batch > 1:
-        tips.append(f'per_device_batch={cfg.per_device_batch // 2} grad_accum={cfg.grad_accum * 2}: the same '
-                    'batch per update in half-size microbatches')
-    if 'fsdp' in mesh.shape and mesh.shape['fsdp'] < mesh.size:
-        tips.append(f'more fsdp (now {mesh.shape["fsdp"]} of {mesh.size} devices), e.g. mesh=1,-1,1: '
-                    'parameters and optimizer state sharded over every device')
-    return tips + ['or a smaller model (d_model, num_layers, mlp_dim) / a larger slice']
 
 
 # ==================================================================================================
@@ -1721,9 +1667,6 @@ def describe(cfg, devices, mesh, rows):
     batch = (f'batch: {cfg.per_device_batch}/device x {len(devices)} devices x {cfg.grad_accum} accum = '
              f'{rows * cfg.grad_accum} examples = {rows * cfg.grad_accum * cfg.max_target_length} tokens per step')
     log(batch)
-    if cfg.batch_ramp_start:
-        log(f'batch ramp: {cfg.batch_ramp_start} accum at step 0, x2 every {cfg.batch_ramp_every} steps up to '
-            f'{cfg.grad_accum}')
     return batch
 
 
@@ -1735,10 +1678,8 @@ def run(cfg, devices=None, caught=None):
     if cfg.compile_cache_dir:  # before the first compile; every program is cached, however quick to compile
         jax.config.update('jax_compilation_cache_dir', str(stored(cfg.compile_cache_dir)))
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
-    devices = tpu_slice(cfg) if cfg.compile_topology else devices or pick_devices(cfg)
+    devices = tpu_slice(cfg) if cfg.compile_topology else devices or jax.devices()
     cfg = resolve(cfg, task, devices[0].platform, devices[0].device_kind)
-    if devices[0].platform == 'tpu':
-        warn_tpu_dims(cfg)
     if cfg.compile_topology:
         return (fit_search if cfg.per_device_batch == 'auto' else fit_check)(cfg, task, devices)
     built = build(cfg, task, devices)

@@ -36,8 +36,6 @@ CASES = [
     (['profile_steps=3,2'], 'error: profile_steps=3,2: give two steps a,b with 1 <= a <= b <= steps=200 (0,0 = off)'),
     (['compile_topology=v9-8'], 'error: compile_topology=v9-8: choose one of v2-8, v3-8, v4-8, v4-32, v4-64, '
                                 'v5e-8, v5p-8, v6e-8, tpu7x-8'),
-    (['task=sudoku', 'grad_accum=2', 'batch_ramp_start=1'], 'error: batch_ramp_start: the ramp is for task=lm '
-                                                            '(the TRM carry holds grad_accum microbatches)'),
     (['load_params={tmp}/no-run'], 'error: load_params={tmp}/no-run: no such directory; fix the path '
                                    '(or set load_params= to leave it out)'),
     (['load_hf={tmp}/no-hf'], 'error: load_hf={tmp}/no-hf: no such directory; fix the path (or set load_hf= '
@@ -72,8 +70,6 @@ CASES = [
                             'directory or one checkpoints/STEP directory'),
     (['task=sudoku', 'mode=generate', 'prompt=123'], "error: prompt='123': give the puzzle as 81 characters, digits "
                                                      "1-9 and . or 0 for blanks, row by row"),
-    (['platform=tpu', 'platform_strict=true'], 'error: platform=tpu: no tpu devices here (JAX found cpu); drop '
-                                               'platform= or set platform_strict=false'),
     (['output_dir={tmp}/damaged', *LM],  # the run the fixture trained, its checkpoints then garbled
      'error: no readable checkpoint in {tmp}/damaged/default/checkpoints (steps 2, 4 are damaged, see the '
      'warnings): move them away to start over, or set resume=false'),

@@ -59,8 +59,6 @@ def test_finished_puzzles_leave_the_batch_without_changing_a_result():
     grids, evals = as_in_batches_of_4(lambda q: model_lib.tree_search(oracle(a), q, Search(2, 9, 1, 81, 10_000, 'value')))
     np.testing.assert_array_equal(grids, a)
     assert int(evals[:12].max()) < int(evals[12:].min())
-    # The shuffled-value control draws per puzzle: its grids do not depend on the batch around a puzzle.
-    as_in_batches_of_4(lambda q: model_lib.tree_search(oracle(a), q, Search(2, 9, 1, 81, 10_000, 'shuffled')))
     # Greedy decoding leaves the batch the same way (with the uniform policy it fills the 4-blank puzzles
     # in 4 moves; the 40-blank ones go on, in the batch of 4, until they hit a dead end).
     _, passes = as_in_batches_of_4(lambda q: model_lib.tree_search(oracle(a), q, Search()))
@@ -278,7 +276,8 @@ def test_partial_states_labels_and_where_the_value_is_read(tmp_path):
 
 # ---- every decoder end to end --------------------------------------------------------------------
 def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train, 'pick_devices', lambda cfg: jax.devices()[:1])  # the command line on one device
+    one = jax.devices()[:1]
+    monkeypatch.setattr(jax, 'devices', lambda *_: one)  # the command line on one device
     q, a = data.generate_sudoku(4, 45, 0, stream='handful')
     path = str(tmp_path / 'four.csv')
     data.write_sudoku_csv(path, q, a)
@@ -311,8 +310,8 @@ def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys, monkeypatch)
     trm = evaluate('trm')
     assert trm['exact_accuracy'] == 1.0 and trm['forward_passes'] == 2 and len(trm['exact_accuracy_per_step']) == 2
     # The policy's answer at the root already obeys the rules (the net memorised these four), so the search
-    # stops there: one pass of one supervision step (tot.policy_steps = tot.value_step = 1). greedy, beam_logp
-    # and tot_shuffled are the same tree_search with another width or ranking (the tests above).
+    # stops there: one pass of one supervision step (tot.policy_steps = tot.value_step = 1). greedy and beam_logp
+    # are the same tree_search with another width or ranking (the tests above).
     r = evaluate('tot')
     assert r['exact_accuracy'] == 1.0 and r['forward_passes'] == 1 and 'exact_accuracy_per_step' not in r
     # mode=generate solves one puzzle given on the command line, keeping its givens.
