@@ -1286,8 +1286,8 @@ class Place(NamedTuple):
     caught: Signals
 
 
-def next_batch(cfg, feed, it):
-    """The next grad_accum microbatches as one global [A, B, L] batch."""
+def next_batch(cfg, feed, it, step):
+    """The grad_accum microbatches of update `step` (0-based) as one global [A, B, L] batch."""
     mbs = [next(it) for _ in range(cfg.grad_accum)]
     return global_batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, feed.step_sharding, feed.rows)
 
@@ -1300,7 +1300,7 @@ def train_loop(cfg, state, it, steps, place, writer):
     while step < cfg.steps:
         profile(cfg, step, place.run_dir, lambda: flight.drain(window, saved))
         t0 = time.perf_counter()
-        state, out = steps.train(state, next_batch(cfg, steps.feed, it))
+        state, out = steps.train(state, next_batch(cfg, steps.feed, it, step))
         step += 1
         flight.pending.append((step, t0, out))
         flight.drain(window, saved, keep=1)
