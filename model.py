@@ -881,7 +881,8 @@ def halt_decode(preds_SNL, q_SN, rule='first'):
 def parallel_decode(cfg, graph, params, q_BL, steps):
     """decoder=trm_parallel: J = parallel.trajectories runs of the TRM per puzzle, each decoded by the
     trm.eval_halt rule, the first without noise and the others with parallel.noise on the latent; the
-    answer is the one the halting head is surest of (highest q). No Sudoku rule is used. The draws depend on the puzzle and the trajectory, not on the batch.
+    answer is the one the halting head is surest of (highest q). No Sudoku rule is used. The draws depend
+    on the puzzle and the trajectory, not on the batch.
     Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every trajectory's)."""
     B, L = q_BL.shape
     J = cfg.parallel.trajectories
