@@ -425,8 +425,10 @@ def sharding_table(params, shardings):
 
 @dataclasses.dataclass(frozen=True)
 class Feed:
-    """How host batches become global arrays: the rows of one microbatch across every process, and the
-    shardings of train batches [A, B, L] (the microbatch axis whole) and of eval batches [B, L]."""
+    """How host batches become global arrays: the microbatches per step (A), the rows of one microbatch across
+    every process (B), and the shardings of train batches [A, B, L] (the microbatch axis whole) and of eval
+    batches [B, L]."""
+    accum: int
     rows: int
     length: int
     step_sharding: NamedSharding
@@ -435,7 +437,8 @@ class Feed:
 
 def make_feed(cfg, mesh, rows):
     spec = mesh_spec(('batch', 'length'), (rows, cfg.max_target_length), cfg, mesh)
-    return Feed(rows, cfg.max_target_length, NamedSharding(mesh, PartitionSpec(None, *spec)), NamedSharding(mesh, spec))
+    return Feed(cfg.grad_accum, rows, cfg.max_target_length, NamedSharding(mesh, PartitionSpec(None, *spec)),
+                NamedSharding(mesh, spec))
 
 
 def global_batch(local, sharding, rows):
@@ -1288,7 +1291,7 @@ class Place(NamedTuple):
 
 def next_batch(cfg, feed, it, step):
     """The grad_accum microbatches of update `step` (0-based) as one global [A, B, L] batch."""
-    mbs = [next(it) for _ in range(cfg.grad_accum)]
+    mbs = [next(it) for _ in range(feed.accum)]
     return global_batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, feed.step_sharding, feed.rows)
 
 
@@ -1349,7 +1352,7 @@ def train(cfg, task, state, it, steps, place):
         return {'step': start, 'run_dir': run_dir}
     writer = MetricsWriter(cfg, run_dir, start, task.shown)  # before the compile: a W&B login problem shows at once
     try:
-        t_xla, m = compile_step(steps.train, state, steps.feed, cfg.grad_accum)
+        t_xla, m = compile_step(steps.train, state, steps.feed)
         line, compiled_gb = compiled_line(m) if m else ('', None)
         log(f'step compiled in {t_xla:.1f}s; {line}')
         place.caught.saving = True  # from here a signal is noted and answered with a checkpoint
@@ -1371,12 +1374,12 @@ def train(cfg, task, state, it, steps, place):
     return summary
 
 
-def compile_step(train_step, state, feed, A):
+def compile_step(train_step, state, feed):
     """Compile the step for this state and an [A, B, L] batch ahead of its first call (which then reuses the
     program). Returns (seconds, the compiler's memory analysis: its per-device figures are the truth for every
     task, where a hand estimate would know only a language model's arithmetic)."""
     t0 = time.perf_counter()
-    m = train_step.lower(state, abstract_batch(A, feed.rows, feed.length, feed.step_sharding)).compile()
+    m = train_step.lower(state, abstract_batch(feed)).compile()
     return time.perf_counter() - t0, m.memory_analysis()
 
 
@@ -1462,9 +1465,10 @@ TPU_SLICES = {  # slice name: (libtpu topology, chip config, HBM per JAX device;
 DOES_NOT_FIT = 4  # exit code of compile_topology when the step needs more HBM than the slice has
 
 
-def abstract_batch(A, rows, L, sharding):
-    """The step's [A, rows, L] batch as shapes only: to compile ahead of time, nothing read."""
-    return {k: jax.ShapeDtypeStruct((A, rows, L), jnp.float32 if k == 'loss_mask' else jnp.int32, sharding=sharding)
+def abstract_batch(feed):
+    """The step's [A, B, L] batch as shapes only: to compile ahead of time, nothing read."""
+    shape = (feed.accum, feed.rows, feed.length)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == 'loss_mask' else jnp.int32, sharding=feed.step_sharding)
             for k in ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')}
 
 
@@ -1503,7 +1507,7 @@ def fit_memory(cfg, task, devices):
     step = compile_steps(cfg, task, built, None).train
     try:
         with jax.set_mesh(built.mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
-            seconds, m = compile_step(step, built.layout.abstract, built.feed, cfg.grad_accum)
+            seconds, m = compile_step(step, built.layout.abstract, built.feed)
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program over its HBM
         if 'RESOURCE_EXHAUSTED' not in str(e):
             raise
