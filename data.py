@@ -32,8 +32,10 @@ import logging
 import os
 import random
 import re
+import socket
 import sys
 import sysconfig
+import threading
 import time
 
 import grain
@@ -62,6 +64,234 @@ def first_line(e, typed=True, limit=160):
 
 class DataError(Exception):
     """A mistake in the data settings; the message names the key or file and the fix."""
+
+
+# ---- storage: every path, input or output, through etils' epath (what orbax uses), so each may be local or
+# gs://bucket/... (gcsfs underneath, no TensorFlow). GCS has no append and no file locks: append() composes
+# objects, and a run owns a gs:// directory through a lease object (BucketLease). --------------------------
+
+STORAGE_ERRORS = (OSError,)  # what a disk can raise; a bucket adds gcsfs's HTTP and credential errors (use_gcs)
+MAIN = True  # whether this process writes the run's files (train.py: process 0 of a multi-host run only)
+HELD = {}    # run directory -> whether it is still the one this run opened (train.py fills it)
+# Names tensorstore (orbax's array writer) reads as a URL on gs://: it cuts a query (?) or fragment (#) and
+# decodes %XX, so arrays would land beside the run directory, not in it.
+URL_MANGLED = re.compile(r'[?#%]')
+
+
+class WriteError(Exception):
+    """The run directory refused a write (read-only, full, gone): the run stops with one line; what was
+    written before stays."""
+
+
+def remote(path):
+    return '://' in str(path)
+
+
+def stored(path):
+    """epath.Path of a local path (absolute: orbax writes it into its metadata) or a gs:// one (as given)."""
+    if remote(path):
+        use_gcs()
+    return epath.Path(path if remote(path) else os.path.abspath(os.path.expanduser(path)))
+
+
+def use_gcs():
+    """gcsfs, loaded by the first gs:// path (its import costs a local run half a second); from then on its HTTP
+    and credential errors count as storage errors."""
+    global STORAGE_ERRORS
+    from gcsfs.retry import HttpError
+    from google.auth.exceptions import GoogleAuthError
+    STORAGE_ERRORS = (OSError, HttpError, GoogleAuthError)
+
+
+def gcs():
+    """The gcsfs file system epath itself uses (fsspec keeps one instance, so both see one listings cache)."""
+    import fsspec
+    use_gcs()
+    return fsspec.filesystem('gs')
+
+
+def storage_reason(e):
+    """An error from a disk or a bucket as a short reason, with any URL's query string (tokens, signatures) cut."""
+    text = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+    text = re.sub(r'(https?://[^\s?]+)\?\S*', r'\1', text)
+    return re.sub(r'(?i)(token|signature|key)=[^\s&]+', r'\1=...', text)
+
+
+def check_held(path):
+    """A run holds the directory it opened, not its path: one moved away, or replaced by another (a disk's by
+    its inode, a bucket's by the run's lease on it), stops the run before it writes into what is there now."""
+    path = path if remote(path) else os.path.abspath(path)  # orbax names its directory absolutely
+    for run_dir, still_ours in HELD.items():
+        if (path == run_dir or path.startswith(run_dir.rstrip('/') + '/')) and not still_ours():
+            raise WriteError(f'{run_dir} was moved or replaced under this run: stopped without writing into what is '
+                             'there now (what the run wrote went with its directory)')
+
+
+def write(path, content):
+    """Writes `content` (text or bytes) as the whole of `path` (on the MAIN process); a refusal stops the run in
+    one line."""
+    check_held(path)
+    if MAIN:
+        try:
+            stored(path).write_bytes(content if isinstance(content, bytes) else content.encode())
+        except STORAGE_ERRORS as e:
+            raise WriteError(f'{path}: cannot write it ({storage_reason(e)})') from None
+
+
+def append(path, text):
+    """Adds text to the end of `path`. A bucket has no append, and rewriting the object each time would upload
+    O(N^2) bytes over a run: the new text goes up as its own object, then GCS composes the two server-side."""
+    check_held(path)
+    try:
+        if not remote(path):
+            with open(path, 'a') as f:
+                f.write(text)
+            return
+        part = f'{path}.part'
+        gcs().pipe_file(part, text.encode())
+        gcs().merge(path, [path, part])
+        gcs().rm_file(part)
+    except STORAGE_ERRORS as e:
+        raise WriteError(f'{path}: cannot write ({storage_reason(e)}); the checkpoints written are intact') from None
+
+
+def set_aside(path, tag):
+    """Renames path to path.TAG-TIME (never deletes it); returns the new name."""
+    new = f'{path}.{tag}-{time.strftime("%Y%m%d-%H%M%S")}'
+    stored(path).rename(stored(new))
+    return new
+
+
+def check_credentials(paths):
+    """gs:// paths ({key: path}) need Google credentials: asked for once, up front, instead of a 401 from a
+    background write (gcsfs would fall back to anonymous access silently). An emulator (STORAGE_EMULATOR_HOST)
+    needs none."""
+    used = [key for key, path in paths.items() if remote(path)]
+    if not used or os.environ.get('STORAGE_EMULATOR_HOST'):
+        return
+    import google.auth
+    use_gcs()
+    try:
+        google.auth.default()
+    except google.auth.exceptions.DefaultCredentialsError as e:
+        raise WriteError(f'{used[0]}={paths[used[0]]}: no Google credentials found ({storage_reason(e)}); on a '
+                         'Cloud TPU VM the VM\'s service account is used, elsewhere run `gcloud auth '
+                         'application-default login` or set GOOGLE_APPLICATION_CREDENTIALS') from None
+
+
+def holder_line():
+    return f'process {os.getpid()} on {socket.gethostname()} since {time.strftime("%Y-%m-%d %H:%M:%S")}'
+
+
+class BucketLease:
+    """One owner per gs:// run directory. GCS has no file locks, but it creates an object only if absent
+    (ifGenerationMatch=0): RUN_DIR/.lock is made that way and names its holder and a lease expiry, which the live
+    run renews every LEASE_SECONDS / 3 (rewriting it conditional on the generation it last wrote). A killed run
+    stops renewing: once its lease has run out, or at once on the same host when its process is gone, the next
+    run takes the lock over, again conditional on the generation it read, so two newcomers cannot both win."""
+    LEASE_SECONDS = 60
+
+    def __init__(self, path, log=print):
+        self.path, self.host, self.lost, self.log = path, socket.gethostname(), None, log
+        self.holder, self.stop = holder_line(), threading.Event()
+
+    def acquire(self):
+        """'' once held, else who holds it. A lease object that is not the JSON a run writes is taken over."""
+        try:
+            self.generation = self.put(0)
+        except FileExistsError:
+            generation = gcs().info(self.path)['generation']
+            try:
+                old = json.loads(gcs().cat_file(self.path))
+                live = old['until'] > time.time() and not (old['host'] == self.host and not pid_alive(old['pid']))
+            except (ValueError, TypeError, KeyError):
+                old, live = {'holder': 'an unreadable lease object'}, False
+            if live:
+                return old['holder']
+            self.generation = self.put(generation)  # a stale lease: FileExistsError if another run just took it
+            self.log(f'took over the lock of {old["holder"]} (its lease ran out, its process is gone, or it was '
+                     'unreadable)')
+        threading.Thread(target=self.renew, daemon=True).start()
+        return ''
+
+    def put(self, if_generation):
+        """Writes the lease object only if its generation is still `if_generation` (0: absent); the new one."""
+        body = json.dumps({'holder': self.holder, 'pid': os.getpid(), 'host': self.host,
+                           'until': time.time() + self.LEASE_SECONDS}).encode()
+        bucket, key = self.path.removeprefix('gs://').split('/', 1)
+        multipart = (b'--==0==\nContent-Type: application/json\n\n' + json.dumps({'name': key}).encode() +
+                     b'\n--==0==\nContent-Type: application/json\n\n' + body + b'\n--==0==--')
+        out = gcs().call('POST', f'{gcs()._location}/upload/storage/v1/b/{bucket}/o', uploadType='multipart',
+                         ifGenerationMatch=str(if_generation), data=multipart, json_out=True,
+                         headers={'Content-Type': 'multipart/related; boundary="==0=="'})
+        return out['generation']
+
+    def renew(self):
+        while not self.stop.wait(self.LEASE_SECONDS / 3):
+            try:
+                self.generation = self.put(self.generation)
+            except Exception as e:  # taken over (FileExistsError) or the bucket unreachable
+                self.lost = storage_reason(e)
+                self.log(f'WARNING: {self.path}: could not renew this run\'s lease on its directory ({self.lost})')
+                return
+
+    def close(self):
+        """Ends the lease: deleted, waiting a few seconds at most (a bucket gone away would keep gcsfs retrying for
+        half a minute; the lease then just runs out)."""
+        self.stop.set()
+        if not self.lost:
+            done = threading.Thread(target=self.release, daemon=True)
+            done.start()
+            done.join(5)
+
+    def release(self):
+        with contextlib.suppress(*STORAGE_ERRORS):  # a bucket gone away: the lease runs out by itself
+            gcs().rm_file(self.path)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def own(run_dir, log=print):
+    """The MAIN process takes the run directory's lock for the whole run: on a disk RUN_DIR/.lock, locked with
+    flock (the kernel drops it when the process ends, however it ends), its holder written inside; in a bucket a
+    BucketLease. Returns (the lock or None, '' or who holds it already)."""
+    if not MAIN:
+        return None, ''
+    if remote(run_dir):
+        lock = BucketLease(os.path.join(run_dir, '.lock'), log)
+        return lock, lock.acquire()
+    lock = open(os.path.join(run_dir, '.lock'), 'a+')
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or 'another process'
+        lock.close()
+        return None, holder
+    lock.truncate(0)
+    lock.write(holder_line() + '\n')
+    lock.flush()
+    return lock, ''
+
+
+def held(run_dir, lock):
+    """How check_held tells the run directory is still this run's: its lease (a bucket), or its inode (a disk)."""
+    if remote(run_dir):
+        return lambda: not (lock and lock.lost)
+
+    def inode():
+        with contextlib.suppress(OSError):
+            return os.stat(run_dir).st_dev, os.stat(run_dir).st_ino
+    first = inode()
+    return lambda: inode() == first
 
 
 # ---- shared plumbing: lanes, batches, the prefetching iterator --------------------------------

@@ -29,6 +29,7 @@ axes only; the config keys trm.T and trm.n keep the TRM paper's names.
 """
 import dataclasses
 import functools
+import json
 import math
 import os
 from typing import Callable, NamedTuple
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import safetensors.numpy
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
@@ -651,6 +653,35 @@ def from_hf(cfg, tensors, conf):
         w = tensors[name] if how is None else tensors[name].T  # reshaped to our layout by the caller
         flat[p] = w if i is None else flat.get(p, []) + [w]
     return {p: np.asarray(w) for p, w in flat.items()}  # a list of layers stacks on a leading axis
+
+
+def save_hf(cfg, params, out_dir, token_ids, files):
+    """mode=export: a Hugging Face Llama checkpoint in out_dir (local or gs://, written by the data.MAIN process):
+    config.json with the tokenizer's ids, model.safetensors in the weight dtype (with the metadata transformers
+    wants, format=pt) and the tokenizer's files. `params`: host arrays. Returns the tensors written."""
+    tensors, conf = to_hf(cfg, params)
+    if data.MAIN:
+        data.stored(out_dir).mkdir(parents=True, exist_ok=True)
+    data.write(os.path.join(out_dir, 'model.safetensors'), safetensors.numpy.save(tensors, metadata={'format': 'pt'}))
+    data.write(os.path.join(out_dir, 'config.json'), json.dumps({**conf, **token_ids}, indent=2))
+    for name, content in files.items():
+        data.write(os.path.join(out_dir, name), content)
+    return tensors
+
+
+def load_hf(cfg, path):
+    """load_hf=DIR: a Hugging Face Llama checkpoint -> {our params path: array}; a DataError naming what is wrong."""
+    try:
+        conf = json.loads(data.stored(os.path.join(path, 'config.json')).read_text())
+        tensors = safetensors.numpy.load(data.stored(os.path.join(path, 'model.safetensors')).read_bytes())
+        return from_hf(cfg, tensors, conf)
+    except data.STORAGE_ERRORS as e:
+        raise data.DataError(f'load_hf={path}: cannot read {getattr(e, "filename", None) or path} '
+                             f'({data.storage_reason(e)}); give a directory with config.json and one model.safetensors') from None
+    except (safetensors.SafetensorError, json.JSONDecodeError, TypeError, ZeroDivisionError) as e:
+        raise data.DataError(f'load_hf={path}: config.json or model.safetensors is damaged ({str(e)[:200]})') from None
+    except ValueError as e:  # the checkpoint and the config disagree
+        raise data.DataError(f'load_hf={path}: {e}') from None
 
 
 # ==================================================================================================
