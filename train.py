@@ -1,18 +1,18 @@
 """Train a GQA transformer with JAX: python train.py base.yml [your.yml ...] [key=value ...]
 
-The sections, under banners, go from the pieces to the whole: config, devices and mesh, sharding, state, the
-step, eval, storage, checkpoints, metrics, the loop, the other modes, the TPU fit check, the run directory and
-run(), and last the command line. A run calls them in this order (each name is a function here):
-  main -> load_config -> run: check, resolve -> build (make_mesh, make_feed, state_layout) -> data.make_dataset
-  -> run_directory -> restore_or_init -> compile_steps (make_train_step) -> train: compile_step -> train_loop
-  (next_batch, the step, InFlight / Window -> MetricsWriter, save_checkpoint).
-What is trained, the language model or the puzzle heads, is a model.Task picked once in run(); the data
-pipelines are in data.py. Shape letters: model.py's header.
+Read it top to bottom: every section uses only what stands above it, in the order a run meets them:
+config -> devices, hosts and mesh -> sharding -> state -> the step -> eval -> checkpoints -> metrics -> the loop
+-> the other modes -> the TPU fit check -> run() -> the command line. A run goes
+  main -> load_config -> run: check, resolve, agree (every host the same) -> build (mesh, feed, state layout,
+  the jitted steps) -> data.make_dataset -> run_directory -> restore_or_init -> train: train_loop (next_batch,
+  the step, InFlight / Window -> MetricsWriter, save_checkpoint; the Watchdog beside it).
+What is trained, the language model or the puzzle heads, is a model.Task picked once in run(); the data pipelines
+and the storage layer (local or gs:// paths, the run directory's lock) are in data.py. Shape letters: model.py.
 """
 import contextlib
 import dataclasses
 import difflib
-import fcntl
+import faulthandler
 import functools
 import glob
 import importlib.util
@@ -26,7 +26,7 @@ import re
 import resource
 import shutil
 import signal
-import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -41,12 +41,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pydantic
-import safetensors.numpy
 import yaml
-from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
-from pydantic import BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 from tensorboardX import SummaryWriter
 
 import data
@@ -54,10 +52,16 @@ import model as model_lib
 
 GiB = 2 ** 30
 gb = lambda n_bytes: f'{n_bytes / GiB:.2f} GiB'
+first_line = data.first_line
 
 
 class ConfigError(Exception):
     """A user mistake in the config or command line: printed as one line, no traceback."""
+
+
+def log(msg):
+    if jax.process_index() == 0:
+        print(msg, flush=True)
 
 
 # ==================================================================================================
@@ -66,7 +70,7 @@ class ConfigError(Exception):
 def _number(value):
     """YAML reads yes/true as a boolean, which pydantic would take as 1 for a number key."""
     if isinstance(value, bool):
-        raise ValueError('a number')
+        raise ValueError('expected a number')
     return value
 
 
@@ -76,23 +80,44 @@ def _items(value):
         try:
             return yaml.safe_load(value)
         except yaml.YAMLError:
-            raise ValueError('a list: 4,4,2 or [4, 4, 2] with its brackets closed') from None
+            raise ValueError('expected a list: 4,4,2 or [4, 4, 2] with its brackets closed') from None
     if isinstance(value, str):
         return [v.strip() for v in value.split(',')]
     return value if isinstance(value, (list, tuple)) else [value]  # one value (YAML's 45) is a list of one
 
 
+def rule(ok, says):
+    """A rule on one key's value, kept in its type: pydantic reports `says` as that key's error."""
+    def checked(value):
+        if not ok(value):
+            raise ValueError(says)
+        return value
+    return AfterValidator(checked)
+
+
 Number = BeforeValidator(_number)
 INT_MAX = 2 ** 31 - 1  # steps, counts and sizes reach jitted code as int32
+FLOAT_MAX = float(np.finfo(np.float32).max)  # rates and decays too, as float32: 1e39 would be inf there
 Count = Annotated[int, Number, Field(ge=1, le=INT_MAX)]            # at least one
 Off = Annotated[int, Number, Field(ge=0, le=INT_MAX)]              # a count where 0 means off, none or all
-Positive = Annotated[float, Number, Field(gt=0)]
-NonNeg = Annotated[float, Number, Field(ge=0)]
+Positive = Annotated[float, Number, Field(gt=0, le=FLOAT_MAX)]
+NonNeg = Annotated[float, Number, Field(ge=0, le=FLOAT_MAX)]
 Share = Annotated[float, Number, Field(ge=0, le=1)]    # a probability or fraction
 Decay = Annotated[float, Number, Field(ge=0, lt=1)]    # a moving-average decay: 1 would never move
-Ints = Annotated[tuple[int, ...], BeforeValidator(_items)]
 Names = Annotated[tuple[str, ...], BeforeValidator(_items)]
+Mesh = Annotated[tuple[int, ...], BeforeValidator(_items),
+                 rule(lambda m: m.count(-1) <= 1 and all(s > 0 or s == -1 for s in m), 'use positive sizes and at most one -1')]
 AxisRule = tuple[str, str | tuple[str, ...] | None]
+GiBs = lambda n: n * GiB
+# TPU slices the fit check compiles for: (libtpu topology, chip config, HBM per JAX device). A v2/v3 device is one
+# core (half a chip); a TPU7x (Ironwood) device one of a chip's two dies (libtpu 0.0.51: 8 x 94.7 GiB per 2x2x1).
+TPU_SLICES = {
+    'v2-8': ('v2:2x2', 'default', GiBs(8)), 'v3-8': ('v3:2x2', 'default', GiBs(16)),
+    'v4-8': ('v4:2x2x1', 'megacore', GiBs(32)), 'v4-32': ('v4:2x2x4', 'megacore', GiBs(32)),
+    'v4-64': ('v4:2x4x4', 'megacore', GiBs(32)), 'v5e-8': ('v5e:2x4', 'default', GiBs(16)),
+    'v5p-8': ('v5p:2x2x1', 'megacore', GiBs(95)), 'v6e-8': ('v6e:2x4', 'default', GiBs(32)),
+    'tpu7x-8': ('tpu7x:2x2x1', 'default', GiBs(96)),
+}
 
 
 class Keys(pydantic.BaseModel):
@@ -120,22 +145,23 @@ def kind_type(kind):
 # task's own (model.Task.keys).
 SCHEMA = [
     (Count, 'steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads mlp_dim '
-            'max_target_length grad_accum'),
-    (Off, 'eval_every eval_batches checkpoint_every keep_checkpoints skip_nonfinite_steps top_k head_dim '
-          'warmup_steps prefetch seed'),
+            'max_target_length grad_accum host_timeout'),
+    (Off, 'eval_every eval_batches checkpoint_every keep_checkpoints top_k head_dim warmup_steps prefetch seed'),
     (Positive, 'rope_theta norm_eps learning_rate adam_eps'),
     (NonNeg, 'temperature weight_decay grad_clip'),
     (Share, 'min_lr_ratio'),
     (Decay, 'adam_b1 adam_b2'),
     (bool, 'print_sharding resume tie_embeddings scan_layers hf_streaming'),
-    (str, 'run_name output_dir compile_cache_dir load_params export_dir load_hf prompt compile_topology dataset_path '
+    (str, 'run_name output_dir compile_cache_dir load_params export_dir load_hf prompt dataset_path '
           'eval_path tfds_name data_dir train_split eval_split text_key tokenizer_path cache_dir wandb_project '
           'wandb_entity hf_path hf_name hf_data_files hf_split hf_eval_split'),
-    (Ints, 'mesh profile_steps'),
+    (Annotated[tuple[Off, Off], BeforeValidator(_items)], 'profile_steps'),
+    (Mesh, 'mesh'),
     (Names, 'mesh_axes'),
     (Annotated[tuple[AxisRule, ...], BeforeValidator(_items)], 'logical_axis_rules'),
     (Count | Literal['auto'], 'per_device_batch'),
-    (Off | Literal['auto'], 'vocab_tile'),
+    (Off | Literal['auto'], 'vocab_tile stall_seconds'),
+    (Literal[('', *TPU_SLICES)], 'compile_topology'),
     (Literal[tuple(model_lib.TASKS)], 'task'),
     (Literal['train', 'eval', 'export', 'generate'], 'mode'),
     (Literal['auto', 'float32', 'bfloat16', 'float16'], 'dtype'),
@@ -175,35 +201,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_config(paths, overrides=()):
-    """YAML files (base.yml, then any files of your own, later keys winning) + ['key=value', ...] -> Config,
-    all checked by the one schema. Raises ConfigError naming the key on any mistake."""
-    raw = {}
-    for path in [paths] if isinstance(paths, str) else paths:
-        merge(raw, read_yaml(path), path, '')
-    path = paths if isinstance(paths, str) else paths[-1]
-    given = set()
-    for item in overrides:
-        key, eq, text = item.partition('=')
-        if not eq:
-            raise ConfigError(f'argument {item!r} is not key=value')
-        if key in given:
-            raise ConfigError(f'{key} is given twice on the command line; keep one')
-        try:
-            text.encode()
-        except UnicodeEncodeError:  # Python keeps bytes that are not UTF-8 as surrogates: the tokenizer cannot
-            raise ConfigError(f'{key}=: the value is not UTF-8 text; retype it, or set the terminal to '
-                              'UTF-8') from None
-        if key not in KEYS:
-            raise ConfigError(unknown_key(key, path))
-        given.add(key)
-        merge(raw, functools.reduce(lambda value, name: {name: value}, reversed(key.split('.')), text), path, '')
-    try:
-        return Config.model_validate(raw)
-    except pydantic.ValidationError as e:
-        raise ConfigError(schema_error(e.errors()[0], path, raw)) from None
-
-
 def read_yaml(path):
     try:
         with open(path) as f:
@@ -215,6 +212,11 @@ def read_yaml(path):
     if not isinstance(raw, dict):
         raise ConfigError(f'{path}: expected key: value lines at the top level, as in base.yml')
     return raw
+
+
+def unknown_key(key, path):
+    close = difflib.get_close_matches(key, KEYS, n=1)
+    return f'unknown key {key!r}' + (f'; did you mean {close[0]}?' if close else f'; the keys are listed in {path}')
 
 
 def merge(into, new, path, prefix):
@@ -235,11 +237,6 @@ def merge(into, new, path, prefix):
             into[name] = value
 
 
-def unknown_key(key, path):
-    close = difflib.get_close_matches(key, KEYS, n=1)
-    return f'unknown key {key!r}' + (f'; did you mean {close[0]}?' if close else f'; the keys are listed in {path}')
-
-
 def schema_error(err, path, raw):
     """pydantic's first complaint as our one line: the key, its value as typed, what it must be."""
     names = [p for p in err['loc'] if isinstance(p, str) and p in {k for key in KEYS for k in key.split('.')}]
@@ -247,71 +244,107 @@ def schema_error(err, path, raw):
     for name in names:  # the whole value of the key (err['input'] is only the bad item of a list)
         value = value.get(name) if isinstance(value, dict) else None
     shown = value if isinstance(value, str) else json.dumps(value, default=str)  # as typed, or as YAML wrote it
+    ctx = err.get('ctx', {})
     if kind == 'extra_forbidden':
         return unknown_key(key, path)
     if key == 'logical_axis_rules':
         return (f'logical_axis_rules={shown}: give a list of [logical axis, mesh axis or list of them or null] '
                 'pairs, e.g. [[batch, [data, fsdp]], [embed, fsdp]]')
-    if kind == 'missing':
+    if kind == 'missing' and not any(isinstance(p, int) for p in err['loc']):
         return f'{path}: key {key} is missing; list base.yml first to take it from there: train.py base.yml {path}'
     if kind == 'literal_error':
-        return f'{key}={value!r}: choose one of {err["ctx"]["expected"].replace(" or ", ", ")}'
+        return f'{key}={value!r}: choose one of {ctx["expected"].replace(" or ", ", ")}'
+    if kind == 'value_error':
+        return f'{key}={shown}: {ctx["error"]}'
     ops = {'greater_than': '>', 'greater_than_equal': '>=', 'less_than': '<', 'less_than_equal': '<='}
     if kind in ops:
-        bound = next(iter(err['ctx'].values()))
+        bound = next(iter(ctx.values()))
         return f'{key}={shown}: must be {ops[kind]} {f"{bound:g}" if isinstance(bound, float) else bound}'
-    expected = {'int': 'an integer', 'float': 'a number', 'value': 'a number', 'bool': 'true or false', 'string': 'text',
+    if kind in ('missing', 'too_long'):  # a list of fixed length
+        return f'{key}={shown}: expected {len(Config.model_fields[key].annotation.__args__)} entries'
+    expected = {'int': 'an integer', 'float': 'a number', 'bool': 'true or false', 'string': 'text',
                 'model': 'a section of keys', 'dict': 'a section of keys', 'tuple': 'a list', 'list': 'a list',
                 'finite': 'a finite number'}
-    what = err['ctx']['error'] if kind == 'value_error' else next((v for k, v in expected.items()
-                                                                   if kind.startswith(k)), kind)
+    what = next((v for k, v in expected.items() if kind.startswith(k)), kind)
     return f'{key}={shown}: expected {what}' + (' in each entry' if any(isinstance(p, int) for p in err['loc']) else '')
 
 
+def load_config(paths, overrides=()):
+    """YAML files (base.yml, then any files of your own, later keys winning) + ['key=value', ...] -> Config,
+    all checked by the one schema. Raises ConfigError naming the key on any mistake."""
+    raw = {}
+    for path in [paths] if isinstance(paths, str) else paths:
+        merge(raw, read_yaml(path), path, '')
+    path, given = paths if isinstance(paths, str) else paths[-1], set()
+    for item in overrides:
+        key, eq, text = item.partition('=')
+        if not eq:
+            raise ConfigError(f'argument {item!r} is not key=value')
+        if key in given:
+            raise ConfigError(f'{key} is given twice on the command line; keep one')
+        try:
+            text.encode()
+        except UnicodeEncodeError:  # Python keeps bytes that are not UTF-8 as surrogates: the tokenizer cannot
+            raise ConfigError(f'{key}=: the value is not UTF-8 text; retype it, or set the terminal to UTF-8') from None
+        if key not in KEYS:
+            raise ConfigError(unknown_key(key, path))
+        given.add(key)
+        merge(raw, functools.reduce(lambda value, name: {name: value}, reversed(key.split('.')), text), path, '')
+    try:
+        return Config.model_validate(raw)
+    except pydantic.ValidationError as e:
+        raise ConfigError(schema_error(e.errors()[0], path, raw)) from None
+
+
+def flat(values, prefix=''):
+    """A nested dict as {'section.key': value}: how configs are compared and shown."""
+    return dict(kv for k, v in values.items() for kv in (flat(v, f'{prefix}{k}.').items() if isinstance(v, dict)
+                                                         else [(f'{prefix}{k}', v)]))
+
+
+PATH_KEYS = ('output_dir', 'load_params', 'load_hf', 'export_dir', 'dataset_path', 'eval_path', 'tokenizer_path',
+             'hf_data_files', 'compile_cache_dir')
+
+
+def paths_of(cfg):
+    return {key: getattr(cfg, key) for key in PATH_KEYS}
+
+
 def check(cfg, task):
-    """The rules that tie keys together, and the task's own; each message names the key and the fix."""
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise ConfigError(f'num_heads={cfg.num_heads} must be a multiple of num_kv_heads={cfg.num_kv_heads}')
-    if not cfg.head_dim and cfg.d_model % cfg.num_heads:
-        raise ConfigError(f'd_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}; '
-                          'change one, or set head_dim explicitly')
-    if model_lib.dims(cfg) % 2:
-        raise ConfigError(f'head dim {model_lib.dims(cfg)} must be even for RoPE; set head_dim')
-    mesh = ','.join(map(str, cfg.mesh))
-    if len(cfg.mesh) != len(cfg.mesh_axes):
-        raise ConfigError(f'mesh={mesh} has {len(cfg.mesh)} entries but mesh_axes={",".join(cfg.mesh_axes)} '
-                          f'names {len(cfg.mesh_axes)}')
-    if cfg.mesh.count(-1) > 1 or any(m == 0 or m < -1 for m in cfg.mesh):
-        raise ConfigError(f'mesh={mesh}: use positive sizes and at most one -1')
-    for name, axes in cfg.logical_axis_rules:
-        unknown = [a for a in (axes if isinstance(axes, tuple) else [axes]) if a is not None and a not in cfg.mesh_axes]
-        if unknown:
-            raise ConfigError(f'logical_axis_rules maps {name!r} to mesh axis {unknown[0]!r}, which mesh_axes='
-                              f'{",".join(cfg.mesh_axes)} does not name')
-    a, b = (list(cfg.profile_steps) + [-1, -1])[:2]
-    if len(cfg.profile_steps) != 2 or [a, b] != [0, 0] and not 1 <= a <= b <= cfg.steps:
-        raise ConfigError(f'profile_steps={",".join(map(str, cfg.profile_steps))}: give two steps a,b with '
-                          f'1 <= a <= b <= steps={cfg.steps} (0,0 = off)')
-    if cfg.compile_topology and cfg.compile_topology not in TPU_SLICES:
-        raise ConfigError(f'compile_topology={cfg.compile_topology}: choose one of {", ".join(TPU_SLICES)}')
-    if cfg.vocab_tile not in (0, 'auto') and cfg.vocab_size % cfg.vocab_tile:
-        raise ConfigError(f'vocab_tile={cfg.vocab_tile}: must divide vocab_size={cfg.vocab_size} (0 = off)')
-    if cfg.per_device_batch == 'auto' and not cfg.compile_topology:
-        raise ConfigError('per_device_batch=auto is the fit check\'s search: give compile_topology=SLICE, or a number '
-                          'to train')
-    if cfg.load_params and cfg.load_hf:
-        raise ConfigError('load_params and load_hf are both set; keep one')
-    if not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in ('.', '..'):
-        raise ConfigError(f'run_name={cfg.run_name!r}: give a plain directory name (the run goes to '
-                          'output_dir/run_name)')
-    for key in ('run_name', 'output_dir'):  # orbax writes the path into a JSON spec without escaping it
-        if '\\' in getattr(cfg, key):
-            raise ConfigError(f'{key}={getattr(cfg, key)}: the checkpoint library cannot write under a path with a '
-                              'backslash; choose a name without one')
-    if cfg.wandb_project and importlib.util.find_spec('wandb') is None:
-        raise ConfigError(f'wandb_project={cfg.wandb_project}: wandb is not installed: pip install wandb==0.31.0 (or '
-                          'set wandb_project=)')
-    if message := task.check(cfg):
+    """The rules that tie keys together, the task's own, and the paths: each message names the key and the fix."""
+    mesh, axes = ','.join(map(str, cfg.mesh)), ','.join(cfg.mesh_axes)
+    unmapped = [(name, a) for name, rule_axes in cfg.logical_axis_rules
+                for a in (rule_axes if isinstance(rule_axes, tuple) else [rule_axes]) if a and a not in cfg.mesh_axes]
+    name, axis = unmapped[0] if unmapped else ('', '')
+    first, last = cfg.profile_steps
+    rules = [
+        (cfg.num_heads % cfg.num_kv_heads, f'num_heads={cfg.num_heads} must be a multiple of num_kv_heads='
+                                           f'{cfg.num_kv_heads}'),
+        (not cfg.head_dim and cfg.d_model % cfg.num_heads, f'd_model={cfg.d_model} is not divisible by num_heads='
+                                                           f'{cfg.num_heads}; change one, or set head_dim explicitly'),
+        (model_lib.dims(cfg) % 2, f'head dim {model_lib.dims(cfg)} must be even for RoPE; set head_dim'),
+        (len(cfg.mesh) != len(cfg.mesh_axes), f'mesh={mesh} has {len(cfg.mesh)} entries but mesh_axes={axes} names '
+                                              f'{len(cfg.mesh_axes)}'),
+        (unmapped, f'logical_axis_rules maps {name!r} to mesh axis {axis!r}, which mesh_axes={axes} does not name'),
+        ((first, last) != (0, 0) and not 1 <= first <= last <= cfg.steps,
+         f'profile_steps={first},{last}: give two steps a,b with 1 <= a <= b <= steps={cfg.steps} (0,0 = off)'),
+        (cfg.vocab_tile not in (0, 'auto') and cfg.vocab_size % cfg.vocab_tile,
+         f'vocab_tile={cfg.vocab_tile}: must divide vocab_size={cfg.vocab_size} (0 = off)'),
+        (cfg.per_device_batch == 'auto' and not cfg.compile_topology,
+         'per_device_batch=auto is the fit check\'s search: give compile_topology=SLICE, or a number to train'),
+        (cfg.load_params and cfg.load_hf, 'load_params and load_hf are both set; keep one'),
+        (not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in ('.', '..'),
+         f'run_name={cfg.run_name!r}: give a plain directory name (the run goes to output_dir/run_name)'),
+        *[('\\' in getattr(cfg, key), f'{key}={getattr(cfg, key)}: the checkpoint library cannot write under a path '
+                                      'with a backslash; choose a name without one') for key in ('run_name', 'output_dir')],
+        *[(data.remote(path) and data.URL_MANGLED.search(path), f'{key}={path}: tensorstore reads a gs:// path as a URL '
+           '(it cuts ? and # and decodes %XX), so arrays would land outside it; choose a name without ?, # or %')
+          for key, path in [*paths_of(cfg).items(), ('run_name', os.path.join(cfg.output_dir, cfg.run_name))]],
+        (cfg.wandb_project and importlib.util.find_spec('wandb') is None,
+         f'wandb_project={cfg.wandb_project}: wandb is not installed: pip install wandb==0.31.0 (or set wandb_project=)'),
+        (True, task.check(cfg)),
+    ]
+    if message := next((says for bad, says in rules if bad and says), None):
         raise ConfigError(message)
     check_paths(cfg)
 
@@ -319,13 +352,13 @@ def check(cfg, task):
 def check_paths(cfg):
     """Every path the user typed must exist, whatever else the run does (a resumable run directory would
     otherwise hide a mistyped load_params). Data paths may be globs; any of them may be on gs://."""
-    check_credentials(cfg)
+    data.check_credentials(paths_of(cfg))
     for key in ('data_dir', 'cache_dir'):  # array_record's own file layer (no TensorFlow) and flock: local only
-        if remote(getattr(cfg, key)):
+        if data.remote(getattr(cfg, key)):
             raise ConfigError(f'{key}={getattr(cfg, key)}: prepared datasets are read through a local file layer; '
                               f'give a local directory (copy the data down with `gcloud storage cp -r`, or mount the '
                               'bucket with gcsfuse)')
-    is_dir, is_file = lambda p: stored(p).is_dir(), lambda p: stored(p).is_file()
+    is_dir, is_file = lambda p: data.stored(p).is_dir(), lambda p: data.stored(p).is_file()
     matches = lambda pattern: bool(data.expand(pattern))
     listed = lambda files: all(matches(f.strip()) for f in files.split(',') if f.strip())
     wanted = {'load_params': is_dir, 'load_hf': is_dir, 'tokenizer_path': is_file,
@@ -341,13 +374,30 @@ def check_paths(cfg):
                           'checkpoints/ directory or one checkpoints/STEP directory')
 
 
+def checkpoint_steps(path):
+    """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
+    (the checkpoints directory, the steps found there)."""
+    path = path.rstrip('/')
+    if data.stored(os.path.join(path, 'checkpoints')).is_dir():
+        path = os.path.join(path, 'checkpoints')
+    if os.path.basename(path).isdigit() and data.stored(path).is_dir():
+        return os.path.dirname(path), [int(os.path.basename(path))]
+    found = data.stored(path).iterdir() if data.stored(path).is_dir() else []
+    return path, sorted(int(d.name) for d in found if d.name.isdigit())
+
+
+def cpu_has_bf16():
+    """Whether this CPU has bf16 instructions: avx512_bf16 or amx_bf16 among /proc/cpuinfo's flags."""
+    flags = open('/proc/cpuinfo').read().split() if os.path.exists('/proc/cpuinfo') else []
+    return 'avx512_bf16' in flags or 'amx_bf16' in flags
+
+
 def resolve(cfg, task, platform, device_kind=''):
     """The config as run: dtype=auto made concrete (bfloat16 on TPU, GPU and CPUs with bf16 instructions,
     float32 on other CPUs, where XLA:CPU's bf16 step is slower), attention=auto (splash on TPU chips whose
     compiler takes the Pallas kernel, v4 on; XLA's on v2 and v3, whose Mosaic refuses its bf16 matmuls;
     cuDNN's on GPU; einsum on CPU), vocab_tile=auto (4096 on TPU, off elsewhere), and the values the task
-    decides (the puzzle vocabulary and length).
-    Computed once; config.yml records the result."""
+    decides (the puzzle vocabulary and length). Computed once; config.yml records the result."""
     fixed = task.fixed(cfg)
     if cfg.dtype == 'auto':
         bf16 = platform != 'cpu' or cpu_has_bf16()
@@ -359,28 +409,23 @@ def resolve(cfg, task, platform, device_kind=''):
         log(f'attention=auto: {fixed["attention"]} on {device_kind or platform}')
     if cfg.vocab_tile == 'auto':  # on TPU the memory it frees buys batch; XLA:CPU runs the recompute slower
         fixed['vocab_tile'] = 4096 if platform == 'tpu' and cfg.vocab_size % 4096 == 0 else 0
-    attention = fixed.get('attention', cfg.attention)
+    attention, chip = fixed.get('attention', cfg.attention), device_kind or platform
     if attention == 'splash' and (platform != 'tpu' or old_tpu):
-        raise ConfigError(f'attention=splash: the Pallas kernel compiles for TPU v4 and later, not for '
-                          f'{device_kind or platform}; use attention=auto')
+        raise ConfigError(f'attention=splash: the Pallas kernel compiles for TPU v4 and later, not for {chip}; use '
+                          'attention=auto')
     if attention == 'splash' and not model_lib.splash_block(cfg.max_target_length):
         raise ConfigError(f'attention=splash: max_target_length={cfg.max_target_length} is not a multiple of the '
                           'kernel\'s 128-token blocks (nor 512 or less); use a multiple of 128, or attention=xla')
     if attention == 'cudnn' and platform != 'gpu':
-        raise ConfigError(f'attention=cudnn: cuDNN\'s kernel runs on NVIDIA GPUs, not on {device_kind or platform}; '
-                          'use attention=auto')
+        raise ConfigError(f'attention=cudnn: cuDNN\'s kernel runs on NVIDIA GPUs, not on {chip}; use attention=auto')
     return cfg.model_copy(update=fixed)
 
 
 # ==================================================================================================
-# Devices and mesh. Only this file builds the mesh.
+# Devices, hosts and mesh. Only this file builds the mesh. The hosts of a multi-host run compare what must match
+# through JAX's coordination service (a key-value store, no devices): a collective across hosts that disagree
+# would hang, or train them apart.
 # ==================================================================================================
-def cpu_has_bf16():
-    """Whether this CPU has bf16 instructions: avx512_bf16 or amx_bf16 among /proc/cpuinfo's flags."""
-    flags = open('/proc/cpuinfo').read().split() if os.path.exists('/proc/cpuinfo') else []
-    return 'avx512_bf16' in flags or 'amx_bf16' in flags
-
-
 def make_mesh(cfg, devices):
     n, shape = len(devices), list(cfg.mesh)
     if -1 in shape:
@@ -394,6 +439,60 @@ def make_mesh(cfg, devices):
     # Auto axes: the compiler propagates shardings from our annotations (Explicit is make_mesh's default now).
     return jax.make_mesh(shape, cfg.mesh_axes, devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def coordination():
+    """The client of JAX's coordination service, which jax.distributed.initialize started (its key-value store)."""
+    from jax._src import distributed
+    return distributed.global_state.client
+
+
+AGREED = itertools.count()  # every process agrees on the same topics in the same order: their keys match
+
+
+def agree(mine, timeout_s):
+    """Every process's `mine` (JSON), in process order. Also the point where the hosts wait for each other."""
+    if jax.process_count() == 1:
+        return [mine]
+    topic, client = f'train/agree/{next(AGREED)}', coordination()
+    client.key_value_set(f'{topic}/{jax.process_index()}', json.dumps(mine))
+    return [json.loads(client.blocking_key_value_get(f'{topic}/{k}', timeout_s * 1000))
+            for k in range(jax.process_count())]
+
+
+def same_everywhere(values, fix, timeout_s):
+    """Stops every host, each with the same one line, when a process's values ({name: value}) differ from
+    process 0's: the first such process and the names that differ, with their values on both."""
+    every = agree(values, timeout_s)
+    for k, theirs in enumerate(every):
+        differ = [name for name in {**every[0], **theirs} if theirs.get(name) != every[0].get(name)]
+        if differ:
+            shown = ', '.join(f'{name} ({every[0].get(name)} on process 0, {theirs.get(name)} on process {k})'
+                              for name in differ[:4])
+            raise ConfigError(f'process {k} of {len(every)} was started differently from process 0: {shown}; {fix}')
+
+
+def quit_now(line, code):
+    """One line and exit, now: without JAX's shutdown, which would wait for a lost host, then abort."""
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def stop_lost_host(e, seconds=3):
+    """A collective failed: a host is gone (its process ended, its network went). The survivors answer a roll call
+    in the coordination service for a few seconds, and whoever did not is named; no answer at all means the
+    coordinator itself, process 0, is gone."""
+    try:
+        client = coordination()
+        client.key_value_set(f'train/alive/{jax.process_index()}', '')
+        time.sleep(seconds)
+        alive = {int(key.rsplit('/', 1)[1]) for key, _ in client.key_value_dir_get('train/alive/')}
+        lost = [k for k in range(jax.process_count()) if k not in alive] or ['unknown']
+    except Exception:  # the coordination service went with process 0
+        lost = [0]
+    quit_now(f'error: lost process {", ".join(map(str, lost))} of {jax.process_count()} ({first_line(e)}); '
+             'checkpoints already committed are intact; rerun the command on every host to resume', 74)
 
 
 # ==================================================================================================
@@ -417,17 +516,28 @@ def shardings_for(logical, abstract, cfg, mesh):
 
 def sharding_table(params, shardings):
     rows = [f'{"parameter":52s} {"shape":>20s}  sharding']
-    for (path, x), (_, s) in zip(jax.tree_util.tree_leaves_with_path(params),
-                                 jax.tree_util.tree_leaves_with_path(shardings)):
+    for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(shardings)):
         rows.append(f'{jax.tree_util.keystr(path):52s} {str(x.shape):>20s}  {s.spec}')
     return '\n'.join(rows)
 
 
+def replicated(params_logical, abstract_params, cfg, mesh):
+    """'name dim i (size) whole, not over AXES' for each parameter dimension its rule would shard but whose
+    size does not divide by those mesh axes: printed at start (such a dimension costs memory on every device)."""
+    out = []
+    for (path, spec), x in zip(jax.tree_util.tree_leaves_with_path(
+            params_logical, is_leaf=lambda v: isinstance(v, PartitionSpec)), jax.tree.leaves(abstract_params)):
+        got, want = mesh_spec(spec, x.shape, cfg, mesh), mesh_spec(spec, (0,) * len(x.shape), cfg, mesh)
+        out += [f'{jax.tree_util.keystr(path)} dim {i} ({x.shape[i]}) not over {w}'
+                for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Feed:
-    """How host batches become global arrays: the microbatches per step (A), the rows of one microbatch across
-    every process (B), and the shardings of train batches [A, B, L] (the microbatch axis whole) and of eval
-    batches [B, L]."""
+    """How host batches become global arrays: the microbatches per step (A, the config's grad_accum), the rows of
+    one microbatch across every process (B), and the shardings of train batches [A, B, L] (the microbatch axis
+    whole) and of eval batches [B, L]."""
     accum: int
     rows: int
     length: int
@@ -473,6 +583,7 @@ class Layout(NamedTuple):
     init: Callable        # (rng, params or None) -> the train state
     shardings: dict       # the state's NamedShardings
     abstract: dict        # its shapes, dtypes and shardings, nothing allocated
+    logical: dict         # its logical axes (PartitionSpecs of names)
 
 
 def state_layout(cfg, task, mesh, tx, rows):
@@ -492,7 +603,7 @@ def state_layout(cfg, task, mesh, tx, rows):
                                                   transform_non_params=lambda _: PartitionSpec(), is_leaf=is_spec)}
     shardings = shardings_for(logical, shapes, cfg, mesh)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    return Layout(init, shardings, abstract)
+    return Layout(init, shardings, abstract, logical)
 
 
 def init_state(cfg, layout, params=None):
@@ -506,9 +617,9 @@ def init_state(cfg, layout, params=None):
 # The step: scan over the microbatches summing token-weighted gradients, divide once, clip, AdamW.
 # ==================================================================================================
 def make_train_step(cfg, task, graph, tx):
-    """The jitted step: (state, batch [A, B, L]) -> (new state, metrics). The task's loss returns a loss
-    summed over the microbatch and the weight it stands for, so summing then dividing once makes
-    grad_accum=4 x batch 2 equal grad_accum=1 x batch 8."""
+    """The step: (state, batch [A, B, L]) -> (new state, metrics). The task's loss returns a loss summed over
+    the microbatch and the weight it stands for, so summing then dividing once makes grad_accum=4 x batch 2
+    equal grad_accum=1 x batch 8."""
     def train_step(state, batch_ABL):
         params = state['params']
         grad_fn = jax.value_and_grad(lambda p, mb, c, k: task.loss(cfg, graph, p, mb, c, k, state['step']),
@@ -522,7 +633,8 @@ def make_train_step(cfg, task, graph, tx):
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         # Random draws (TRM's halting exploration) are a function of (seed, step): resume stays exact.
-        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state['step']), cfg.grad_accum)
+        A = batch_ABL['inputs'].shape[0]
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state['step']), A)
         (grads, loss), (sums_A, carry) = jax.lax.scan(micro, (zeros, 0.0), (batch_ABL, state.get('carry'), keys))
         sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums_A)
         denom = jnp.maximum(sums['weight'], 1.0)  # all real tokens (LM) / examples (TRM) of the step
@@ -534,10 +646,6 @@ def make_train_step(cfg, task, graph, tx):
             grads = jax.tree.map(lambda g: jnp.where(over, g / grad_norm.astype(g.dtype) * cfg.grad_clip, g), grads)
         updates, opt_state = tx.update(grads, state['opt_state'], params)
         new_params = optax.apply_updates(params, updates)
-        if cfg.skip_nonfinite_steps:  # a NaN/inf step leaves params and optimizer untouched
-            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-            new_params, opt_state = keep(new_params, params), keep(opt_state, state['opt_state'])
         new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state,
                      **task.after_update(cfg, state, new_params, carry)}
         return new_state, {'loss': loss / denom, 'grad_norm': grad_norm, 'tokens': sums['tokens'],
@@ -548,17 +656,18 @@ def make_train_step(cfg, task, graph, tx):
 # ==================================================================================================
 # Eval: the task's eval step on fixed batches, its metrics computed on the host.
 # ==================================================================================================
-def evaluator(cfg, task, eval_step, ds, feed):
-    """evaluate(state, n_batches, save_to=None): the task's eval metrics of the state's eval weights on n fixed
-    batches (the same every call, so curves compare; None: the whole eval set), and the seconds they took.
-    save_to: a directory for the task's answers (process 0 only)."""
-    def evaluate(state, n_batches, save_to=None):
+def evaluator(cfg, task, eval_step, feed):
+    """evaluate(state, ds, n_batches, save_to=None, beat=None): the task's eval metrics of the state's eval weights
+    on n fixed batches of ds (the same every call, so curves compare; None: the whole eval set), and the seconds
+    they took. save_to: a directory for the task's answers (process 0 only); beat: called after every batch."""
+    def evaluate(state, ds, n_batches, save_to=None, beat=lambda: None):
         if n_batches == 0:
             return {}
         t0 = time.perf_counter()
         batches, outs = ds.eval_batches(feed.rows // jax.process_count(), n_batches), []
         for i, b in enumerate(batches):
             outs.append(to_host(eval_step(state[task.eval_weights], global_batch(b, feed.eval_sharding, feed.rows))))
+            beat()
             if len(batches) > 1 and time.perf_counter() - t0 > 10:  # a search can take minutes: say where it is
                 log(f'eval: {i + 1}/{len(batches)} batches ({time.perf_counter() - t0:.0f}s)')
         result = task.eval_result(cfg, outs, [to_host(b) for b in batches], ds,
@@ -567,184 +676,29 @@ def evaluator(cfg, task, eval_step, ds, feed):
     return evaluate
 
 
-# ==================================================================================================
-# Storage: every path, input or output, goes through etils' epath (what orbax uses itself), so each may be
-# local or gs://bucket/... (gcsfs underneath, without TensorFlow). GCS has no append and no file locks:
-# append() composes objects, and a run owns a gs:// directory through a lease object (BucketLease).
-# ==================================================================================================
-STORAGE_ERRORS = (OSError,)  # what a disk can raise; a bucket adds gcsfs's HTTP and credential errors (use_gcs)
+class Built(NamedTuple):
+    """What build() makes of a config for a set of devices; nothing here holds an array yet."""
+    mesh: jax.sharding.Mesh
+    feed: Feed             # the batch's shardings and rows
+    graph: Any             # the model's static graph (nnx.split)
+    schedule: Callable     # the learning rate per step
+    layout: Layout         # the train state's shapes and shardings
+    train_step: Callable   # jitted: (state, batch [A, B, L]) -> (new state, metrics); the state donated
+    eval_step: Callable    # jitted: (eval weights, batch [B, L]) -> the task's outputs
 
 
-def remote(path):
-    return '://' in str(path)
-
-
-def stored(path):
-    """epath.Path of a local path (absolute: orbax writes it into its metadata) or a gs:// one (as given)."""
-    if remote(path):
-        use_gcs()
-    return epath.Path(path if remote(path) else os.path.abspath(os.path.expanduser(path)))
-
-
-def use_gcs():
-    """gcsfs, loaded by the first gs:// path (its import costs a local run half a second); from then on its HTTP
-    and credential errors count as storage errors."""
-    global STORAGE_ERRORS
-    from gcsfs.retry import HttpError
-    from google.auth.exceptions import GoogleAuthError
-    STORAGE_ERRORS = (OSError, HttpError, GoogleAuthError)
-
-
-def gcs():
-    """The gcsfs file system epath itself uses (fsspec keeps one instance, so both see one listings cache)."""
-    import fsspec
-    use_gcs()
-    return fsspec.filesystem('gs')
-
-
-def storage_reason(e):
-    """An error from a disk or a bucket as a short reason, with any URL's query string (tokens, signatures) cut."""
-    text = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
-    text = re.sub(r'(https?://[^\s?]+)\?\S*', r'\1', text)
-    return re.sub(r'(?i)(token|signature|key)=[^\s&]+', r'\1=...', text)
-
-
-HELD = {}  # run directory -> whether it is still the one this run opened (filled by run_directory)
-
-
-def check_held(path):
-    """A run holds the directory it opened, not its path: one moved away, or replaced by another (a disk's by
-    its inode, a bucket's by the run's lease on it), stops the run before it writes into what is there now."""
-    path = path if remote(path) else os.path.abspath(path)  # orbax names its directory absolutely
-    for run_dir, still_ours in HELD.items():
-        if (path == run_dir or path.startswith(run_dir.rstrip('/') + '/')) and not still_ours():
-            raise WriteError(f'{run_dir} was moved or replaced under this run: stopped without writing into what is '
-                             'there now (what the run wrote went with its directory)')
-
-
-def write(path, data):
-    """Process 0 writes `data` (text or bytes) as the whole of `path`; a refusal stops the run in one line."""
-    check_held(path)
-    if jax.process_index() == 0:
-        try:
-            stored(path).write_bytes(data if isinstance(data, bytes) else data.encode())
-        except STORAGE_ERRORS as e:
-            raise WriteError(f'{path}: cannot write it ({storage_reason(e)})') from None
-
-
-def append(path, text):
-    """Adds text to the end of `path`. A bucket has no append, and rewriting the object each time would upload
-    O(N^2) bytes over a run: the new text goes up as its own object, then GCS composes the two server-side."""
-    check_held(path)
-    try:
-        if not remote(path):
-            with open(path, 'a') as f:
-                f.write(text)
-            return
-        part = f'{path}.part'
-        gcs().pipe_file(part, text.encode())
-        gcs().merge(path, [path, part])
-        gcs().rm_file(part)
-    except STORAGE_ERRORS as e:
-        raise WriteError(f'{path}: cannot write ({storage_reason(e)}); the checkpoints written are intact') from None
-
-
-def set_aside(path, tag):
-    """Renames path to path.TAG-TIME (never deletes it); returns the new name."""
-    new = f'{path}.{tag}-{time.strftime("%Y%m%d-%H%M%S")}'
-    stored(path).rename(stored(new))
-    return new
-
-
-def check_credentials(cfg):
-    """gs:// paths need Google credentials: ask for them once, up front, instead of a 401 from a background write
-    (gcsfs would fall back to anonymous access silently). An emulator (STORAGE_EMULATOR_HOST) needs none."""
-    used = [key for key in PATH_KEYS if remote(getattr(cfg, key))]
-    if not used or os.environ.get('STORAGE_EMULATOR_HOST'):
-        return
-    import google.auth
-    use_gcs()
-    try:
-        google.auth.default()
-    except google.auth.exceptions.DefaultCredentialsError as e:
-        raise WriteError(f'{used[0]}={getattr(cfg, used[0])}: no Google credentials found ({storage_reason(e)}); on '
-                         'a Cloud TPU VM the VM\'s service account is used, elsewhere run `gcloud auth '
-                         'application-default login` or set GOOGLE_APPLICATION_CREDENTIALS') from None
-
-
-PATH_KEYS = ('output_dir', 'load_params', 'load_hf', 'export_dir', 'dataset_path', 'eval_path', 'tokenizer_path',
-             'hf_data_files', 'compile_cache_dir')
-
-
-class BucketLease:
-    """One owner per gs:// run directory. GCS has no file locks, but it creates an object only if absent
-    (ifGenerationMatch=0): RUN_DIR/.lock is made that way and names its holder and a lease expiry, which the live
-    run renews every LEASE_SECONDS / 3 (rewriting it conditional on the generation it last wrote). A killed run
-    stops renewing: once its lease has run out, or at once on the same host when its process is gone, the next
-    run takes the lock over, again conditional on the generation it read, so two newcomers cannot both win."""
-    LEASE_SECONDS = 60
-
-    def __init__(self, path):
-        self.path, self.host, self.lost = path, socket.gethostname(), None
-        self.holder = f'process {os.getpid()} on {self.host} since {time.strftime("%Y-%m-%d %H:%M:%S")}'
-        self.stop = threading.Event()
-
-    def acquire(self):
-        """'' once held, else who holds it."""
-        try:
-            self.generation = self.put(0)
-        except FileExistsError:
-            old, generation = json.loads(gcs().cat_file(self.path)), gcs().info(self.path)['generation']
-            if old['until'] > time.time() and not (old['host'] == self.host and not pid_alive(old['pid'])):
-                return old['holder']
-            self.generation = self.put(generation)  # a stale lease: FileExistsError if another run just took it
-            log(f'took over the lock of {old["holder"]} (its lease ran out or its process is gone)')
-        threading.Thread(target=self.renew, daemon=True).start()
-        return ''
-
-    def put(self, if_generation):
-        """Writes the lease object only if its generation is still `if_generation` (0: absent); the new one."""
-        body = json.dumps({'holder': self.holder, 'pid': os.getpid(), 'host': self.host,
-                           'until': time.time() + self.LEASE_SECONDS}).encode()
-        bucket, key = self.path.removeprefix('gs://').split('/', 1)
-        multipart = (b'--==0==\nContent-Type: application/json\n\n' + json.dumps({'name': key}).encode() +
-                     b'\n--==0==\nContent-Type: application/json\n\n' + body + b'\n--==0==--')
-        out = gcs().call('POST', f'{gcs()._location}/upload/storage/v1/b/{bucket}/o', uploadType='multipart',
-                         ifGenerationMatch=str(if_generation), data=multipart, json_out=True,
-                         headers={'Content-Type': 'multipart/related; boundary="==0=="'})
-        return out['generation']
-
-    def renew(self):
-        while not self.stop.wait(self.LEASE_SECONDS / 3):
-            try:
-                self.generation = self.put(self.generation)
-            except Exception as e:  # taken over (FileExistsError) or the bucket unreachable
-                self.lost = storage_reason(e)
-                log(f'WARNING: {self.path}: could not renew this run\'s lease on its directory ({self.lost})')
-                return
-
-    def close(self):
-        """Ends the lease: deleted, waiting a few seconds at most (a bucket gone away would keep gcsfs retrying for
-        half a minute; the lease then just runs out)."""
-        self.stop.set()
-        if not self.lost:
-            done = threading.Thread(target=self.release, daemon=True)
-            done.start()
-            done.join(5)
-
-    def release(self):
-        with contextlib.suppress(*STORAGE_ERRORS):  # a bucket gone away: the lease runs out by itself
-            gcs().rm_file(self.path)
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
+def build(cfg, task, devices):
+    """The mesh, the batch feed, the model's graph, the optimizer and its schedule, the state's layout, and the
+    jitted steps (compiled at their first call, or ahead by compile_step)."""
+    mesh = make_mesh(cfg, devices)
+    feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
+    tx, schedule = make_optimizer(cfg)
+    graph, layout = model_lib.abstract(cfg)[0], state_layout(cfg, task, mesh, tx, feed.rows)
+    train_step = jax.jit(make_train_step(cfg, task, graph, tx), in_shardings=(layout.shardings, feed.step_sharding),
+                         out_shardings=(layout.shardings, None), donate_argnums=0)
+    eval_step = jax.jit(functools.partial(task.eval_step, cfg, graph),
+                        in_shardings=(layout.shardings['params'], feed.eval_sharding))
+    return Built(mesh, feed, graph, schedule, layout, train_step, eval_step)
 
 
 # ==================================================================================================
@@ -768,7 +722,7 @@ def checkpoints(directory, cfg, read_only=False):
                                         cleanup_tmp_directories=not read_only, read_only=read_only,
                                         enable_async_checkpointing=True,
                                         async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
-    mngr = ocp.CheckpointManager(stored(directory), options=opts,
+    mngr = ocp.CheckpointManager(data.stored(directory), options=opts,
                                  item_handlers={'train_state': ocp.PyTreeCheckpointHandler(),
                                                 'data_state': ocp.StandardCheckpointHandler()})
     try:
@@ -786,16 +740,8 @@ def wait_for_saves(mngr):
     try:
         mngr.wait_until_finished()
     except Exception as e:
-        raise WriteError(f'{mngr.directory}: the last checkpoint could not be written ({first_line(e)}); the ones '
-                         'written before stay as they are') from None
-
-
-class WriteError(Exception):
-    """The run directory refused a write (read-only, full, gone): the run stops with one line; what was
-    written before stays."""
-
-
-first_line = data.first_line
+        raise data.WriteError(f'{mngr.directory}: the last checkpoint could not be written ({first_line(e)}); the '
+                              'ones written before stay as they are') from None
 
 
 def data_state_array(lane_states):
@@ -812,57 +758,49 @@ def save_checkpoint(mngr, step, state, it):
     """Step `step`'s train state and data position (with the identity of the data it counts in), saved
     asynchronously: training goes on while it is written."""
     data_state = {'lanes': data_state_array(it.state()), 'source': np.frombuffer(it.source.encode(), np.uint8)}
-    check_held(str(mngr.directory))
+    data.check_held(str(mngr.directory))
     try:
         mngr.check_for_errors()  # the save before this one, finished in the background
         mngr.save(step, args=ocp.args.Composite(train_state=ocp.args.PyTreeSave(state),
                                                 data_state=ocp.args.StandardSave(data_state)))
     except Exception as e:
-        raise WriteError(f'{mngr.directory}: a checkpoint could not be written ({first_line(e)}); the ones '
-                         'written before stay as they are') from None
-
-
-def _flat_shapes(tree):
-    """{('params', 'embed'): shape}: paths as plain strings, since orbax's metadata tree turns optax's
-    named tuples into dicts and lists."""
-    name = lambda k: str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))
-    return {tuple(map(name, path)): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+        raise data.WriteError(f'{mngr.directory}: a checkpoint could not be written ({first_line(e)}); the ones '
+                              'written before stay as they are') from None
 
 
 class Damaged(Exception):
     """A checkpoint step that cannot be read back: truncated, garbled or missing files, bad metadata."""
 
 
-class Mismatch(Exception):
-    """A readable checkpoint whose state has other parameters or shapes than this config makes: not damage."""
-
-
-def _check_shapes(mngr, step, abstract, part):
-    """A checkpoint written by a different model config fails here with a message, not deep in orbax;
-    metadata that cannot be read (or holds no parameters) is damage, not a config mistake."""
+def check_shapes(mngr, step, abstract, part):
+    """(whether the checkpoint's arrays have this config's shapes, or the first that differs): a checkpoint of
+    another model config is a config mistake, not damage. Metadata that cannot be read (or holds no parameters)
+    is damage."""
+    name = lambda k: str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))  # optax's tuples come back
+    shapes = lambda tree: {tuple(map(name, p)): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
     try:
         saved = mngr.item_metadata(step)['train_state']
-        saved = _flat_shapes(saved[part] if part else saved)
+        saved = shapes(saved[part] if part else saved)
     except Exception as e:  # orbax raises ValueError, KeyError, tensorstore errors ... for unreadable metadata
         raise Damaged(f'its metadata is unreadable: {first_line(e)}')
     if not any(path[0] == 'params' for path in saved) and not part:
         raise Damaged('its metadata lists no parameters')
-    want = _flat_shapes(abstract)
+    want = shapes(abstract)
     for path in sorted(set(want) | set(saved), key=lambda p: (p[0] != 'params', p)):
         if saved.get(path) != want.get(path):
             show = lambda shape: 'none' if shape is None else shape
-            raise Mismatch(f'{"/".join(path)} is {show(saved.get(path))} there but {show(want.get(path))} here')
+            return f'{"/".join(path)} is {show(saved.get(path))} there but {show(want.get(path))} here'
+    return ''
 
 
-def _read_step(mngr, step, abstract, part):
+def read_step(mngr, step, abstract, part):
     """(state or its `part`, every lane's data state) of one step; Damaged if it cannot be read."""
-    target = abstract[part] if part else abstract
-    _check_shapes(mngr, step, target, part)
     restore = lambda item, **kw: ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), **kw)
     try:
         if part:  # another run's optimizer may differ: read the params subtree alone
-            got = mngr.restore(step, args=ocp.args.Composite(train_state=restore({part: target}, partial_restore=True)))
+            got = mngr.restore(step, args=ocp.args.Composite(
+                train_state=restore({part: abstract[part]}, partial_restore=True)))
             return got['train_state'][part], None
         got = mngr.restore(step, args=ocp.args.Composite(train_state=restore(abstract),
                                                          data_state=ocp.args.StandardRestore()))
@@ -876,56 +814,49 @@ def _read_step(mngr, step, abstract, part):
 
 
 def restore_checkpoint(mngr, abstract, cfg, steps=None, part=None, move_aside=False):
-    """Newest readable checkpoint -> (step, state or its `part` ('params', 'ema'), every lane's data
-    state), or None. A damaged step is reported in one line and skipped for the one before it; with
-    move_aside (the run's own checkpoints) it is renamed STEP.damaged-TIME once a readable one is found,
-    never deleted, so the next save of that step has room and nothing is lost. A checkpoint of another
-    config is not damage: it stops the run with what differs."""
+    """Newest checkpoint every host can read -> (step, state or its `part` ('params', 'ema'), every lane's data
+    state), or None. The hosts decide together, step by step: a step any of them cannot read is damaged for all,
+    reported in one line and skipped for the one before it (with move_aside, the run's own checkpoints, renamed
+    STEP.damaged-TIME once a readable one is found, never deleted, so the next save of that step has room). A
+    checkpoint of another config is not damage: it stops the run with what differs."""
     damaged = []
     for step in sorted(steps or mngr.all_steps(), reverse=True):
+        mismatch = why = ''
         try:
-            state, data_state = _read_step(mngr, step, abstract, part)
-        except Mismatch as e:
-            changed = config_changes(os.path.dirname(mngr.directory), cfg)
-            raise ConfigError(f'checkpoint {mngr.directory}/{step} was written by another config: {e}'
-                              + (f'; changed since: {", ".join(changed[:6])}' if changed else '')
-                              + '; use the keys of the run that wrote it, or a new run_name / resume=false') from None
+            mismatch = check_shapes(mngr, step, abstract[part] if part else abstract, part)
+            found = None if mismatch else read_step(mngr, step, abstract, part)
         except Damaged as e:
+            why = str(e)
+        if mismatch:
+            changed = config_changes(os.path.dirname(mngr.directory), cfg)
+            raise ConfigError(f'checkpoint {mngr.directory}/{step} was written by another config: {mismatch}'
+                              + (f'; changed since: {", ".join(changed[:6])}' if changed else '')
+                              + '; use the keys of the run that wrote it, or a new run_name / resume=false')
+        reasons = agree(why, cfg.host_timeout)
+        if any(reasons):
+            k, why = next((k, r) for k, r in enumerate(reasons) if r)
+            log(f'WARNING: checkpoint {mngr.directory}/{step} is damaged ({f"on process {k}: " if k else ""}{why}); '
+                'trying the one before it')
             damaged.append(step)
-            log(f'WARNING: checkpoint {mngr.directory}/{step} is damaged ({e}); trying the one before it')
             continue
         if move_aside and damaged:
             if jax.process_index() == 0:
-                moved = [set_aside(os.path.join(mngr.directory, str(bad)), 'damaged') for bad in damaged]
+                moved = [data.set_aside(os.path.join(mngr.directory, str(bad)), 'damaged') for bad in damaged]
                 log(f'moved the damaged step(s) aside: {", ".join(moved)}')
-            multihost_utils.sync_global_devices('damaged checkpoints moved aside')
+            agree('', cfg.host_timeout)  # the others wait for the renames
             mngr.reload()
-        return step, state, data_state
+        return (step, *found)
     return None
 
 
 def config_changes(run_dir, cfg):
     """'key (old -> new)' for each key whose value differs from the config.yml the run in run_dir wrote."""
-    flat = lambda d, p='': dict(kv for k, v in d.items() for kv in (flat(v, f'{p}{k}.').items() if isinstance(v, dict)
-                                                                    else [(f'{p}{k}', v)]))
     try:
-        old = flat(yaml.safe_load(stored(os.path.join(run_dir, 'config.yml')).read_text()))
-    except (*STORAGE_ERRORS, yaml.YAMLError, AttributeError):  # none, or not the mapping a run writes
+        old = flat(yaml.safe_load(data.stored(os.path.join(run_dir, 'config.yml')).read_text()))
+    except (*data.STORAGE_ERRORS, yaml.YAMLError, AttributeError):  # none, or not the mapping a run writes
         return []
     new = flat(cfg.model_dump(mode='json'))
     return [f'{k} ({old[k]} -> {new[k]})' for k in new if k in old and old[k] != new[k]]
-
-
-def checkpoint_steps(path):
-    """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
-    (the checkpoints directory, the steps found there)."""
-    path = path.rstrip('/')
-    if stored(os.path.join(path, 'checkpoints')).is_dir():
-        path = os.path.join(path, 'checkpoints')
-    if os.path.basename(path).isdigit() and stored(path).is_dir():
-        return os.path.dirname(path), [int(os.path.basename(path))]
-    found = stored(path).iterdir() if stored(path).is_dir() else []
-    return path, sorted(int(d.name) for d in found if d.name.isdigit())
 
 
 def load_params(path, abstract, cfg, part='params'):
@@ -939,6 +870,21 @@ def load_params(path, abstract, cfg, part='params'):
                           'directory or its checkpoints/STEP directory')
     log(f'loaded {part} from {path}/{found[0]}')
     return found[:2]
+
+
+def load_hf(path, abstract_params, cfg):
+    """load_hf=DIR: a Hugging Face Llama checkpoint -> our params in the run's shardings (fine-tuning)."""
+    params = model_lib.load_hf(cfg, path)
+
+    def place(keypath, a):
+        w = params[tuple(k.key for k in keypath)]
+        if w.size != a.size:
+            raise data.DataError(f'load_hf={path}: model.safetensors disagrees with its config.json: '
+                              f'{"/".join(k.key for k in keypath)} holds {w.shape} values where the config makes {a.shape}')
+        return jax.device_put(w.reshape(a.shape).astype(a.dtype), a.sharding)
+    params = jax.tree_util.tree_map_with_path(place, abstract_params)
+    log(f'loaded Hugging Face checkpoint {path}')
+    return params
 
 
 def restore_or_init(cfg, task, mngr, layout):
@@ -993,9 +939,26 @@ def device_peak_flops(dtype, device):
     return best, f'best {dt.name} matmul of 512^2 and 1024^2 on {device.device_kind}'
 
 
-def log(msg):
-    if jax.process_index() == 0:
-        print(msg, flush=True)
+def step_flops(cfg, task, devices):
+    """FLOPs per token and the peak they are measured against. On CPU the simulated devices share one
+    processor, so the peak measured there is the whole machine's."""
+    peak, source = device_peak_flops(cfg.dtype, devices[0])
+    log(f'peak: {peak / 1e12:.3f} TFLOP/s per device ({source})')
+    return {'per_token': task.flops_per_token(cfg), 'devices': len(devices), 'peak_per_device': peak,
+            'peak_source': source, 'peak': peak if devices[0].platform == 'cpu' else peak * len(devices)}
+
+
+def rates(flops, tps):
+    """Throughput at `tps` tokens/s: per device, in TFLOP/s per device, and as MFU. A measured CPU peak that the
+    step outruns was timed on a busy CPU: it is raised to the step's own rate, so MFU never passes 100%."""
+    if tps * flops['per_token'] > flops['peak'] and 'spec sheet' not in flops['peak_source']:
+        if not flops['peak_source'].startswith('this run'):
+            log('peak: raised to this run\'s fastest step (the CPU was busy when its matmul was timed)')
+        flops['peak'] = flops['peak_per_device'] = tps * flops['per_token']
+        flops['peak_source'] = 'this run\'s fastest step'
+    n = flops['devices']
+    return {'tokens_per_sec': tps, 'tokens_per_sec_per_device': tps / n,
+            'tflops_per_device': tps * flops['per_token'] / n / 1e12, 'mfu': tps * flops['per_token'] / flops['peak']}
 
 
 def host_rss_gb():
@@ -1003,8 +966,6 @@ def host_rss_gb():
 
 
 def device_peak_memory_gb(device):
-    if device.process_index != jax.process_index():  # on multi-host runs only local devices report memory
-        device = jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
     return stats.get('peak_bytes_in_use', 0) / 2 ** 30 if stats else None
 
@@ -1021,75 +982,10 @@ def short_line(m, steps, shown):
     return '  '.join(parts + [fmt.format(m[k]) for k, fmt in shown if k in m])
 
 
-class MetricsWriter:
-    """One row of metrics to stdout, and on process 0 to metrics.jsonl, TensorBoard event files (tensorboardX
-    writes them without TensorFlow: tensorboard --logdir RUN_DIR) and Weights & Biases (wandb_project).
-    Rows reach the run directory at flush(): after every row on a local disk, before each checkpoint on a bucket
-    (each flush uploads only its new rows: metrics.jsonl grows by compose, TensorBoard gets one event file per
-    flush, named by its steps). A resumed run first drops the rows past its checkpoint, so every step appears
-    once; W&B's history cannot drop rows, so it gets a row once a checkpoint holds its step."""
-
-    def __init__(self, cfg, run_dir, start_step, shown=()):
-        self.main, self.run_dir, self.path = jax.process_index() == 0, run_dir, os.path.join(run_dir, 'metrics.jsonl')
-        self.shown = shown
-        self.wandb, self.unsent, self.rows = open_wandb(cfg, run_dir) if self.main and cfg.wandb_project else None, [], []
-        self.tb = None
-        if self.main:
-            write(self.path, ''.join(kept_rows(self.path, start_step)) if start_step else '')
-            self.tb_dir = tempfile.mkdtemp(prefix='tensorboard-') if remote(run_dir) else run_dir
-            for f in stored(run_dir).glob('events.out.tfevents.steps-*') if remote(run_dir) else ():
-                if int(f.name.split('-')[1]) > start_step:  # written past the checkpoint resumed from
-                    f.unlink()
-            self.tb = SummaryWriter(self.tb_dir)
-
-    def write(self, m, steps):
-        log(short_line(m, steps, self.shown))
-        if self.main:
-            for k, v in m.items():
-                if k != 'step' and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, m['step'])
-            self.rows.append(m)
-            self.unsent.append(m)
-            if not remote(self.run_dir):
-                self.flush()
-
-    def flush(self):
-        """The rows since the last flush into the run directory."""
-        rows, self.rows = self.rows, []  # taken first: rows a failed write could not land are not tried again
-        if not (self.main and rows):
-            return
-        append(self.path, ''.join(json.dumps(m) + '\n' for m in rows))
-        if remote(self.run_dir):  # a closed event file goes up once, whole; the next rows start a new one
-            self.tb.close()
-            name = f'events.out.tfevents.steps-{rows[0]["step"]:010d}-{rows[-1]["step"]:010d}'
-            for f in glob.glob(os.path.join(self.tb_dir, 'events.out.tfevents.*')):
-                with open(f, 'rb') as local:
-                    write(os.path.join(self.run_dir, name), local.read())
-                os.remove(f)
-            self.tb = SummaryWriter(self.tb_dir)
-        else:
-            self.tb.flush()
-
-    def checkpointed(self, step):
-        """A checkpoint holds `step`: the rows up to it go to W&B (a resume starts after them)."""
-        for m in self.unsent if self.wandb else ():
-            self.wandb.log({k: v for k, v in m.items() if k != 'step'}, step=m['step'])
-        self.unsent = []
-
-    def close(self):
-        if self.main:
-            self.flush()
-            self.tb.close()
-            if self.tb_dir != self.run_dir:  # a bucket run's local staging for event files
-                shutil.rmtree(self.tb_dir, ignore_errors=True)
-            if self.wandb:
-                self.wandb.finish()
-
-
 def kept_rows(path, step):
     """The rows of a metrics.jsonl up to `step`; a last row written only in part (a kill mid-write) is dropped."""
     try:
-        lines = stored(path).read_text().splitlines(keepends=True)
+        lines = data.stored(path).read_text().splitlines(keepends=True)
     except FileNotFoundError:
         return []
     if lines and not lines[-1].endswith('\n'):
@@ -1104,14 +1000,14 @@ def open_wandb(cfg, run_dir):
     import wandb
     path = os.path.join(run_dir, 'wandb_id')
     try:
-        run_id = stored(path).read_text().strip() if stored(path).exists() else os.urandom(6).hex()
+        run_id = data.stored(path).read_text().strip() if data.stored(path).exists() else os.urandom(6).hex()
     except UnicodeDecodeError:
         run_id = ''
     if not re.fullmatch(r'[a-z0-9]{1,64}', run_id):
         raise ConfigError(f'{path}: not a W&B run id (a run writes 12 hex digits there); restore it to keep logging '
                           'to the same W&B run, or delete it to start a new one')
-    write(path, run_id + '\n')
-    local = os.path.join(tempfile.gettempdir(), 'wandb', cfg.run_name) if remote(run_dir) else run_dir
+    data.write(path, run_id + '\n')
+    local = os.path.join(tempfile.gettempdir(), 'wandb', cfg.run_name) if data.remote(run_dir) else run_dir
     os.makedirs(local, exist_ok=True)
     # wandb's core keeps its logs in its cache directory (~/.cache/wandb) and, where it cannot make that (a home
     # that is not writable), prints them on stderr instead, line after line: then the cache goes beside the run.
@@ -1131,32 +1027,73 @@ def open_wandb(cfg, run_dir):
                           'wandb_project=') from None
 
 
-def step_flops(cfg, task, devices):
-    """FLOPs per token and the peak they are measured against. On CPU the simulated devices share one
-    processor, so the peak measured there is the whole machine's."""
-    peak, source = device_peak_flops(cfg.dtype, devices[0])
-    log(f'peak: {peak / 1e12:.3f} TFLOP/s per device ({source})')
-    n = len(devices)
-    return {'per_token': task.flops_per_token(cfg), 'devices': n, 'peak_per_device': peak, 'peak_source': source,
-            'peak': peak if devices[0].platform == 'cpu' else peak * n}
+class MetricsWriter:
+    """One row of metrics to stdout, and on process 0 to metrics.jsonl, TensorBoard event files (tensorboardX
+    writes them without TensorFlow: tensorboard --logdir RUN_DIR) and Weights & Biases (wandb_project).
+    Rows reach the run directory at flush(): after every row on a local disk, before each checkpoint on a bucket
+    (each flush uploads only its new rows: metrics.jsonl grows by compose, TensorBoard gets one event file per
+    flush, named by its steps). A resumed run first drops the rows past its checkpoint, so every step appears
+    once; W&B's history cannot drop rows, so it gets a row once a checkpoint holds its step."""
+
+    def __init__(self, cfg, run_dir, start_step, shown=()):
+        self.main, self.run_dir, self.shown = jax.process_index() == 0, run_dir, shown
+        self.path, self.rows, self.unsent, self.tb, self.wandb = os.path.join(run_dir, 'metrics.jsonl'), [], [], None, None
+        if self.main:
+            self.wandb = open_wandb(cfg, run_dir) if cfg.wandb_project else None
+            data.write(self.path, ''.join(kept_rows(self.path, start_step)) if start_step else '')
+            self.tb_dir = tempfile.mkdtemp(prefix='tensorboard-') if data.remote(run_dir) else run_dir
+            for f in data.stored(run_dir).glob('events.out.tfevents.steps-*') if data.remote(run_dir) else ():
+                if int(f.name.split('-')[1]) > start_step:  # written past the checkpoint resumed from
+                    f.unlink()
+            self.tb = SummaryWriter(self.tb_dir)
+
+    def write(self, m, steps):
+        log(short_line(m, steps, self.shown))
+        if self.main:
+            for k, v in m.items():  # a NaN (a metric not measured) would make TensorBoard warn on stderr
+                if k != 'step' and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, m['step'])
+            self.rows.append(m)
+            self.unsent.append(m)
+            if not data.remote(self.run_dir):
+                self.flush()
+
+    def flush(self):
+        """The rows since the last flush into the run directory; on a bucket a closed event file goes up once,
+        whole, and the next rows start a new one."""
+        rows, self.rows = self.rows, []  # taken first: rows a failed write could not land are not tried again
+        if not (self.main and rows):
+            return
+        data.append(self.path, ''.join(json.dumps(m) + '\n' for m in rows))
+        if not data.remote(self.run_dir):
+            return self.tb.flush()
+        self.tb.close()
+        name = f'events.out.tfevents.steps-{rows[0]["step"]:010d}-{rows[-1]["step"]:010d}'
+        for f in glob.glob(os.path.join(self.tb_dir, 'events.out.tfevents.*')):
+            with open(f, 'rb') as local:
+                data.write(os.path.join(self.run_dir, name), local.read())
+            os.remove(f)
+        self.tb = SummaryWriter(self.tb_dir)
+
+    def checkpointed(self, step):
+        """A checkpoint holds `step`: the rows up to it go to W&B (a resume starts after them)."""
+        for m in self.unsent if self.wandb else ():
+            self.wandb.log({k: v for k, v in m.items() if k != 'step'}, step=m['step'])
+        self.unsent = []
+
+    def close(self):
+        if self.main:
+            self.flush()
+            self.tb.close()
+            if self.tb_dir != self.run_dir:  # a bucket run's local staging for event files
+                shutil.rmtree(self.tb_dir, ignore_errors=True)
+            if self.wandb:
+                self.wandb.finish()
 
 
 # ==================================================================================================
 # The loop: dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps.
 # ==================================================================================================
-def rates(flops, tps):
-    """Throughput at `tps` tokens/s: per device, in TFLOP/s per device, and as MFU. A measured CPU peak that the
-    step outruns was timed on a busy CPU: it is raised to the step's own rate, so MFU never passes 100%."""
-    if tps * flops['per_token'] > flops['peak'] and 'spec sheet' not in flops['peak_source']:
-        if not flops['peak_source'].startswith('this run'):
-            log('peak: raised to this run\'s fastest step (the CPU was busy when its matmul was timed)')
-        flops['peak'] = flops['peak_per_device'] = tps * flops['per_token']
-        flops['peak_source'] = 'this run\'s fastest step'
-    n = flops['devices']
-    return {'tokens_per_sec': tps, 'tokens_per_sec_per_device': tps / n,
-            'tflops_per_device': tps * flops['per_token'] / n / 1e12, 'mfu': tps * flops['per_token'] / flops['peak']}
-
-
 class Window:
     """The steps since the last metrics row: their losses, the task's metrics, tokens and time, and how long
     the data kept the loop waiting (`waited`: the iterator's running total)."""
@@ -1191,18 +1128,22 @@ class Window:
         return m
 
 
+class NonFinite(Exception):
+    """A step whose loss or gradient norm is NaN or inf: (step, what was non-finite)."""
+
+
 class InFlight:
     """Dispatched steps' outputs, read back oldest first: one step in flight lets the host dispatch step n+1
     while step n runs, and every log line, eval and checkpoint reads them all first (drain), so none of them
-    sees a step whose loss was not checked. Keeps each timed step's seconds for the benchmark."""
+    sees a step whose loss was not checked. Keeps each timed step's seconds for the benchmark; `beat` hears of
+    every step read back (the watchdog)."""
 
-    def __init__(self, skip_nonfinite):
-        self.skip_nonfinite, self.skipped, self.pending, self.step_times = skip_nonfinite, 0, [], []
+    def __init__(self, beat):
+        self.beat, self.pending, self.step_times = beat, [], []
         self.t_done = self.first_step_seconds = self.last = None
 
-    def drain(self, window, saved, keep=0):
-        """Read finished steps into `window` until `keep` remain in flight; returns the newest outputs read.
-        `saved`: the last checkpointed step, named if a non-finite loss stops the run."""
+    def drain(self, window, keep=0):
+        """Read finished steps into `window` until `keep` remain in flight; returns the newest outputs read."""
         while len(self.pending) > keep:
             step, t0, out = self.pending.pop(0)
             out = self.last = jax.device_get(out)
@@ -1214,20 +1155,13 @@ class InFlight:
                 log(f'first step: {now - t0:.1f}s')
                 window.restart_clock()
             self.t_done = now
-            if np.isfinite(out['loss']) and np.isfinite(out['grad_norm']):
-                window.add(out, timed)
-            else:
-                self.skip(step, out, saved)
+            self.beat(step, self.step_times[-1] if timed else now - t0)
+            if not np.isfinite(out['loss']):
+                raise NonFinite(step, f'loss is {out["loss"]}')
+            if not np.isfinite(out['grad_norm']):
+                raise NonFinite(step, f'gradient norm is {out["grad_norm"]} (loss {out["loss"]:.4f})')
+            window.add(out, timed)
         return self.last
-
-    def skip(self, step, out, saved):
-        self.skipped += 1
-        if self.skipped > self.skip_nonfinite:
-            raise FloatingPointError(
-                f'loss is {out["loss"]} at step {step}; stopping (checkpoints up to step {saved} are intact; '
-                'lower learning_rate, raise warmup_steps, or set skip_nonfinite_steps)')
-        log(f'WARNING: non-finite loss at step {step}: update skipped ({self.skipped} of '
-            f'skip_nonfinite_steps={self.skip_nonfinite})')
 
 
 def benchmark(flight, flops, tokens_per_step, note):
@@ -1242,10 +1176,15 @@ def benchmark(flight, flops, tokens_per_step, note):
     return {'median_step_seconds': med, 'median_tokens_per_sec': r['tokens_per_sec'], 'median_mfu': r['mfu']}
 
 
-class Signals(list):
-    """The SIGTERM / SIGINT names a run has noted. Until `saving` is set (the loop is about to take its first
-    step) there is nothing new to save, and a signal stops the run at once, where it is."""
-    saving = False
+@dataclasses.dataclass
+class Signals:
+    """The SIGTERM / SIGINT names a run has noted, and `wakeup`: a pipe that hears of every signal at once, even
+    while the main thread waits inside a step (where no Python handler runs): what the watchdog reads. Until
+    `saving` is set (the loop is about to take its first step) there is nothing new to save, and a signal stops
+    the run at once, where it is."""
+    names: list = dataclasses.field(default_factory=list)
+    saving: bool = False
+    wakeup: int = None
 
 
 @contextlib.contextmanager
@@ -1254,83 +1193,128 @@ def preemption_signals():
     the loop a signal raises Preempted at once (nothing new to save); in the loop it is noted, not obeyed: the
     loop finishes the step, checkpoints and exits, and a repeated signal during that save is noted too. With
     several processes a signal reaching one host must stop them all at the same step: JAX's preemption sync
-    point listens for SIGTERM, so SIGINT is passed on to it as one. Yields the Signals the loop acts on."""
-    caught, several = Signals(), jax.process_count() > 1
+    point listens for SIGTERM, so SIGINT is passed on to it as one (and SIGUSR1, the supervisor's word that a
+    SIGTERM came, only wakes the watchdog)."""
+    caught = Signals()
 
     def note(signum, _):
         name = signal.Signals(signum).name
         if not caught.saving:
             raise Preempted(f'{name} before the first step: nothing new to save; rerun the same command to go on')
-        caught.append(name)
+        caught.names.append(name)
     to_sync_point = lambda signum, _: os.kill(os.getpid(), signal.SIGTERM)
-    wanted = {signal.SIGINT: to_sync_point} if several else {signal.SIGTERM: note, signal.SIGINT: note}
-    handlers = ({sig: signal.signal(sig, handler) for sig, handler in wanted.items()}
-                if threading.current_thread() is threading.main_thread() else {})
+    wanted = ({signal.SIGINT: to_sync_point, signal.SIGUSR1: lambda *_: None} if jax.process_count() > 1
+              else {signal.SIGTERM: note, signal.SIGINT: note})
+    main_thread = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.signal(sig, handler) for sig, handler in wanted.items()} if main_thread else {}
+    if main_thread:
+        caught.wakeup, write_end = os.pipe()
+        os.set_blocking(caught.wakeup, False), os.set_blocking(write_end, False)
+        old_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
     try:
         yield caught
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        if main_thread:
+            signal.set_wakeup_fd(old_wakeup)
+            os.close(caught.wakeup), os.close(write_end)
 
 
-class Steps(NamedTuple):
-    """The run's compiled functions and what goes with them."""
-    train: Callable      # (state, batch [A, B, L]) -> (new state, metrics)
-    evaluate: Callable   # (state, n batches or None = all, save_to=None) -> eval metrics
-    feed: Feed           # how batches reach the devices
-    schedule: Callable   # step -> learning rate (for the metrics row)
-    flops: dict = None   # step_flops: FLOPs per token and the peak (mode=train)
+class Watchdog(threading.Thread):
+    """Ends a run that stopped moving. The loop beats for every step it reads back (and every eval batch and
+    checkpoint). No beat for stall_seconds (auto: 10 minutes + 10 x (the compile + a typical step)), or none within
+    a few steps of a signal (its Python handler cannot run while the main thread waits in a hung collective): every
+    thread's stack goes into RUN_DIR/stacks-pK.txt, one line names the step and the file, and the process exits 74."""
+
+    def __init__(self, cfg, run_dir, caught, compile_seconds):
+        super().__init__(daemon=True)
+        local = tempfile.gettempdir() if data.remote(run_dir) else run_dir  # the stacks go to a local file
+        self.path = os.path.join(local, f'stacks-p{jax.process_index()}.txt')
+        self.bound = lambda: (600 + 10 * (compile_seconds + self.typical) if cfg.stall_seconds == 'auto'
+                              else cfg.stall_seconds)
+        self.wakeup, self.done, self.signalled = caught.wakeup, threading.Event(), None
+        self.step, self.at, self.typical = 0, time.monotonic(), 0.0
+
+    def beat(self, step=None, seconds=None):
+        self.at, self.step = time.monotonic(), self.step if step is None else step
+        self.typical = self.typical if seconds is None else 0.9 * self.typical + 0.1 * seconds
+
+    def run(self):
+        while not self.done.wait(1):
+            with contextlib.suppress(BlockingIOError):
+                if self.wakeup is not None and os.read(self.wakeup, 64):
+                    self.signalled = self.signalled or time.monotonic()
+            quiet, grace = time.monotonic() - self.at, max(10.0, 3 * self.typical)  # a signal waits for the step
+            if quiet > self.bound():
+                self.fire(f'no step finished in {quiet:.0f}s (stall_seconds={self.bound():.0f})')
+            if self.signalled and time.monotonic() - max(self.signalled, self.at) > grace:
+                self.fire(f'a signal went unanswered for {grace:.0f}s')
+
+    def fire(self, why):
+        with open(self.path, 'w') as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+        quit_now(f'error: stalled after step {self.step}: {why}; every thread\'s stack is in {self.path}; '
+                 'checkpoints already committed are intact', 74)
 
 
-class Place(NamedTuple):
-    """Where a run lives, as run() opened it: its directory, its checkpoints, and the signals it answers."""
-    run_dir: str
-    mngr: ocp.CheckpointManager
+@dataclasses.dataclass
+class Run:
+    """What the loop works with: the run directory and its checkpoints, the built step and the evaluator, the
+    signals it answers and the FLOPs its rates need; the writer and watchdog once training starts."""
+    dir: str
+    mngr: Any
+    built: Any
+    evaluate: Callable
     caught: Signals
+    flops: dict = None
+    writer: MetricsWriter = None
+    watchdog: Watchdog = None
 
 
-def next_batch(cfg, feed, it, step):
-    """The grad_accum microbatches of update `step` (0-based) as one global [A, B, L] batch."""
+def next_batch(feed, it):
+    """The next grad_accum microbatches as one global [A, B, L] batch."""
     mbs = [next(it) for _ in range(feed.accum)]
     return global_batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, feed.step_sharding, feed.rows)
 
 
-def train_loop(cfg, state, it, steps, place, writer):
+def train_loop(cfg, state, it, ds, run):
     """Dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps. Returns the last
-    metrics row and the steps' timings; a signal (noted in place.caught) ends it with a checkpoint and Preempted."""
-    step = saved = int(state['step'])
-    flight, window, last = InFlight(cfg.skip_nonfinite_steps), Window(lambda: it.wait_seconds), {}
+    metrics row and the steps' timings; a signal (noted in run.caught) ends it with a checkpoint and Preempted."""
+    step = int(state['step'])
+    flight, window, last, feed = InFlight(run.watchdog.beat), Window(lambda: it.wait_seconds), {}, run.built.feed
     while step < cfg.steps:
-        profile(cfg, step, place.run_dir, lambda: flight.drain(window, saved))
+        profile(cfg, step, run.dir, lambda: flight.drain(window))
         t0 = time.perf_counter()
-        state, out = steps.train(state, next_batch(cfg, steps.feed, it, step))
+        state, out = run.built.train_step(state, next_batch(feed, it))
         step += 1
         flight.pending.append((step, t0, out))
-        flight.drain(window, saved, keep=1)
+        flight.drain(window, keep=1)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            last = window.row(step, flight.drain(window, saved), float(steps.schedule(step - 1)), steps.flops)
+            last = window.row(step, flight.drain(window), float(run.built.schedule(step - 1)), run.flops)
             if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                last.update({f'eval_{k}': v for k, v in steps.evaluate(state, cfg.eval_batches).items()})
-            writer.write(last, cfg.steps)
+                evaluated = run.evaluate(state, ds, cfg.eval_batches, beat=run.watchdog.beat)
+                last.update({f'eval_{k}': v for k, v in evaluated.items()})
+            run.writer.write(last, cfg.steps)
             window = Window(window.waited)  # after the eval: its time counts in no window
-        preempted = place.caught or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
+        preempted = run.caught.names or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
-            flight.drain(window, saved)  # a checkpoint holds only checked steps
-            writer.flush()  # before the save: a resume drops rows past the checkpoint, never misses one
-            save_checkpoint(place.mngr, step, state, it)  # async: training goes on while it writes
-            saved = step
-            writer.checkpointed(step)
+            flight.drain(window)  # a checkpoint holds only checked steps
+            run.writer.flush()  # before the save: a resume drops rows past the checkpoint, never misses one
+            save_checkpoint(run.mngr, step, state, it)  # async: training goes on while it writes
+            run.writer.checkpointed(step)
+            run.watchdog.beat()
         if preempted:
-            raise Preempted(f'{place.caught[0] if place.caught else "preemption notice"}: saved checkpoint at step '
-                            f'{step} in {place.mngr.directory}; rerun the same command to resume')
-    profile(cfg, step, place.run_dir, lambda: flight.drain(window, saved))
+            raise Preempted(f'{run.caught.names[0] if run.caught.names else "preemption notice"}: saved checkpoint at '
+                            f'step {step} in {run.mngr.directory}; rerun the same command to resume')
+    profile(cfg, step, run.dir, lambda: flight.drain(window))
     return last, flight
 
 
 def profile(cfg, step, run_dir, drain):
     """profile_steps=a,b: a jax.profiler trace of steps a..b (1-based) into RUN_DIR/profile; called with the
     steps done so far, before each dispatch and after the last. `drain` reads back the steps in flight."""
-    local = os.path.join(tempfile.gettempdir(), 'profile', cfg.run_name) if remote(run_dir) else run_dir
+    local = os.path.join(tempfile.gettempdir(), 'profile', cfg.run_name) if data.remote(run_dir) else run_dir
     if step + 1 == cfg.profile_steps[0]:
         drain()
         jax.profiler.start_trace(os.path.join(local, 'profile'))
@@ -1340,38 +1324,24 @@ def profile(cfg, step, run_dir, drain):
         for f in glob.glob(os.path.join(local, 'profile', '**', '*'), recursive=True) if local != run_dir else ():
             if os.path.isfile(f):  # the profiler writes local files only: copied up to the bucket's run directory
                 with open(f, 'rb') as trace:
-                    write(os.path.join(run_dir, os.path.relpath(f, local)), trace.read())
+                    data.write(os.path.join(run_dir, os.path.relpath(f, local)), trace.read())
         log(f'profile of steps {cfg.profile_steps[0]}-{step}: {run_dir}/profile')
 
 
-def train(cfg, task, state, it, steps, place):
-    """mode=train: from state['step'] to cfg.steps; returns the last metrics row with the benchmark's medians."""
-    start, run_dir = int(state['step']), place.run_dir
-    if start >= cfg.steps:
-        log(f'{run_dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise steps= to go on)')
-        return {'step': start, 'run_dir': run_dir}
-    writer = MetricsWriter(cfg, run_dir, start, task.shown)  # before the compile: a W&B login problem shows at once
-    try:
-        t_xla, m = compile_step(steps.train, state, steps.feed)
-        line, compiled_gb = compiled_line(m) if m else ('', None)
-        log(f'step compiled in {t_xla:.1f}s; {line}')
-        place.caught.saving = True  # from here a signal is noted and answered with a checkpoint
-        summary, flight = train_loop(cfg, state, it, steps, place, writer)
-    finally:
-        it.close()
-        writer.close()
-        wait_for_saves(place.mngr)  # still under the handlers: a repeated SIGTERM cannot cut the last save short
-    summary.update(run_dir=run_dir, compile_seconds=t_xla + (flight.first_step_seconds or 0))
-    mem = device_peak_memory_gb(jax.local_devices()[0])
-    summary.update(benchmark(flight, steps.flops, summary.get('tokens_per_step', 0.0), (
-        f'compile + first step {summary["compile_seconds"]:.1f}s; host RSS {host_rss_gb():.2f} GiB'
-        + (f', device peak {mem:.2f} GiB' if mem is not None else '')
-        + (f', compiled step {gb(compiled_gb)}' if compiled_gb else ''))))
-    log('done: ' + json.dumps({k: summary.get(k) for k in ('step', 'loss', 'eval_loss', 'tokens_per_sec', 'mfu',
-                                                           'compile_seconds', 'run_dir')}))
-    log(f'checkpoints: {place.mngr.directory}; metrics: {run_dir}/metrics.jsonl (TensorBoard: tensorboard --logdir '
-        f'{run_dir})')
-    return summary
+def host_available_bytes():
+    """MemAvailable of /proc/meminfo (Linux): what this host can still give without swapping; None elsewhere."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        with open('/proc/meminfo') as f:
+            return int(next(line for line in f if line.startswith('MemAvailable:')).split()[1]) * 1024
+    return None
+
+
+def fits_host(need, what):
+    """On CPU the devices' memory is the host's. Past what the host has, XLA:CPU either waits without a word or dies
+    in an out-of-memory traceback: a run that cannot fit stops before it allocates, saying what to lower."""
+    if (avail := host_available_bytes()) is not None and need > avail:
+        raise ConfigError(f'{what} needs {gb(need)} of host memory on CPU and {gb(avail)} is available: lower '
+                          'per_device_batch or max_target_length, set remat=full, or train a smaller model')
 
 
 def compile_step(train_step, state, feed):
@@ -1381,88 +1351,6 @@ def compile_step(train_step, state, feed):
     t0 = time.perf_counter()
     m = train_step.lower(state, abstract_batch(feed)).compile()
     return time.perf_counter() - t0, m.memory_analysis()
-
-
-# ==================================================================================================
-# Other modes: eval, generation, Hugging Face export / import (safetensors).
-# ==================================================================================================
-def eval_mode(cfg, task, steps, state, run_dir):
-    """mode=eval: the loaded parameters on the eval set (eval_batches, or all of it where the task says so),
-    printed as one JSON line and written to eval.json (and any answers the task writes beside it)."""
-    n_batches = None if task.eval_all else cfg.eval_batches
-    result = {'step': int(state['step']), **steps.evaluate(state, n_batches, save_to=run_dir)}
-    write(os.path.join(run_dir, 'eval.json'), json.dumps(result))
-    log(json.dumps(result))
-    return result
-
-
-def generate_mode(cfg, task, built, params, ds, run_dir):
-    """mode=generate: the task's generation from prompt=, printed and written to RUN_DIR/generation.txt."""
-    summary, shown, text = task.generate(cfg, built.graph, params, ds, built.mesh.size)
-    log(shown)
-    write(os.path.join(run_dir, 'generation.txt'), text)
-    return {**summary, 'run_dir': run_dir}
-
-
-def export_hf(cfg, params, ds, out_dir):
-    """mode=export: config.json, model.safetensors (weight dtype), tokenizer.model (+ tokenizer_config.json)."""
-    tensors, conf = model_lib.to_hf(cfg, multihost_utils.process_allgather(params, tiled=True))  # whole arrays
-    bos, eos = (ds.bos_id, ds.eos_id) if ds.tokenizer else (None, None)
-    try:
-        if jax.process_index() == 0:
-            stored(out_dir).mkdir(parents=True, exist_ok=True)
-        # transformers wants the metadata format=pt.
-        write(os.path.join(out_dir, 'model.safetensors'), safetensors.numpy.save(tensors, metadata={'format': 'pt'}))
-        write(os.path.join(out_dir, 'config.json'), json.dumps({**conf, 'bos_token_id': bos, 'eos_token_id': eos},
-                                                               indent=2))
-        for name, content in (ds.tokenizer_files() if ds.tokenizer else {}).items():
-            write(os.path.join(out_dir, name), content)
-    except (WriteError, *STORAGE_ERRORS) as e:
-        raise ConfigError(f'export_dir={out_dir}: cannot write there ({e if isinstance(e, WriteError) else storage_reason(e)});'
-                          ' choose a writable directory') from None
-    log(f'exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face Llama checkpoint to {out_dir}'
-        + ('' if ds.tokenizer else ' (no tokenizer: dataset=synthetic has none)'))
-    return tensors
-
-
-def load_hf(path, abstract_params, cfg):
-    """load_hf=DIR: a Hugging Face Llama checkpoint -> our params in the run's shardings (fine-tuning)."""
-    try:
-        conf = json.loads(stored(os.path.join(path, 'config.json')).read_text())
-        tensors = safetensors.numpy.load(stored(os.path.join(path, 'model.safetensors')).read_bytes())
-        params = model_lib.from_hf(cfg, tensors, conf)
-    except STORAGE_ERRORS as e:
-        raise ConfigError(f'load_hf={path}: cannot read {getattr(e, "filename", None) or path} ({storage_reason(e)}); '
-                          'give a directory with config.json and one model.safetensors') from None
-    except (safetensors.SafetensorError, json.JSONDecodeError, TypeError, ZeroDivisionError) as e:
-        raise ConfigError(f'load_hf={path}: config.json or model.safetensors is damaged ({str(e)[:200]})') from None
-    except ValueError as e:  # the checkpoint and the config disagree
-        raise ConfigError(f'load_hf={path}: {e}') from None
-
-    def place(keypath, a):
-        w = params[tuple(k.key for k in keypath)]
-        if w.size != a.size:
-            raise ConfigError(f'load_hf={path}: model.safetensors disagrees with its config.json: '
-                              f'{"/".join(k.key for k in keypath)} holds {w.shape} values where the config makes {a.shape}')
-        return jax.device_put(w.reshape(a.shape).astype(a.dtype), a.sharding)
-    params = jax.tree_util.tree_map_with_path(place, abstract_params)
-    log(f'loaded Hugging Face checkpoint {path}')
-    return params
-
-
-# ==================================================================================================
-# The TPU fit check: compile the real step for a TPU slice on this machine (libtpu), compare with HBM.
-# ==================================================================================================
-TPU_SLICES = {  # slice name: (libtpu topology, chip config, HBM per JAX device; a v2/v3 device is one core,
-    # a TPU7x (Ironwood) device one of a chip's two dies: libtpu 0.0.51 makes a 2x2x1 slice 8 devices of 94.7 GiB
-    # available, of the chip's 192 GB)
-    'v2-8': ('v2:2x2', 'default', 8 * GiB), 'v3-8': ('v3:2x2', 'default', 16 * GiB),
-    'v4-8': ('v4:2x2x1', 'megacore', 32 * GiB), 'v4-32': ('v4:2x2x4', 'megacore', 32 * GiB),
-    'v4-64': ('v4:2x4x4', 'megacore', 32 * GiB), 'v5e-8': ('v5e:2x4', 'default', 16 * GiB),
-    'v5p-8': ('v5p:2x2x1', 'megacore', 95 * GiB), 'v6e-8': ('v6e:2x4', 'default', 32 * GiB),
-    'tpu7x-8': ('tpu7x:2x2x1', 'default', 96 * GiB),
-}
-DOES_NOT_FIT = 4  # exit code of compile_topology when the step needs more HBM than the slice has
 
 
 def abstract_batch(feed):
@@ -1481,6 +1369,111 @@ def compiled_line(m):
             f'({gb(m.alias_size_in_bytes)} reusing donated arguments) = {gb(need)}', need)
 
 
+def stop_nonfinite(e, mngr, cfg):
+    """A non-finite step k: the parameters of step k - 1 produced it, so the newest checkpoint to go on from is
+    one before k - 1; a checkpoint of k - 1 is set aside (renamed, never deleted) so that a rerun resumes from there."""
+    step, what = e.args
+    wait_for_saves(mngr)
+    bad = [s for s in mngr.all_steps() if s >= step - 1]
+    if bad and jax.process_index() == 0:
+        for s in bad:
+            data.set_aside(os.path.join(mngr.directory, str(s)), 'nonfinite')
+    agree('', cfg.host_timeout)
+    good = [s for s in mngr.all_steps() if s < step - 1]
+    where = (f'the newest checkpoint before it is step {good[-1]}' + (f' (step {bad[0]} set aside)' if bad else '')
+             if good else 'no checkpoint comes before it')
+    return FloatingPointError(f'{what} at step {step}: stopped; {where}; lower learning_rate (or raise warmup_steps) '
+                              f'and rerun to {"resume from there" if good else "start over"}')
+
+
+def train(cfg, task, state, it, ds, run):
+    """mode=train: from state['step'] to cfg.steps; returns the last metrics row with the benchmark's medians."""
+    start = int(state['step'])
+    if start >= cfg.steps:
+        log(f'{run.dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise steps= to go on)')
+        return {'step': start, 'run_dir': run.dir}
+    run.writer = MetricsWriter(cfg, run.dir, start, task.shown)  # before the compile: a W&B problem shows at once
+    try:
+        t_xla, m = compile_step(run.built.train_step, state, run.built.feed)
+        line, compiled = compiled_line(m) if m else ('', None)
+        log(f'step compiled in {t_xla:.1f}s; {line}')
+        if compiled and jax.local_devices()[0].platform == 'cpu':
+            fits_host(compiled * jax.local_device_count(), 'the compiled step')
+        run.caught.saving = True  # from here a signal is noted and answered with a checkpoint
+        run.watchdog = Watchdog(cfg, run.dir, run.caught, t_xla)
+        if cfg.stall_seconds != 0:
+            run.watchdog.start()
+        try:
+            summary, flight = train_loop(cfg, state, it, ds, run)
+        except jax.errors.JaxRuntimeError as e:  # here, before the cleanup below waits for a lost host
+            if jax.process_count() > 1:
+                stop_lost_host(e)
+            raise
+        except NonFinite as e:
+            raise stop_nonfinite(e, run.mngr, cfg) from None
+        finally:
+            run.watchdog.done.set()
+            if run.watchdog.is_alive():
+                run.watchdog.join()
+    finally:
+        it.close()
+        run.writer.close()
+        wait_for_saves(run.mngr)  # still under the handlers: a repeated SIGTERM cannot cut the last save short
+    summary.update(run_dir=run.dir, compile_seconds=t_xla + (flight.first_step_seconds or 0))
+    mem = device_peak_memory_gb(jax.local_devices()[0])
+    summary.update(benchmark(flight, run.flops, summary.get('tokens_per_step', 0.0), (
+        f'compile + first step {summary["compile_seconds"]:.1f}s; host RSS {host_rss_gb():.2f} GiB'
+        + (f', device peak {mem:.2f} GiB' if mem is not None else '')
+        + (f', compiled step {gb(compiled)}' if compiled else ''))))
+    log('done: ' + json.dumps({k: summary.get(k) for k in ('step', 'loss', 'eval_loss', 'tokens_per_sec', 'mfu',
+                                                           'compile_seconds', 'run_dir')}))
+    log(f'checkpoints: {run.mngr.directory}; metrics: {run.dir}/metrics.jsonl (TensorBoard: tensorboard --logdir '
+        f'{run.dir})')
+    return summary
+
+
+# ==================================================================================================
+# The other modes: eval, generation, Hugging Face export (import is load_hf above).
+# ==================================================================================================
+def eval_mode(cfg, task, state, ds, run):
+    """mode=eval: the loaded parameters on the eval set (eval_batches, or all of it where the task says so),
+    printed as one JSON line and written to eval.json (and any answers the task writes beside it)."""
+    n_batches = None if task.eval_all else cfg.eval_batches
+    result = {'step': int(state['step']), **run.evaluate(state, ds, n_batches, save_to=run.dir)}
+    data.write(os.path.join(run.dir, 'eval.json'), json.dumps(result))
+    log(json.dumps(result))
+    return result
+
+
+def generate_mode(cfg, task, params, ds, run):
+    """mode=generate: the task's generation from prompt=, printed and written to RUN_DIR/generation.txt."""
+    summary, shown, text = task.generate(cfg, run.built.graph, params, ds, run.built.mesh.size)
+    log(shown)
+    data.write(os.path.join(run.dir, 'generation.txt'), text)
+    return {**summary, 'run_dir': run.dir}
+
+
+def export_hf(cfg, params, ds, out_dir):
+    """mode=export: config.json, model.safetensors (weight dtype), tokenizer.model (+ tokenizer_config.json)."""
+    ids = {'bos_token_id': ds.bos_id, 'eos_token_id': ds.eos_id} if ds.tokenizer else {}
+    host = multihost_utils.process_allgather(params, tiled=True)  # whole arrays on every process
+    try:
+        tensors = model_lib.save_hf(cfg, host, out_dir, {'bos_token_id': None, 'eos_token_id': None, **ids},
+                                    ds.tokenizer_files() if ds.tokenizer else {})
+    except (data.WriteError, *data.STORAGE_ERRORS) as e:
+        reason = e if isinstance(e, data.WriteError) else data.storage_reason(e)
+        raise ConfigError(f'export_dir={out_dir}: cannot write there ({reason}); choose a writable directory') from None
+    log(f'exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face Llama checkpoint to {out_dir}'
+        + ('' if ds.tokenizer else ' (no tokenizer: dataset=synthetic has none)'))
+    return tensors
+
+
+# ==================================================================================================
+# The TPU fit check: compile the real step for a TPU slice on this machine (libtpu), compare with HBM.
+# ==================================================================================================
+DOES_NOT_FIT = 4  # exit code of compile_topology when the step needs more HBM than the slice has
+
+
 def tpu_slice(cfg):
     """compile_topology=v4-64: that slice's devices as libtpu describes them, on any machine (no TPU needed)."""
     topology, chips, hbm = TPU_SLICES[cfg.compile_topology]
@@ -1488,6 +1481,7 @@ def tpu_slice(cfg):
         raise ConfigError(f'compile_topology={cfg.compile_topology}: TPU7x needs the current JAX and libtpu 0.0.51 '
                           f'(Python 3.12: pip install -r requirements.txt -r tests/requirements.txt there); the '
                           f'libtpu of jax {jax.__version__} aborts compiling its programs')
+    os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')  # a compile needs no chip: two checks may run at once
     try:
         from jax.experimental import topologies
         devices = topologies.get_topology_desc(topology_name=topology, platform='tpu',
@@ -1504,10 +1498,9 @@ def fit_memory(cfg, task, devices):
     """Compile the real train step of cfg for the slice's devices: (bytes per device or None where the
     compiler refuses it as too large, the compiler's figures, the log line). Nothing runs, no data is read."""
     built = build(cfg, task, devices)
-    step = compile_steps(cfg, task, built, None).train
     try:
         with jax.set_mesh(built.mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
-            seconds, m = compile_step(step, built.layout.abstract, built.feed)
+            seconds, m = compile_step(built.train_step, built.layout.abstract, built.feed)
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program over its HBM
         if 'RESOURCE_EXHAUSTED' not in str(e):
             raise
@@ -1563,79 +1556,74 @@ def fit_search(cfg, task, devices):
 # ==================================================================================================
 # run: everything above, in the order the data flows.
 # ==================================================================================================
+def describe(cfg, devices, built):
+    """The batch arithmetic, and the parameter dimensions left whole, printed at start (the arithmetic is kept in
+    config.yml too)."""
+    log(f'devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), {jax.process_count()} '
+        f'process(es); mesh {dict(built.mesh.shape)}')
+    rows = built.feed.rows
+    batch = (f'batch: {cfg.per_device_batch}/device x {len(devices)} devices x {cfg.grad_accum} accum = '
+             f'{rows * cfg.grad_accum} examples = {rows * cfg.grad_accum * cfg.max_target_length} tokens per step')
+    log(batch)
+    whole = replicated(built.layout.logical['params'], built.layout.abstract['params'], cfg, built.mesh)
+    if whole:
+        log(f'replicated, not dividing by their mesh axes: {"; ".join(whole[:8])}' + (' ...' if len(whole) > 8 else ''))
+    return batch
+
+
 @contextlib.contextmanager
 def run_directory(cfg):
-    """output_dir/run_name (a local path or gs://) for the block: made, checked writable, and in mode=train owned
-    by this run (one run trains in a run directory at a time). resume=false moves an earlier run's checkpoints
-    and metrics aside (renamed, never deleted) so the new run starts clean."""
+    """output_dir/run_name (a local path or gs://) for the block: made, checked writable and shared by every host,
+    and in mode=train owned by this run (one run trains in a run directory at a time). resume=false moves an
+    earlier run's checkpoints and metrics aside (renamed, never deleted) so the new run starts clean."""
     run_dir = os.path.join(cfg.output_dir, cfg.run_name)
     checkpoints_dir, bucket = os.path.join(run_dir, 'checkpoints'), '/'.join(run_dir.split('/')[:3])  # gs://NAME
     try:
-        if remote(run_dir) and not stored(bucket).exists():  # gcsfs would create the bucket a typo names
-            raise WriteError(f'output_dir={cfg.output_dir}: bucket {bucket} does not exist or these credentials '
-                             f'cannot see it; create it (gcloud storage buckets create {bucket}) or fix output_dir')
-        stored(run_dir).mkdir(parents=True, exist_ok=True)
-        lock = own(run_dir) if cfg.mode == 'train' else None
+        if data.remote(run_dir) and not data.stored(bucket).exists():  # gcsfs would create the bucket a typo names
+            raise data.WriteError(f'output_dir={cfg.output_dir}: bucket {bucket} does not exist or these credentials '
+                                  f'cannot see it; create it (gcloud storage buckets create {bucket}) or fix output_dir')
+        data.stored(run_dir).mkdir(parents=True, exist_ok=True)
+        lock = hold(run_dir, cfg) if cfg.mode == 'train' else None
         if cfg.mode == 'train':
-            if not cfg.resume and jax.process_index() == 0:
-                for name in ('checkpoints', 'metrics.jsonl'):
-                    if stored(os.path.join(run_dir, name)).exists():
-                        moved = set_aside(os.path.join(run_dir, name), 'replaced')
-                        log(f'resume=false: moved the earlier {name} aside to {os.path.basename(moved)}')
-            if stored(checkpoints_dir).is_file():
+            for name in ('checkpoints', 'metrics.jsonl') if not cfg.resume and data.MAIN else ():
+                if data.stored(os.path.join(run_dir, name)).exists():
+                    moved = data.set_aside(os.path.join(run_dir, name), 'replaced')
+                    log(f'resume=false: moved the earlier {name} aside to {os.path.basename(moved)}')
+            if data.stored(checkpoints_dir).is_file():
                 raise ConfigError(f'{checkpoints_dir} is a file, where the run keeps its checkpoints: move it away')
-            stored(checkpoints_dir).mkdir(parents=True, exist_ok=True)
-            probe = stored(checkpoints_dir) / f'.writable-{os.getpid()}'  # now rather than at the first save
+            data.stored(checkpoints_dir).mkdir(parents=True, exist_ok=True)
+            probe = data.stored(checkpoints_dir) / f'.writable-{os.getpid()}'  # now rather than at the first save
             probe.write_text('')
             probe.unlink()
-    except STORAGE_ERRORS as e:  # a local directory refusing is the user's to fix; a bucket refusing, a fault
-        raise (WriteError if remote(run_dir) else ConfigError)(
-            f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable '
+    except data.STORAGE_ERRORS as e:  # a local directory refusing is the user's to fix; a bucket refusing, a fault
+        raise (data.WriteError if data.remote(run_dir) else ConfigError)(
+            f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({data.storage_reason(e)}); choose a writable '
             'output_dir') from None
-    key = run_dir if remote(run_dir) else os.path.abspath(run_dir)
-    HELD[key] = held(run_dir, lock)
+    key = run_dir if data.remote(run_dir) else os.path.abspath(run_dir)
+    data.HELD[key] = data.held(run_dir, lock)
     try:
         yield run_dir
     finally:
-        HELD.pop(key, None)
+        data.HELD.pop(key, None)
         if lock:
             lock.close()
 
 
-def held(run_dir, lock):
-    """How check_held tells the run directory is still this run's: its lease (a bucket), or its inode (a disk)."""
-    if remote(run_dir):
-        return lambda: not (lock and lock.lost)
-    def inode():
-        with contextlib.suppress(OSError):
-            return os.stat(run_dir).st_dev, os.stat(run_dir).st_ino
-    first = inode()
-    return lambda: inode() == first
-
-
-def own(run_dir):
-    """Process 0 takes the run directory's lock for the whole run: on a disk RUN_DIR/.lock, locked with flock
-    (the kernel drops it when the process ends, however it ends), with its holder written inside; in a bucket a
-    BucketLease. A second run on the directory finds it held and stops, every process of it."""
-    lock, holder = None, ''
-    if jax.process_index() == 0 and remote(run_dir):
-        lock = BucketLease(os.path.join(run_dir, '.lock'))
-        holder = lock.acquire()
-    elif jax.process_index() == 0:
-        lock = open(os.path.join(run_dir, '.lock'), 'a+')
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            lock.truncate(0)
-            lock.write(f'process {os.getpid()} on {socket.gethostname()} since {time.strftime("%Y-%m-%d %H:%M:%S")}\n')
-            lock.flush()
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or 'another process'
-    if not multihost_utils.broadcast_one_to_all(np.int32(not holder)):
-        if lock and not remote(run_dir):
-            lock.close()
-        raise ConfigError(f'{run_dir} is in use by {holder or "another run (see process 0)"}: wait for that run to '
-                          'end, or choose another run_name')
+def hold(run_dir, cfg):
+    """Process 0 takes the run directory's lock (data.own); every host then checks that it sees the file process 0
+    wrote there: a run directory on each host's own disk would split the run's checkpoints between them."""
+    lock, holder = data.own(run_dir, log)
+    if holder := agree(holder, cfg.host_timeout)[0]:
+        raise ConfigError(f'{run_dir} is in use by {holder}: wait for that run to end, or choose another run_name')
+    if jax.process_count() > 1:
+        marker = os.path.join(run_dir, '.hosts')
+        data.write(marker, f'{data.holder_line()}: every host of the run must see this file\n')
+        text = agree(data.stored(marker).read_text() if data.MAIN else '', cfg.host_timeout)[0]
+        sees = agree(data.stored(marker).exists() and data.stored(marker).read_text() == text, cfg.host_timeout)
+        if not all(sees):
+            raise ConfigError(f'output_dir={cfg.output_dir}: process {sees.index(False)} does not see the run '
+                              f'directory {run_dir} process 0 made: give every host one shared output_dir (a shared '
+                              'disk or a gs:// bucket)')
     return lock
 
 
@@ -1647,9 +1635,9 @@ def keep_tokenizer(cfg, ds, run_dir, resumed):
     """What a checkpoint's token ids mean is part of it: a run keeps its tokenizer as RUN_DIR/tokenizer.model, and
     a resume whose tokenizer differs (other files, vocab_size, tokenizer_path) stops, naming what changed."""
     path, model = os.path.join(run_dir, 'tokenizer.model'), ds.tokenizer.serialized_model_proto()
-    if not (resumed and stored(path).exists()):
-        return write(path, model)
-    if stored(path).read_bytes() != model:
+    if not (resumed and data.stored(path).exists()):
+        return data.write(path, model)
+    if data.stored(path).read_bytes() != model:
         changed = [c for c in config_changes(run_dir, cfg) if c.split()[0] in TOKENIZER_KEYS] or [
             'the training text (its files changed, so the tokenizer trained on them did)']
         raise ConfigError(f'{path}: this run\'s tokenizer would change with {", ".join(changed)}: the checkpoint\'s '
@@ -1661,17 +1649,14 @@ def write_config(cfg, run_dir, derived):
     """The resolved config, the derived figures as a comment on top (config.MODE.yml for the other modes,
     so the training record stays)."""
     name = 'config.yml' if cfg.mode == 'train' else f'config.{cfg.mode}.yml'
-    write(os.path.join(run_dir, name), f'# {derived}\n' + yaml.safe_dump(cfg.model_dump(mode='json'), sort_keys=False))
+    data.write(os.path.join(run_dir, name), f'# {derived}\n' + yaml.safe_dump(cfg.model_dump(mode='json'), sort_keys=False))
 
 
-def describe(cfg, devices, mesh, rows):
-    """The batch arithmetic, printed at start and kept in config.yml."""
-    log(f'devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), {jax.process_count()} '
-        f'process(es); mesh {dict(mesh.shape)}')
-    batch = (f'batch: {cfg.per_device_batch}/device x {len(devices)} devices x {cfg.grad_accum} accum = '
-             f'{rows * cfg.grad_accum} examples = {rows * cfg.grad_accum * cfg.max_target_length} tokens per step')
-    log(batch)
-    return batch
+def state_bytes(abstract):
+    """The bytes of a state laid out as `abstract` that this host's devices hold."""
+    shard = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize * len(
+        x.sharding.addressable_devices)
+    return sum(shard(x) for x in jax.tree.leaves(abstract))
 
 
 def run(cfg, devices=None, caught=None):
@@ -1680,18 +1665,24 @@ def run(cfg, devices=None, caught=None):
     task = model_lib.TASKS[cfg.task]  # what is trained: the one place train.py asks
     check(cfg, task)
     if cfg.compile_cache_dir:  # before the first compile; every program is cached, however quick to compile
-        jax.config.update('jax_compilation_cache_dir', str(stored(cfg.compile_cache_dir)))
+        jax.config.update('jax_compilation_cache_dir', str(data.stored(cfg.compile_cache_dir)))
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
     devices = tpu_slice(cfg) if cfg.compile_topology else devices or jax.devices()
     cfg = resolve(cfg, task, devices[0].platform, devices[0].device_kind)
+    local = ('cache_dir', 'data_dir', 'compile_cache_dir')  # may name each host's own disk
+    same_everywhere({k: v for k, v in flat(cfg.model_dump(mode='json')).items() if k not in local},
+                    'start every host with the same command', cfg.host_timeout)
     if cfg.compile_topology:
         return (fit_search if cfg.per_device_batch == 'auto' else fit_check)(cfg, task, devices)
     built = build(cfg, task, devices)
-    batch = describe(cfg, devices, built.mesh, built.feed.rows)
+    batch = describe(cfg, devices, built)
     ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log, task.dataset)
+    same_everywhere({'data': ds.identity}, 'give every host the same data', cfg.host_timeout)
     if ds.vocab_size != cfg.vocab_size:
         raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
                           f'set vocab_size={ds.vocab_size}')
+    if devices[0].platform == 'cpu':
+        fits_host(state_bytes(built.layout.abstract), 'the train state (parameters and optimizer)')
     flops = step_flops(cfg, task, devices) if cfg.mode == 'train' else None  # its probe runs outside the mesh
     with run_directory(cfg) as run_dir, jax.set_mesh(built.mesh), nnx.logical_axis_rules(cfg.logical_axis_rules), \
             checkpoints(os.path.join(run_dir, 'checkpoints'), cfg) as mngr:
@@ -1706,76 +1697,21 @@ def run(cfg, devices=None, caught=None):
         if cfg.mode != 'train' and not trained:
             raise ConfigError(f'mode={cfg.mode} needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, or '
                               f'run_name= a run with checkpoints (none in {run_dir}/checkpoints)')
+        this = Run(run_dir, mngr, built, evaluator(cfg, task, built.eval_step, built.feed), caught or Signals(), flops)
         if cfg.mode == 'export':
-            out_dir = cfg.export_dir or os.path.join(run_dir, 'hf')
-            export_hf(cfg, state['params'], ds, out_dir)
-            return {'export_dir': out_dir}
+            export_hf(cfg, state['params'], ds, cfg.export_dir or os.path.join(run_dir, 'hf'))
+            return {'export_dir': cfg.export_dir or os.path.join(run_dir, 'hf')}
         if cfg.mode == 'generate':
-            return generate_mode(cfg, task, built, state[task.eval_weights], ds, run_dir)
-        steps = compile_steps(cfg, task, built, ds, flops)
+            return generate_mode(cfg, task, state[task.eval_weights], ds, this)
         if cfg.mode == 'eval':
-            return eval_mode(cfg, task, steps, state, run_dir)
-        it = ds.train_iter(built.feed.rows // jax.process_count(), state=data_state)
-        return train(cfg, task, state, it, steps, Place(run_dir, mngr, Signals() if caught is None else caught))
-
-
-class Built(NamedTuple):
-    """What build() makes of a config for a set of devices; nothing here holds an array yet."""
-    mesh: jax.sharding.Mesh
-    feed: Feed           # the batch's shardings and rows
-    graph: Any           # the model's static graph (nnx.split)
-    tx: Any              # the optimizer (optax)
-    schedule: Callable   # its learning rate per step
-    layout: Layout       # the train state's shapes and shardings
-
-
-def build(cfg, task, devices):
-    """The mesh, the batch feed, the model's graph, the optimizer and its schedule, and the state's layout."""
-    mesh = make_mesh(cfg, devices)
-    feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
-    tx, schedule = make_optimizer(cfg)
-    return Built(mesh, feed, model_lib.abstract(cfg)[0], tx, schedule, state_layout(cfg, task, mesh, tx, feed.rows))
-
-
-def compile_steps(cfg, task, built, ds, flops=None):
-    """The jitted train step (the state donated: updated in place) and eval of a state's eval weights."""
-    layout, feed = built.layout, built.feed
-    train_step = jax.jit(make_train_step(cfg, task, built.graph, built.tx), out_shardings=(layout.shardings, None),
-                         in_shardings=(layout.shardings, feed.step_sharding), donate_argnums=0)
-    eval_step = jax.jit(functools.partial(task.eval_step, cfg, built.graph),
-                        in_shardings=(layout.shardings['params'], feed.eval_sharding))
-    return Steps(train_step, evaluator(cfg, task, eval_step, ds, feed), feed, built.schedule, flops)
+            return eval_mode(cfg, task, state, ds, this)
+        return train(cfg, task, state, ds.train_iter(built.feed.rows // jax.process_count(), state=data_state), ds, this)
 
 
 # ==================================================================================================
 # The command line, and the process plumbing it needs: which platforms to start, joining a multi-process
-# system, and keeping library noise off stderr. Kept here so the trainer above reads without it.
+# system (bounded, and watched by a parent process), and keeping library noise off stderr.
 # ==================================================================================================
-def main(argv):
-    if len(argv) < 2 or argv[1] in ('-h', '--help'):
-        print(__doc__.strip().splitlines()[0])
-        return 0 if len(argv) >= 2 else 2
-    try:
-        files = 1 + sum(1 for _ in itertools.takewhile(lambda a: a.endswith(('.yml', '.yaml')) and '=' not in a, argv[2:]))
-        cfg = load_config(argv[1:1 + files], argv[1 + files:])  # config files first (base.yml, then yours), then keys
-        quiet_libraries()
-        start_platforms()
-        init_distributed()
-        check_backends()
-        with preemption_signals() as caught:  # from here to the last save a signal ends the run in one line
-            return DOES_NOT_FIT if run(cfg, caught=caught).get('fits') is False else 0
-    except STORAGE_ERRORS as e:  # a disk or bucket failing where no message above names the key: still one line
-        where = f' at {e.filename}' if getattr(e, 'filename', None) else ''
-        print(f'error: storage failed{where}: {storage_reason(e)}; checkpoints already committed are intact',
-              file=sys.stderr)
-        return 74
-    except (ConfigError, data.DataError, FloatingPointError, WriteError, Preempted) as e:  # one line, no traceback
-        print(f'{"stopped" if isinstance(e, Preempted) else "error"}: {e}', file=sys.stderr)
-        # 3: the loss went non-finite; 74 (EX_IOERR): the run directory refused a write; 75 (EX_TEMPFAIL):
-        # preempted with a checkpoint, schedulers requeue on it
-        return {FloatingPointError: 3, WriteError: 74, Preempted: 75}.get(type(e), 2)
-
-
 def quiet_libraries():
     """Library noise off stderr, for what the trainer reports in one line: orbax and tfds narrate through
     absl warnings (a local build as a download, our per-glob builder config); reading a damaged checkpoint,
@@ -1827,15 +1763,27 @@ def check_backends():
                           'with jax[cuda], tpu on a TPU VM), or unset JAX_PLATFORMS') from None
 
 
-def init_distributed():
-    """Join a multi-process JAX system before any device is touched. Explicit JAX_* variables win;
-    otherwise only where JAX can detect the cluster itself (SLURM with several tasks, a Cloud TPU VM),
-    since initialize() with no arguments on a plain machine has nothing to find."""
-    names = ('JAX_COORDINATOR_ADDRESS', 'JAX_PROCESS_COUNT', 'JAX_PROCESS_INDEX')
-    given = [n for n in names if os.environ.get(n)]
-    if given and len(given) < len(names):
-        missing = ', '.join(n for n in names if n not in given)
+DISTRIBUTED = ('JAX_COORDINATOR_ADDRESS', 'JAX_PROCESS_COUNT', 'JAX_PROCESS_INDEX')
+
+
+def several_processes():
+    """Whether this process is one of several: JAX_* variables, or a cluster JAX finds by itself (SLURM with
+    several tasks, a Cloud TPU VM, which JAX asks for its slice's hosts)."""
+    slurm = 'SLURM_JOB_ID' in os.environ and int(os.environ.get('SLURM_NTASKS', '1')) > 1
+    return any(os.environ.get(n) for n in DISTRIBUTED) or slurm or '0x1ae0' in pci_vendors()
+
+
+def init_distributed(cfg):
+    """Join a multi-process JAX system before any device is touched, every host waiting host_timeout seconds for the
+    others (to join, and later for a silent peer's heartbeat). Explicit JAX_* variables win, checked first (JAX
+    answers a bad one with a traceback, or waits for a coordinator that never comes)."""
+    given = [n for n in DISTRIBUTED if os.environ.get(n)]
+    if given and len(given) < len(DISTRIBUTED):
+        missing = ', '.join(n for n in DISTRIBUTED if n not in given)
         raise ConfigError(f'{", ".join(given)} set but {missing} not: set all three for a multi-process run, or none')
+    if not several_processes():
+        return
+    args = {}
     if given:
         try:
             count, index = int(os.environ['JAX_PROCESS_COUNT']), int(os.environ['JAX_PROCESS_INDEX'])
@@ -1846,12 +1794,87 @@ def init_distributed():
             raise ConfigError(f'JAX_PROCESS_INDEX={index}: must be 0..{count - 1} (JAX_PROCESS_COUNT={count})')
         if not address.rpartition(':')[2].isdigit():
             raise ConfigError(f'JAX_COORDINATOR_ADDRESS={address}: give host:port of process 0 (e.g. 10.0.0.1:8476)')
-        jax.distributed.initialize(address, count, index)
-        return
-    slurm = 'SLURM_JOB_ID' in os.environ and int(os.environ.get('SLURM_NTASKS', '1')) > 1
-    if slurm or '0x1ae0' in pci_vendors():  # a Cloud TPU VM: JAX reads the slice's hosts from its metadata
-        jax.distributed.initialize()
+        args = {'coordinator_address': address, 'num_processes': count, 'process_id': index}
+    jax.distributed.initialize(**args, initialization_timeout=cfg.host_timeout,
+                               heartbeat_timeout_seconds=cfg.host_timeout)
+    data.MAIN = jax.process_index() == 0
+
+
+NATIVE_LOG = 'TRAIN_NATIVE_LOG'  # set by the supervisor for its child: where C++ libraries' stderr goes
+
+
+def supervise(argv):
+    """A process of a multi-host run trains in a child process. When a host is lost, or the hosts never all join,
+    JAX's distributed runtime (C++) ends the others with an abort and a page of log; the parent turns such an end
+    into one line naming the cause (exit 74), keeps C++ log lines off the terminal (they go to a file it names),
+    and passes SIGTERM / SIGINT on (SIGTERM with a SIGUSR1 beside it: the child's watchdog hears of it at once)."""
+    path = os.path.join(tempfile.gettempdir(), f'train-{os.getpid()}.log')
+    child = subprocess.Popen([sys.executable, *argv], env={**os.environ, NATIVE_LOG: path})
+
+    def forward(signum, _):
+        child.send_signal(signum)
+        if signum == signal.SIGTERM:
+            child.send_signal(signal.SIGUSR1)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = child.wait()
+    if code >= 0:
+        return code
+    if -code in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # passed on before the child listened for it
+        print(f'stopped: {signal.Signals(-code).name} before the first step: nothing new to save; rerun the same '
+              'command to go on', file=sys.stderr, flush=True)
+        return 75
+    with open(path, errors='replace') as f:
+        native = f.read()
+    lost = re.search(r'tasks are unhealthy \(stopped sending heartbeats\):\s*([\d\s,]+)', native)
+    address, count = os.environ.get('JAX_COORDINATOR_ADDRESS', 'the coordinator'), os.environ.get('JAX_PROCESS_COUNT', '?')
+    if 'RegisterTask' in native:
+        cause = (f'the {count} processes did not all join at {address} within host_timeout: start the command on '
+                 f'every host, each with its own JAX_PROCESS_INDEX 0..{int(count) - 1 if count.isdigit() else "N-1"}'
+                 + (' (two processes gave the same index)' if 'from the same task' in native else ''))
+    elif lost:
+        cause = f'lost process {", ".join(lost.group(1).split())} of {count} (no heartbeat within host_timeout)'
+    elif 'PollForError' in native or 'Socket closed' in native:
+        cause = f'lost process 0 of {count}, the coordinator at {address}'
+    else:
+        cause = f'the trainer process ended by {signal.Signals(-code).name}'
+    print(f'error: {cause}; checkpoints already committed are intact; rerun the command on every host to resume '
+          f'(JAX\'s log: {path})', file=sys.stderr, flush=True)
+    return 74
+
+
+def main(argv):
+    if len(argv) < 2 or argv[1] in ('-h', '--help'):
+        print(__doc__.strip().splitlines()[0])
+        return 0 if len(argv) >= 2 else 2
+    if os.environ.get(NATIVE_LOG):  # the supervisor's child: C++ libraries write to fd 2, Python keeps the terminal
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until the loop listens for it
+        sys.stderr = os.fdopen(os.dup(2), 'w', buffering=1)
+        os.dup2(os.open(os.environ[NATIVE_LOG], os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+    try:
+        files = 1 + sum(1 for _ in itertools.takewhile(lambda a: a.endswith(('.yml', '.yaml')) and '=' not in a, argv[2:]))
+        cfg = load_config(argv[1:1 + files], argv[1 + files:])  # config files first (base.yml, then yours), then keys
+        quiet_libraries()
+        start_platforms()
+        init_distributed(cfg)
+        check_backends()
+        with preemption_signals() as caught:  # from here to the last save a signal ends the run in one line
+            return DOES_NOT_FIT if run(cfg, caught=caught).get('fits') is False else 0
+    except data.STORAGE_ERRORS as e:  # a disk or bucket failing where no message above names the key: still one line
+        where = f' at {e.filename}' if getattr(e, 'filename', None) else ''
+        print(f'error: storage failed{where}: {data.storage_reason(e)}; checkpoints already committed are intact',
+              file=sys.stderr)
+        return 74
+    except (ConfigError, data.DataError, FloatingPointError, data.WriteError, Preempted) as e:  # one line
+        print(f'{"stopped" if isinstance(e, Preempted) else "error"}: {e}', file=sys.stderr, flush=True)
+        # 3: the loss went non-finite; 74 (EX_IOERR): the run directory refused a write; 75 (EX_TEMPFAIL):
+        # preempted with a checkpoint, schedulers requeue on it
+        return {FloatingPointError: 3, data.WriteError: 74, Preempted: 75}.get(type(e), 2)
+    except jax.errors.JaxRuntimeError as e:  # a host lost outside the loop (which answers it itself)
+        if jax.distributed.is_initialized():
+            stop_lost_host(e)
+        raise
 
 
 if __name__ == '__main__':
-    sys.exit(main(sys.argv))
+    sys.exit(supervise(sys.argv) if several_processes() and not os.environ.get(NATIVE_LOG) else main(sys.argv))

@@ -36,13 +36,13 @@ COUNT = """
 import collections, json, sys
 import train
 sent = collections.Counter()
-write, append = train.write, train.append
+write, append = train.data.write, train.data.append
 def count(f):
     def counted(path, data):
         sent[str(path).rsplit('/', 1)[-1].split('.steps-')[0]] += len(data if isinstance(data, bytes) else data.encode())
         return f(path, data)
     return counted
-train.write, train.append = count(write), count(append)
+train.data.write, train.data.append = count(write), count(append)
 code = train.main(['train.py', *sys.argv[1:]])
 print('SENT ' + json.dumps(sent))
 sys.exit(code)

@@ -1,7 +1,9 @@
 """Checkpoints: exact resume after SIGKILL and SIGTERM, atomicity, corruption, resharding, bad input."""
 import glob
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,8 +16,8 @@ import numpy as np
 import pytest
 
 import train
-from conftest import (BASE, ENV, HF, ROOT, TEXT, args, config, losses, metrics, read_checkpoint, train_state, train_step,
-                      write_parquet)
+from conftest import (BASE, ENV, HF, ROOT, TEXT, args, config, losses, metrics, read_checkpoint, start_trainer,
+                      trainer_results, write_parquet)
 
 # The text run interrupted below: real code (the first 40 stdlib modules, documents spanning many rows), two
 # microbatches per step, a checkpoint every 10 steps, the data read ahead on the prefetch thread. The signal
@@ -177,44 +179,23 @@ def _same_bits(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def test_skip_nonfinite_steps(tmp_path, capsys):
-    """A step whose loss is non-finite (here a NaN in the loss mask, as a corrupt record would give) leaves the
-    parameters and the optimizer state bit for bit as they were, while a finite step from the same state changes
-    every one of them. A run skips skip_nonfinite_steps such steps, one warning line each, its checkpoints across
-    them holding the same parameters and optimizer state, then stops naming the step."""
-    cfg = config(tmp_path, 'warmup_steps=0', 'skip_nonfinite_steps=1')  # the first update at the peak rate
-    mesh, _, state, tx = train_state(cfg, jax.devices()[:1])
-    step = train_step(cfg, mesh, tx)
-    rng, (A, B, L) = np.random.default_rng(0), (1, 4, cfg.max_target_length)
-    good = {'inputs': rng.integers(0, cfg.vocab_size, (A, B, L)), 'targets': rng.integers(0, cfg.vocab_size, (A, B, L)),
-            'positions': np.broadcast_to(np.arange(L), (A, B, L)), 'segment_ids': np.ones((A, B, L))}
-    good = {k: v.astype(np.int32) for k, v in good.items()} | {'loss_mask': np.ones((A, B, L), np.float32)}
-    bad = {**good, 'loss_mask': good['loss_mask'].copy()}
-    bad['loss_mask'][0, 1, 5] = np.nan
-    with jax.set_mesh(mesh):
-        skipped, out_bad = step(state, bad)
-        stepped, out_good = step(state, good)
-    assert not np.isfinite(out_bad['loss']) and np.isfinite(out_good['loss']), (out_bad, out_good)
-    for part in ('params', 'opt_state'):
-        before, leaves = jax.tree.leaves(state[part]), jax.tree_util.tree_leaves_with_path(skipped[part])
-        assert len(leaves) == len(before) and len(before) > 3
-        for (path, after), was in zip(leaves, before):
-            assert _same_bits(after, was), f'{part}{jax.tree_util.keystr(path)} changed in a skipped step'
-        for (path, after), was in zip(jax.tree_util.tree_leaves_with_path(stepped[part]), before):
-            assert not _same_bits(after, was), f'{part}{jax.tree_util.keystr(path)} unchanged by a finite step'
-
-    with pytest.raises(FloatingPointError, match=r'at step \d+'):
-        train.run(config(tmp_path, 'steps=50', 'learning_rate=1e12', 'warmup_steps=0', 'grad_clip=0',
-                         'skip_nonfinite_steps=2', 'checkpoint_every=1', 'run_name=diverges'), jax.devices()[:1])
-    out = capsys.readouterr().out
-    assert out.count('update skipped') == 2
-    first = int(out.split('non-finite loss at step ')[1].split(':')[0])  # then first + 1, and first + 2 stops
-    run_dir = tmp_path / 'diverges'
-    assert sorted(int(s) for s in os.listdir(run_dir / 'checkpoints')) == [first - 1, first, first + 1]
-    states = [read_checkpoint(run_dir, s)['train_state'] for s in (first - 1, first, first + 1)]
-    for later in states[1:]:
-        for part in ('params', 'opt_state'):
-            assert all(jax.tree.leaves(jax.tree.map(_same_bits, later[part], states[0][part]))), part
+def test_a_nonfinite_step_names_the_checkpoint_to_go_on_from_and_the_advice_works(tmp_path):
+    """learning_rate=1e30 with warmup: update 1 is 0, update 2 makes the parameters huge, and step 3's gradient is
+    NaN (its loss stays finite: RMSNorm scales the huge activations back). The line names what was non-finite and the newest checkpoint before the parameters that produced it (step 1; step 2, which
+    holds those parameters, is set aside, not deleted), exit 3; the advice (a lower learning_rate, the same command)
+    resumes from step 1 and finishes with finite losses."""
+    keys = ['steps=6', 'warmup_steps=3', 'checkpoint_every=1', 'keep_checkpoints=0']
+    cmd = lambda lr: ['base.yml', *args(tmp_path, *keys, f'learning_rate={lr}')]
+    (code, err), (again, err2) = trainer_results(start_trainer([cmd('1e30'), cmd('1e-3')], JAX_NUM_CPU_DEVICES='1'))[1]
+    assert code == 3 and err.count('\n') == 1 and re.fullmatch(
+        r'error: gradient norm is nan \(loss [0-9.]+\) at step 3: stopped; the newest checkpoint before it is step 1 '
+        r'\(step 2 set aside\); lower learning_rate \(or raise warmup_steps\) and rerun to resume from there\n', err), err
+    names = os.listdir(tmp_path / 'default' / 'checkpoints')
+    assert any(n.startswith('2.nonfinite-') for n in names) and '1' in names, names
+    assert again == 0 and err2 == '', err2
+    rows = metrics(tmp_path / 'default')
+    assert [r['step'] for r in rows] == list(range(1, 7)) and all(math.isfinite(r['loss']) for r in rows), rows
+    assert sorted(int(n) for n in os.listdir(tmp_path / 'default' / 'checkpoints') if n.isdigit())[-1] == 6
 
 
 def test_unwritable_output_dir(tmp_path):
@@ -403,13 +384,14 @@ def test_a_damaged_checkpoint_is_one_warning_line_and_no_stderr_through_the_comm
 SIGNALLED = """
 import os, sys, time
 import train
-next_batch, wait_for_saves = train.next_batch, train.wait_for_saves
-def gated(cfg, feed, it, step):
-    if step == 3:
+next_batch, wait_for_saves, taken = train.next_batch, train.wait_for_saves, []
+def gated(feed, it):
+    taken.append(feed)
+    if len(taken) == 4:
         print('AT GATE', flush=True)
         while not os.path.exists(os.environ['GATE']):
             time.sleep(0.02)
-    return next_batch(cfg, feed, it, step)
+    return next_batch(feed, it)
 def announced(mngr):
     print('WAITING FOR THE SAVE', flush=True)
     time.sleep(1.0)  # a second signal lands here, while the last checkpoint is being written
@@ -501,5 +483,5 @@ def test_a_run_holds_its_directory_whatever_form_its_path_takes(tmp_path, monkey
         os.rename('rel/default', 'moved')
         os.makedirs('rel/default')
         for path in ('rel/default/metrics.jsonl', str(tmp_path / 'rel' / 'default' / 'checkpoints')):
-            with pytest.raises(train.WriteError, match='was moved or replaced under this run'):
-                train.check_held(path)
+            with pytest.raises(train.data.WriteError, match='was moved or replaced under this run'):
+                train.data.check_held(path)

@@ -34,8 +34,8 @@ CASES = [
     (['mesh=3,1,1'], 'error: mesh=3,1,1 (data,fsdp,tensor) needs 3 devices but JAX sees 1 cpu device(s); '
                      'use e.g. mesh=1,1,1 or mesh=1,-1,1'),
     (['profile_steps=3,2'], 'error: profile_steps=3,2: give two steps a,b with 1 <= a <= b <= steps=200 (0,0 = off)'),
-    (['compile_topology=v9-8'], 'error: compile_topology=v9-8: choose one of v2-8, v3-8, v4-8, v4-32, v4-64, '
-                                'v5e-8, v5p-8, v6e-8, tpu7x-8'),
+    (['compile_topology=v9-8'], "error: compile_topology='v9-8': choose one of '', 'v2-8', 'v3-8', 'v4-8', 'v4-32', "
+                                "'v4-64', 'v5e-8', 'v5p-8', 'v6e-8', 'tpu7x-8'"),
     (['load_params={tmp}/no-run'], 'error: load_params={tmp}/no-run: no such directory; fix the path '
                                    '(or set load_params= to leave it out)'),
     (['load_hf={tmp}/no-hf'], 'error: load_hf={tmp}/no-hf: no such directory; fix the path (or set load_hf= '

@@ -77,16 +77,16 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
     np.testing.assert_array_equal(np.asarray(apply(ours)), np.asarray(apply(back)))
 
     # A config that disagrees with the checkpoint is one line naming the key; so is a missing directory.
-    with pytest.raises(train.ConfigError, match='hidden_size=64 but d_model=32; set d_model=64'):
+    with pytest.raises(train.data.DataError, match='hidden_size=64 but d_model=32; set d_model=64'):
         train.load_hf(hf, layout.abstract['params'], config(tmp_path, *keys, 'd_model=32'))
-    with pytest.raises(train.ConfigError, match='cannot read .*config.json'):
+    with pytest.raises(train.data.DataError, match='cannot read .*config.json'):
         train.load_hf(str(tmp_path / 'nope'), layout.abstract['params'], cfg)
     # Tensors that disagree with their own config.json (a hand-edited or half-converted checkpoint).
     import safetensors.numpy
     tensors = safetensors.numpy.load_file(os.path.join(hf, 'model.safetensors'))
     tensors['model.norm.weight'] = tensors['model.norm.weight'][:-1]
     safetensors.numpy.save_file(tensors, os.path.join(hf, 'model.safetensors'))
-    with pytest.raises(train.ConfigError, match=r'disagrees with its config.json: final_norm/scale holds \(63,\) values '
+    with pytest.raises(train.data.DataError, match=r'disagrees with its config.json: final_norm/scale holds \(63,\) values '
                                                 r'where the config makes \(64,\)'):
         train.load_hf(hf, layout.abstract['params'], cfg)
 

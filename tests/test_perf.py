@@ -31,6 +31,5 @@ def test_profile_cache_memory_and_benchmark_line(tmp_path):
 
 @pytest.mark.parametrize('value', ['3,2', '0,9', '1'])
 def test_bad_profile_steps_name_the_key(tmp_path, value):
-    cfg = train.load_config(BASE, LM + ['steps=4', f'profile_steps={value}', f'output_dir={tmp_path}'])
     with pytest.raises(train.ConfigError, match='profile_steps='):
-        train.run(cfg)
+        train.run(train.load_config(BASE, LM + ['steps=4', f'profile_steps={value}', f'output_dir={tmp_path}']))

@@ -20,12 +20,14 @@ from conftest import BASE, HF, ROOT, SUDOKU, TEXT, args, write_corpus, write_par
 SLOW = """
 import os, sys, time
 import train
-next_batch = train.next_batch
-def slow(cfg, feed, it, step):
+next_batch, taken = train.next_batch, []
+def slow(feed, it):
+    step = len(taken)
+    taken.append(step)
     time.sleep(0.15)
     while str(step) in os.environ.get('GATES', '').split(',') and not os.path.exists(f"{os.environ['GATE_DIR']}/{step}"):
         time.sleep(0.05)
-    return next_batch(cfg, feed, it, step)
+    return next_batch(feed, it)
 train.next_batch = slow
 if os.environ.get('FAST_RETRIES'):  # gcsfs's retry waits 1+2+4+8+16 s (measured: ~35 s to the error); a tenth here
     import asyncio, types, gcsfs.retry
@@ -143,26 +145,27 @@ def free_port():
 
 
 def test_bucket_lease_expires_and_is_taken_over_once(gcs):
+    import socket
     """The lock object of a run on another host: refused while its lease runs, taken over once it has run out
     (conditionally: a second newcomer loses); on this host a holder whose process is gone is taken over at once."""
     bucket = gcs.bucket()
     path = f'{bucket}/run/.lock'
     other = {'holder': 'process 7 on elsewhere since then', 'pid': 7, 'host': 'elsewhere', 'until': time.time() + 60}
     gs().pipe_file(path, json.dumps(other).encode())
-    assert train.BucketLease(path).acquire() == other['holder']
+    assert train.data.BucketLease(path).acquire() == other['holder']
     gs().pipe_file(path, json.dumps({**other, 'until': time.time() - 1}).encode())
     stale = gs().info(path)['generation']
-    winner = train.BucketLease(path)
+    winner = train.data.BucketLease(path)
     assert winner.acquire() == ''
     with pytest.raises(FileExistsError):  # a second newcomer that read the same stale lease: its takeover fails
-        train.BucketLease(path).put(stale)
-    assert train.BucketLease(path).acquire().startswith(f'process {os.getpid()} on ')  # the winner holds it
+        train.data.BucketLease(path).put(stale)
+    assert train.data.BucketLease(path).acquire().startswith(f'process {os.getpid()} on ')  # the winner holds it
     assert json.loads(gs().cat_file(path))['pid'] == os.getpid()
     winner.close()
     assert not gs().exists(path)
     dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
-    gs().pipe_file(path, json.dumps({**other, 'pid': int(dead.stdout), 'host': train.socket.gethostname()}).encode())
-    assert train.BucketLease(path).acquire() == ''
+    gs().pipe_file(path, json.dumps({**other, 'pid': int(dead.stdout), 'host': socket.gethostname()}).encode())
+    assert train.data.BucketLease(path).acquire() == ''
 
 
 def test_missing_bucket_and_missing_credentials_are_one_line(gcs, tmp_path):

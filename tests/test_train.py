@@ -479,7 +479,7 @@ def test_nonfinite_loss_stops_naming_the_step(tmp_path, capsys, monkeypatch):
     argv = args(tmp_path, 'steps=50', 'learning_rate=1e12', 'warmup_steps=0', 'grad_clip=0')
     assert train.main(['train.py', BASE, *argv]) == 3
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and re.match(r'error: loss is \S+ at step \d+; stopping', err[0]), err
+    assert len(err) == 1 and re.match(r'error: (loss|gradient norm) is \S+ .*at step \d+: stopped', err[0]), err
 
 
 def test_ci_runs_the_readme_test_command():
