@@ -10,6 +10,7 @@ What is trained, the language model or the puzzle heads, is a model.Task picked 
 and the storage layer (local or gs:// paths, the run directory's lock) are in data.py. Shape letters: model.py.
 """
 import contextlib
+import ctypes
 import dataclasses
 import difflib
 import faulthandler
@@ -1809,7 +1810,9 @@ def supervise(argv):
     into one line naming the cause (exit 74), keeps C++ log lines off the terminal (they go to a file it names),
     and passes SIGTERM / SIGINT on (SIGTERM with a SIGUSR1 beside it: the child's watchdog hears of it at once)."""
     path = os.path.join(tempfile.gettempdir(), f'train-{os.getpid()}.log')
-    child = subprocess.Popen([sys.executable, *argv], env={**os.environ, NATIVE_LOG: path})
+    die_with_parent = lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # Linux PR_SET_PDEATHSIG: a kill -9 ends both
+    child = subprocess.Popen([sys.executable, *argv], env={**os.environ, NATIVE_LOG: path},
+                             preexec_fn=die_with_parent if sys.platform == 'linux' else None)
 
     def forward(signum, _):
         child.send_signal(signum)
