@@ -94,39 +94,39 @@ def dividing_spec(logical, shape, rules, mesh_shape):
     return PartitionSpec(*out)
 
 
+# --------------------------------------------------------------------------------------------------
+# Matmuls. In float32 every one is a plain jnp.einsum. This layer exists for the bf16 step on CPU: XLA:CPU
+# runs a dot at bf16 speed (AVX-512 BF16) only as bf16 x bf16 accumulating in float32, with the left operand
+# stored with its summed axes last; any other dot runs as float32 x float32. jnp.einsum and its autodiff
+# miss that form in three places, each fixed by one piece here:
+#   dot       a projection as one 2-D matmul [rows, in] x [in, out] (XLA:CPU differentiates that into plain
+#             matmuls; the 3-D einsum made it copy a transposed activation for each weight gradient)
+#   product   einsum in the compute dtype, float32 sums; in bf16 its own gradient (narrow_product) casts the
+#             float32 cotangent back to bf16, so the backward dots are bf16 x bf16 as well
+#   contract  each backward dot in the kernel's form, transposing (transposed) whichever operand is cheaper
+# saved_bits keeps what remat=save_dots saves in bf16 too.
+# --------------------------------------------------------------------------------------------------
 def dot(eq, x, w, dtype, out_dtype=None):
-    """einsum in the compute dtype with float32 accumulation (product), result in the compute dtype (or
-    out_dtype).
-
-    preferred_element_type=float32 matters beyond precision: CPUs with bf16 matrix instructions (AVX-512
-    BF16) run bf16 inputs accumulating in float32 at their bf16 speed, a bf16 -> bf16 dot at float32's.
-    When x's trailing axes contract with w's leading ones (every projection here) it runs as one 2-D
-    matmul [rows, in] x [in, out]: XLA:CPU differentiates that into plain matmuls, while the 3-D einsum
-    made it copy a transposed activation for each weight gradient. A result in the compute dtype is what
-    remat=save_dots keeps (saved).
-    """
-    (lhs, rhs), out = eq.split('->')[0].split(','), eq.split('->')[1]
-    n, out_dtype = len(set(lhs) & set(rhs)), out_dtype or dtype
-    keep = saved if jnp.dtype(out_dtype) == jnp.dtype(dtype) else lambda y: y
-    if not n or lhs[-n:] != rhs[:n] or out != lhs[:-n] + rhs[n:]:
-        return keep(product(eq, x, w, dtype, out_dtype))
+    """A projection: einsum `eq` where x's trailing axes contract with w's leading ones ('bld,dhk->blhk'), as
+    one [rows, in] x [in, out] product (compute dtype, float32 sums), the result in the compute dtype or
+    out_dtype. A result in the compute dtype is what remat=save_dots keeps: named 'dot' here, after the cast,
+    not the float32 sums before it (twice the bytes in a bf16 step)."""
+    lhs, rhs = eq.split('->')[0].split(',')
+    n = len(set(lhs) & set(rhs))  # the contracted axes
+    assert n and lhs[-n:] == rhs[:n] and eq.endswith('->' + lhs[:-n] + rhs[n:]), f'not a projection: {eq}'
     I = math.prod(w.shape[:n])
-    y = keep(product('ni,io->no', x.reshape(-1, I), w.reshape(I, -1), dtype, out_dtype))
+    y = product('ni,io->no', x.reshape(-1, I), w.reshape(I, -1), dtype, out_dtype or dtype)
+    if y.dtype == jnp.dtype(dtype):
+        y = saved_bits(y) if y.dtype.itemsize == 2 else checkpoint_name(y, 'dot')
     return y.reshape(x.shape[:-n] + w.shape[n:])
-
-
-def saved(y):
-    """y named 'dot', for remat=save_dots (REMAT_POLICIES): the projections' outputs in the compute dtype,
-    not the float32 sums before the cast (twice the bytes in a bf16 step). A bf16 y is named as its uint16
-    bits (saved_bits): the layer scan stacks what is kept, and XLA:CPU has no bf16 dynamic-slice, so it
-    would keep a float32 copy of every stacked bf16 array for the backward pass."""
-    return checkpoint_name(y, 'dot') if y.dtype.itemsize != 2 else saved_bits(y)
 
 
 @jax.custom_vjp
 def saved_bits(y):
-    """y itself; differentiated, its forward passes y through uint16 bits named 'dot' (a bit cast has no
-    gradient of its own, so the cotangent passes straight through)."""
+    """y itself, named 'dot' for remat=save_dots as its uint16 bits: the layer scan stacks what is kept, and
+    XLA:CPU has no bf16 dynamic-slice, so a bf16 y named as it is would be kept as a float32 copy for the
+    backward pass. The bits are named only when differentiated (saved_bits_fwd); the cotangent passes
+    straight through (a bit cast has no gradient of its own)."""
     return y
 
 
@@ -169,30 +169,31 @@ def narrow_product_bwd(eq, dtypes, xw, g):
     return contract(out, rhs, lhs, g, w).astype(dtypes[0]), contract(lhs, out, rhs, x, g).astype(dtypes[1])
 
 
+narrow_product.defvjp(narrow_product_fwd, narrow_product_bwd)
+
+
 def contract(a_spec, b_spec, out_spec, a, b):
-    """einsum a_spec,b_spec->out_spec accumulating in float32, in the one form XLA:CPU's bf16 matmuls (YNNPACK) take:
-    the left operand stored with its summed axes last, the result in the dot's own order (shared axes, the left's,
-    the right's); any other bf16 x bf16 dot it runs as float32 x float32. A weight gradient sums over the rows,
-    which lead both operands, so one of them is copied transposed: of the two ways (either operand on the left,
-    the result transposed after if its order differs) the one that moves fewer bytes. For the MLP's down
-    projection that copies the [rows, d_model] gradient, not the [rows, mlp_dim] activation."""
-    def plan(l_spec, r_spec, l):
+    """einsum a_spec,b_spec->out_spec accumulating in float32, in the one form XLA:CPU's bf16 matmuls (YNNPACK)
+    take: the left operand stored with its summed axes last, the result in the dot's own order (shared axes,
+    the left's, the right's). A weight gradient sums over the rows, which lead both operands, so one of them is
+    copied transposed: of the two ways (either operand on the left, the result transposed after if its order
+    differs) the one that moves fewer bytes. For the MLP's down projection that copies the [rows, d_model]
+    gradient, not the [rows, mlp_dim] activation."""
+    out_bytes = 4 * math.prod(dict(zip(a_spec + b_spec, a.shape + b.shape))[c] for c in out_spec)  # float32
+
+    def plan(l_spec, l, r_spec, r):  # l on the left: the bytes copied, the operands, l's layout, the result's
         summed = [c for c in l_spec if c in r_spec and c not in out_spec]
         order = ''.join([c for c in l_spec if c not in summed] + summed)
         natural = ''.join([c for c in order if c in r_spec and c in out_spec] + [c for c in order if c not in r_spec]
                           + [c for c in r_spec if c not in l_spec])
-        out_size = math.prod(dict(zip(a_spec + b_spec, a.shape + b.shape))[c] for c in out_spec)
-        return (order != l_spec) * l.size * l.dtype.itemsize + (natural != out_spec) * out_size * 4, order, natural
-    (_, order, natural), swap = min((plan(a_spec, b_spec, a), False), (plan(b_spec, a_spec, b), True),
-                                       key=lambda p: p[0][0])
-    (l_spec, l), (r_spec, r) = ((b_spec, b), (a_spec, a)) if swap else ((a_spec, a), (b_spec, b))
+        cost = (order != l_spec) * l.size * l.dtype.itemsize + (natural != out_spec) * out_bytes
+        return cost, l_spec, l, r_spec, r, order, natural
+    _, l_spec, l, r_spec, r, order, natural = min(plan(a_spec, a, b_spec, b), plan(b_spec, b, a_spec, a),
+                                                  key=lambda p: p[0])  # a tie: a on the left
     if order != l_spec:
         l = transposed(l, [l_spec.index(c) for c in order])
     y = jnp.einsum(f'{order},{r_spec}->{natural}', l, r, preferred_element_type=jnp.float32)
     return y if natural == out_spec else transposed(y, [natural.index(c) for c in out_spec])
-
-
-narrow_product.defvjp(narrow_product_fwd, narrow_product_bwd)
 
 
 def transposed(x, perm):
@@ -201,7 +202,6 @@ def transposed(x, perm):
     Other backends pick their own layouts, and a copy there only costs memory (v3-8 by AOT: +1.4 GiB)."""
     copy = lambda x: x[..., None].transpose(*perm, x.ndim)[..., 0]
     return jax.lax.platform_dependent(x, cpu=copy, default=lambda x: x.transpose(perm))
-
 
 class RMSNorm(nnx.Module):
     def __init__(self, cfg):
