@@ -234,12 +234,6 @@ def rope(x_BLHK, rope_BL1k):
     return out.astype(x_BLHK.dtype)
 
 
-def init_cache(cfg, B, T):
-    """An empty KV cache for generation: keys and values [layers, B, T, G, K] in the compute dtype."""
-    zeros = jnp.zeros((cfg.num_layers, B, T, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype))
-    return {'k': zeros, 'v': zeros}
-
-
 def kv_cache(cache, k_BLGK, v_BLGK, positions_BL):
     """Generation: write this call's keys/values into the layer's [B, T, G, K] cache at their positions
     (all rows share positions) and let each query see every cached slot at or before its own position.
@@ -309,8 +303,7 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
     q_spec, kv_spec = spec(('batch', None, 'heads'), q_BLHK), spec(('batch', None, 'kv_heads'), k_BTGK)
     if q_spec[2] != kv_spec[2]:  # heads and kv heads must split alike, or the groups break apart: keep both whole
         q_spec, kv_spec = (PartitionSpec(s[0], None, None, None) for s in (q_spec, kv_spec))
-    seg_spec = PartitionSpec(q_spec[0], None)
-    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0], None)), out_specs=q_spec,
                          check_vma=False)(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL)
 
 
@@ -549,8 +542,9 @@ def generate(cfg, graph, params, prompt_BP, key):
 
     def run_all(params, prompt_BP, key):
         ones = lambda L: jnp.ones((B, L), jnp.int32)
+        zeros = jnp.zeros((cfg.num_layers, B, P + O, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype))
         logits_BPV, cache = nnx.merge(graph, params)(prompt_BP, jnp.arange(P) * ones(P), ones(P),
-                                                     init_cache(cfg, B, P + O))
+                                                     {'k': zeros, 'v': zeros})  # the empty KV cache
         keys = jax.random.split(key, O)
 
         def step(carry, key):  # feed the last sampled token, sample the next
@@ -617,9 +611,7 @@ def to_hf(cfg, params):
     """Our params (host arrays) -> ({HF tensor name: array}, HF config.json without the token ids)."""
     tensors = {}
     for name, path, i, how in hf_names(cfg):
-        w = params
-        for k in path:
-            w = w[k]
+        w = functools.reduce(lambda tree, k: tree[k], path, params)
         w = w if i is None else w[i]
         if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
             w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
@@ -677,7 +669,8 @@ def load_hf(cfg, path):
         return from_hf(cfg, tensors, conf)
     except data.STORAGE_ERRORS as e:
         raise data.DataError(f'load_hf={path}: cannot read {getattr(e, "filename", None) or path} '
-                             f'({data.storage_reason(e)}); give a directory with config.json and one model.safetensors') from None
+                             f'({data.storage_reason(e)}); give a directory with config.json and one '
+                             'model.safetensors') from None
     except (safetensors.SafetensorError, json.JSONDecodeError, TypeError, ZeroDivisionError) as e:
         raise data.DataError(f'load_hf={path}: config.json or model.safetensors is damaged ({str(e)[:200]})') from None
     except ValueError as e:  # the checkpoint and the config disagree
