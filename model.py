@@ -861,21 +861,20 @@ def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
     tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
     v = min(cfg.tot.value_step, steps)
 
-    def sup(p):
-        def one(carry, xs):
-            fresh_N, i = xs
+    def sup(p):  # supervision step i from carry, as a scan body: the model with parameters p
+        def one(carry, i):
             kick = None if noise is None else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
+            fresh_N = jnp.full(N, i == 0)  # step 0 starts from y_init, z_init
             y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry, fresh_N, kick)
             carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
             return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N, q_N)
         return one
     fixed = sup(jax.lax.stop_gradient(params))
-    fresh = lambda n: (jnp.arange(n) == 0)[:, None] & jnp.ones((1, N), bool)  # [n, N]: step 0 starts fresh
     yz = jnp.zeros((N, L, cfg.d_model), jnp.float32)
     i = jnp.arange(steps)
-    carry, (p_before, _, _, q_before) = jax.lax.scan(fixed, (yz, yz), (fresh(v - 1), i[:v - 1]))
-    carry, (p_v, logits_NLV, log_v_N, q_v) = sup(params)(carry, (jnp.full(N, v == 1), i[v - 1]))
-    _, (p_after, l_after, _, q_after) = jax.lax.scan(fixed, carry, (jnp.zeros((steps - v, N), bool), i[v:]))
+    carry, (p_before, _, _, q_before) = jax.lax.scan(fixed, (yz, yz), i[:v - 1])
+    carry, (p_v, logits_NLV, log_v_N, q_v) = sup(params)(carry, i[v - 1])
+    _, (p_after, l_after, _, q_after) = jax.lax.scan(fixed, carry, i[v:])
     logits_NLV = l_after[-1] if steps > v else logits_NLV
     preds, q_SN = jnp.concatenate([p_before, p_v[None], p_after]), jnp.concatenate([q_before, q_v[None], q_after])
     # Digit d is token d + 1: the nine digit logits are tokens 2..10.
@@ -979,13 +978,6 @@ def puzzle_hash(q_BL):
 # ToT, part 2: decoding by search. The rule checks (data.digits_seen, dead_end, solved) are Long's Sudoku
 # ToT checker, as masks; rules=False (tot.rule_checks=false) leaves the learned heads alone to decide.
 # ==================================================================================================
-def legal_moves(grids_NL, logp_NLC, rules=True):
-    """The log-probs of the moves that break no rule: blank cell, digit not in a peer (others -inf).
-    Without rules: any digit in a blank cell."""
-    ok_NLC = legal_digits(grids_NL) if rules else (grids_NL == 0)[..., None]
-    return jnp.where(ok_NLC, logp_NLC, -jnp.inf)
-
-
 def fill_forced(grids_NL):
     """Fills what the rules force, until nothing more is: a blank with one legal digit left (a naked single),
     and a digit with one legal cell left in a row, column or box (a hidden single). Costs no forward pass
@@ -1001,11 +993,6 @@ def fill_forced(grids_NL):
     return jax.lax.while_loop(lambda c: c[1], fill, (grids_NL, jnp.bool_(True)))[0]
 
 
-def dead(grids_NL, rules):
-    """A state to drop: no completion of it obeys the rules (data.dead_end; never, without rules)."""
-    return dead_end(grids_NL) if rules else jnp.zeros(grids_NL.shape[:-1], bool)
-
-
 def finished(answer_NL, q_N, rules):
     """Whether a state's policy answer ends the search: it obeys the rules, or without rules, the
     halting head (a learned "this answer is right") says so, q > 0."""
@@ -1017,33 +1004,28 @@ def fill_argmax(grids_NL, logp_NLC):
     return jnp.where(grids_NL == 0, jnp.argmax(logp_NLC, axis=-1) + 1, grids_NL)
 
 
-def shrinking_loop(body, c, shared=()):
+def shrinking_loop(body, c):
     """lax.while_loop(body) until every row's c['stop'], in which finished rows leave the batch: once at
     most a quarter of the rows still run, those rows are gathered into a batch a quarter the size (static
     shapes: 100 -> 25 -> 6 rows, each its own loop in the same compiled function) and scattered back at
-    the end, so a few hard puzzles no longer drag a full batch through every step. Every entry of c but
-    the `shared` keys has the batch as its first axis; body reads the batch size from its carry."""
-    sizes = [c['stop'].shape[0]]
-    while sizes[-1] // 4 >= 4:
-        sizes.append(sizes[-1] // 4)
-
-    def run(c, i):
-        if i + 1 == len(sizes):
-            return jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, c)
-        c = jax.lax.while_loop(lambda c: jnp.sum(~c['stop']) > sizes[i + 1], body, c)
-        idx = jax.lax.top_k((~c['stop']).astype(jnp.int32), sizes[i + 1])[1]  # every row still running
-        rows = {k: v for k, v in c.items() if k not in shared}
-        sub = run(dict(jax.tree.map(lambda x: x[idx], rows), **{k: c[k] for k in shared}), i + 1)
-        return dict(jax.tree.map(lambda x, s: x.at[idx].set(s), rows, {k: sub[k] for k in rows}),
-                    **{k: sub[k] for k in shared})
-    return run(c, 0)
+    the end, so a few hard puzzles no longer drag a full batch through every step. Every entry of c has
+    the batch as its first axis; body reads the batch size from its carry."""
+    quarter = c['stop'].shape[0] // 4
+    if quarter < 4:  # small enough: run to the end
+        return jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, c)
+    c = jax.lax.while_loop(lambda c: jnp.sum(~c['stop']) > quarter, body, c)
+    idx = jax.lax.top_k((~c['stop']).astype(jnp.int32), quarter)[1]  # every row still running
+    rest = shrinking_loop(body, jax.tree.map(lambda x: x[idx], c))
+    return jax.tree.map(lambda x, r: x.at[idx].set(r), c, rest)
 
 
 def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
     """One state -> its E candidate grids (the surest blank cell at each of its E likeliest legal digits,
     plus the cells-1 next surest blanks at their argmax), their log-prob gain, and whether they exist."""
     NEG = -jnp.inf
-    lp_LC = legal_moves(g_L, logp_LC, rules)
+    # The moves that break no rule: a blank cell, a digit no peer holds (without rules: any digit in a blank).
+    legal_LC = legal_digits(g_L) if rules else (g_L == 0)[:, None]
+    lp_LC = jnp.where(legal_LC, logp_LC, NEG)
     conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
     cell = jnp.argmax(conf_L)
     top_E, digit_E = jax.lax.top_k(lp_LC[cell], E)
@@ -1101,24 +1083,18 @@ def tree_search(evaluate, q_BL, search):
     the search goes back to an earlier state. M = width (or 0) is the plain per-depth beam above.
     Returns (grids [B, L], states evaluated per puzzle [B]). Unsolved puzzles return the best candidate of
     the last step with its blanks filled by argmax."""
-    B, L = q_BL.shape
+    B = q_BL.shape[0]
     M = max(search.frontier, search.width)
     q_BL = fill_forced(q_BL) if search.propagate else q_BL
-    logp0, _, q0 = evaluate_grids(evaluate, q_BL[:, None])
-    held = {'grid': jnp.repeat(q_BL[:, None], M, axis=1), 'logp': jnp.repeat(logp0, M, axis=1),
+    logp0_BLC, _, q0_B = evaluate(q_BL)
+    held = {'grid': jnp.repeat(q_BL[:, None], M, axis=1), 'logp': jnp.repeat(logp0_BLC[:, None], M, axis=1),
             'cum': jnp.zeros((B, M)), 'score': jnp.full((B, M), -jnp.inf).at[:, 0].set(0.0)}
-    fill0 = fill_argmax(q_BL, logp0[:, 0])
-    done = finished(fill0, q0[:, 0], search.rules)
+    fill0 = fill_argmax(q_BL, logp0_BLC)
+    done = finished(fill0, q0_B, search.rules)
     carry = {'held': held, 'done': done, 'stop': done, 'answer': fill0, 'fallback': fill0,
-             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0)}
-    c = shrinking_loop(lambda c: search_step(evaluate, search, c), carry, shared=('depth',))
+             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.zeros(B, jnp.int32)}
+    c = shrinking_loop(lambda c: search_step(evaluate, search, c), carry)
     return jnp.where(c['done'][:, None], c['answer'], c['fallback']), c['evals']
-
-
-def evaluate_grids(evaluate, g_BNL):
-    """evaluate on [B, N, L] grids, outputs shaped [B, N, ...]."""
-    logp, logv, q = evaluate(g_BNL.reshape(-1, g_BNL.shape[-1]))
-    return logp.reshape(*g_BNL.shape, 9), logv.reshape(g_BNL.shape[:2]), q.reshape(g_BNL.shape[:2])
 
 
 def take_rows(x_BN, i_BK):
@@ -1129,10 +1105,11 @@ def take_rows(x_BN, i_BK):
 def search_step(evaluate, search, c):
     """One step of tree_search for every puzzle of the carry c: expand the best held states, evaluate
     and rank their candidates, note a finished answer, hold the M best states for the next step."""
-    B, live_B = c['stop'].shape[0], ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
     cand, rest = expand(c['held'], search)
     g_BNL, alive_BN = cand['grid'], cand['alive']
-    logp_BNLC, logv_BN, q_BN = evaluate_grids(evaluate, g_BNL)
+    (B, N, L), live_B = g_BNL.shape, ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
+    logp_NLC, logv_N, q_N = evaluate(g_BNL.reshape(B * N, L))  # one forward pass per candidate
+    logp_BNLC, logv_BN, q_BN = logp_NLC.reshape(B, N, L, 9), logv_N.reshape(B, N), q_N.reshape(B, N)
     rank_BN = cand['cum'] if search.score == 'logp' else logv_BN + search.logp_weight * cand['cum']
     s_BN = jnp.where(alive_BN, rank_BN, -jnp.inf)
     fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
@@ -1169,7 +1146,9 @@ def expand(held, search):
     N = search.width * search.thoughts
     g_BNL = g.reshape(B, N, L)
     g_BNL = fill_forced(g_BNL) if search.propagate else g_BNL
-    alive_BN = (ok & (bm['score'][..., None] > -jnp.inf)).reshape(B, N) & ~dead(g_BNL, search.rules)
+    alive_BN = (ok & (bm['score'][..., None] > -jnp.inf)).reshape(B, N)
+    if search.rules:  # drop a state no completion of which obeys the rules
+        alive_BN &= ~dead_end(g_BNL)
     same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
     alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
     return {'grid': g_BNL, 'cum': (bm['cum'][..., None] + gain).reshape(B, N), 'alive': alive_BN}, rest
