@@ -27,12 +27,13 @@ axes only; the config keys trm.T and trm.n keep the TRM paper's names.
   W beam width      E thoughts per state                    M states held between search steps
   J trajectories per puzzle (decoder=trm_parallel)          I vocabulary tiles, t entries each
 """
+import collections
 import dataclasses
 import functools
 import json
 import math
 import os
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import flax.core.spmd
 import jax
@@ -47,12 +48,10 @@ from jax.sharding import PartitionSpec
 import data
 from data import MEMBERS, SUDOKU_LEN, dead_end, digits_seen, legal_digits, solved
 
-REMAT_POLICIES = {
-    'full': None,  # recompute everything in the backward pass: least memory
-    # keep the projections' outputs (dot's results named 'dot'), in the compute dtype: a policy on the dot
-    # primitives themselves would keep their float32 sums, twice the bytes in a bf16 step
-    'save_dots': jax.checkpoint_policies.save_only_these_names('dot'),
-}
+# remat=full recomputes everything in the backward pass: least memory. save_dots keeps the projections' outputs
+# (dot's results named 'dot'), in the compute dtype: a policy on the dot primitives themselves would keep their
+# float32 sums, twice the bytes in a bf16 step.
+REMAT_POLICIES = {'full': None, 'save_dots': jax.checkpoint_policies.save_only_these_names('dot')}
 
 # ==================================================================================================
 # The transformer: layers, the LM, its loss and FLOPs.
@@ -372,8 +371,7 @@ class Block(nnx.Module):
             x_BDL = jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)
             x_BLD = x_BLD + jnp.swapaxes(self.token_mlp(x_BDL), 1, 2)
         else:
-            h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, rope_BL1k, segment_ids_BL,
-                                     self.causal, cache)
+            h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, rope_BL1k, segment_ids_BL, self.causal, cache)
             x_BLD = x_BLD + h_BLD
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return constrain(x_BLD, ('batch', 'length', None)), cache
@@ -453,14 +451,13 @@ def tiled_cross_entropy(x_ND, head_DV, targets_N, tile, dtype):
 
     @jax.checkpoint
     def one(carry, xs):
-        top_N, total_N, target_N = carry
-        w_Dt, i = xs
+        (top_N, total_N, target_N), (w_Dt, i) = carry, xs
         logits_Nt = dot('nd,dt->nt', x_ND, w_Dt, dtype, jnp.float32)
         new_top_N = jnp.maximum(top_N, jnp.max(logits_Nt, axis=1))
         total_N = total_N * jnp.exp(top_N - new_top_N) + jnp.sum(jnp.exp(logits_Nt - new_top_N[:, None]), axis=1)
-        here_N = targets_N // tile == i
+        # the target's logit, from the tile that holds it
         picked_N = jnp.take_along_axis(logits_Nt, (targets_N % tile)[:, None], axis=1)[:, 0]
-        return (new_top_N, total_N, target_N + jnp.where(here_N, picked_N, 0.0)), None
+        return (new_top_N, total_N, target_N + jnp.where(targets_N // tile == i, picked_N, 0.0)), None
     start = (jnp.full(N, -jnp.inf), jnp.zeros(N), jnp.zeros(N))
     (top_N, total_N, target_N), _ = jax.lax.scan(one, start, (w_IDt, jnp.arange(V // tile)))
     return top_N + jnp.log(total_N) - target_N
@@ -616,9 +613,8 @@ def to_hf(cfg, params):
         if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
             w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
         tensors[name] = np.ascontiguousarray(w)  # safetensors writes an array's buffer as it lies in memory
-    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu',
-            'attention_bias': False, 'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length,
-            'torch_dtype': cfg.weight_dtype,
+    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
+            'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length, 'torch_dtype': cfg.weight_dtype,
             **{hf: dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in HF_KEYS.items()}}
     return tensors, conf
 
@@ -843,13 +839,9 @@ def ema_update(decay, step, ema, params):
     return jax.tree.map(lambda e, p: (d * e + (1 - d) * p).astype(e.dtype), ema, params)
 
 
-class TRMSteps(NamedTuple):
-    """What trm_steps returns: predicted tokens after each supervision step, the digit log-probs after the
-    last, the value head's log value after step min(tot.value_step, steps), halting logits after each."""
-    preds_SNL: jax.Array
-    logp_NLC: jax.Array
-    log_value_N: jax.Array
-    halt_SN: jax.Array
+# What trm_steps returns: predicted tokens after each supervision step, the digit log-probs after the last,
+# the value head's log value after step min(tot.value_step, steps), halting logits after each.
+TRMSteps = collections.namedtuple('TRMSteps', 'preds_SNL logp_NLC log_value_N halt_SN')
 
 
 def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
@@ -1157,9 +1149,6 @@ def expand(held, search):
 # ==================================================================================================
 # The Sudoku task: the TRM's train state and metrics, decoding with cfg.decoder, host-side scoring.
 # ==================================================================================================
-DECODERS = ('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot')
-
-
 def sudoku_search(cfg, decoder):
     """The Search a decoder runs, from base.yml's keys (greedy: the defaults, width one)."""
     rules = cfg.tot.rule_checks
@@ -1280,29 +1269,22 @@ def trm_step_metrics(sums, weight):
     return out
 
 
-SUDOKU_KEYS = (
+SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
     ('count', 'sudoku_train_puzzles sudoku_eval_puzzles beam_width max_depth max_thoughts trm.T trm.n trm.N_sup '
               'parallel.trajectories tot.policy_steps tot.value_step'),
     ('off', 'trm.eval_steps tot.start_step tot.frontier'),
     ('nonneg', 'trm.halt_loss_weight parallel.noise tot.loss_weight tot.logp_weight'),
-    ('share', 'trm.halt_explore_prob'),
-    ('decay', 'trm.ema_decay'),
-    ('bool', 'augment tot.rule_checks tot.propagate'),
-    (('ints', 0, 81), 'sudoku_blanks'),
-    (('int', 1, 9), 'thoughts_per_step'),
-    (('int', 1, 81), 'thought_cells'),
-    (DECODERS, 'decoder'),
-    (('first', 'best', 'last'), 'trm.eval_halt'),
-    (('attention', 'mlp'), 'trm.mixer'),
-)
+    ('share', 'trm.halt_explore_prob'), ('decay', 'trm.ema_decay'), ('bool', 'augment tot.rule_checks tot.propagate'),
+    (('ints', 0, 81), 'sudoku_blanks'), (('int', 1, 9), 'thoughts_per_step'), (('int', 1, 81), 'thought_cells'),
+    (('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot'), 'decoder'), (('first', 'best', 'last'), 'trm.eval_halt'),
+    (('attention', 'mlp'), 'trm.mixer'))
 SUDOKU = Task(
+    module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token, step_metrics=trm_step_metrics,
+    eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
     keys=SUDOKU_KEYS, dataset=data.SudokuData,
     shown=(('train_exact', 'solved {:.1%}'), ('eval_exact_accuracy', 'eval solved {:.1%}'),
            ('eval_cell_accuracy', 'cells {:.1%}')),
-    module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token,
-    eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
     fixed=lambda cfg: {'vocab_size': data.SUDOKU_VOCAB, 'max_target_length': SUDOKU_LEN},
-    step_metrics=trm_step_metrics,
     # The EMA and the carry are train state: checkpointed, so a resume is exact.
     state=lambda cfg, params, rows: {'ema': params, 'carry': trm_carry(cfg, cfg.grad_accum, rows)},
     state_axes=lambda param_axes: {'ema': param_axes, 'carry': {k: PartitionSpec(*v) for k, v in CARRY_AXES.items()}},
