@@ -1021,15 +1021,11 @@ def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
     conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
     cell = jnp.argmax(conf_L)
     top_E, digit_E = jax.lax.top_k(lp_LC[cell], E)
-
-    def one(digit, gain):
-        g = g_L.at[cell].set(digit)
-        if cells > 1:  # the rest of the thought: the most confident other blanks, at their argmax
-            more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(NEG), cells - 1)
-            g = g.at[more_i].set(jnp.where(more_v > NEG, best_L[more_i], g[more_i]))
-            gain = gain + jnp.sum(jnp.where(more_v > NEG, more_v, 0.0))
-        return g, gain
-    g_EL, gain_E = jax.vmap(one)(digit_E + 1, top_E)
+    g_EL, gain_E = jnp.broadcast_to(g_L, (E, g_L.shape[0])).at[:, cell].set(digit_E + 1), top_E
+    if cells > 1:  # the rest of the thought, the same for every digit: the most confident other blanks, at their argmax
+        more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(NEG), cells - 1)
+        g_EL = g_EL.at[:, more_i].set(jnp.where(more_v > NEG, best_L[more_i], g_EL[:, more_i]))
+        gain_E = gain_E + jnp.sum(jnp.where(more_v > NEG, more_v, 0.0))
     return g_EL, gain_E, top_E > NEG
 
 
@@ -1082,11 +1078,10 @@ def tree_search(evaluate, q_BL, search):
     held = {'grid': jnp.repeat(q_BL[:, None], M, axis=1), 'logp': jnp.repeat(logp0_BLC[:, None], M, axis=1),
             'cum': jnp.zeros((B, M)), 'score': jnp.full((B, M), -jnp.inf).at[:, 0].set(0.0)}
     fill0 = fill_argmax(q_BL, logp0_BLC)
-    done = finished(fill0, q0_B, search.rules)
-    carry = {'held': held, 'done': done, 'stop': done, 'answer': fill0, 'fallback': fill0,
+    carry = {'held': held, 'stop': finished(fill0, q0_B, search.rules), 'answer': fill0,
              'evals': jnp.ones(B, jnp.int32), 'depth': jnp.zeros(B, jnp.int32)}
     c = shrinking_loop(lambda c: search_step(evaluate, search, c), carry)
-    return jnp.where(c['done'][:, None], c['answer'], c['fallback']), c['evals']
+    return c['answer'], c['evals']
 
 
 def take_rows(x_BN, i_BK):
@@ -1107,10 +1102,12 @@ def search_step(evaluate, search, c):
     fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
     ok_BN = alive_BN & finished(fill_BNL, q_BN, search.rules)
     pick = lambda x, i_B: take_rows(x, i_B[:, None])[:, 0]
+    # The answer so far: a finished one (the puzzle then stops), else the best candidate, before full-but-wrong
+    # grids are dropped.
+    best = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], pick(fill_BNL, jnp.argmax(s_BN, axis=1)),
+                     c['answer'])
     found_B = live_B & jnp.any(ok_BN, axis=1)
-    answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), c['answer'])
-    fallback = pick(fill_BNL, jnp.argmax(s_BN, axis=1))  # the best, before full-but-wrong grids are dropped
-    fallback = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], fallback, c['fallback'])
+    answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), best)
     s_BN = jnp.where(jnp.all(g_BNL > 0, axis=-1), -jnp.inf, s_BN)  # a full grid ended the search or broke a rule
     # The M best of the new candidates (first: they win ties) and the states held but not expanded.
     pool = jax.tree.map(lambda n, o: jnp.concatenate([n, o], axis=1),
@@ -1119,11 +1116,10 @@ def search_step(evaluate, search, c):
     new = jax.tree.map(lambda x: take_rows(x, idx_BM), pool)
     held = jax.tree.map(lambda n, o: jnp.where(live_B.reshape(B, *[1] * (n.ndim - 1)), n, o), new, c['held'])
     evals = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0)
-    depth, done = c['depth'] + 1, c['done'] | found_B
-    stop = (c['stop'] | done | (evals >= search.max_thoughts) | ~jnp.any(top_BM > -jnp.inf, axis=1)
+    depth = c['depth'] + 1
+    stop = (c['stop'] | found_B | (evals >= search.max_thoughts) | ~jnp.any(top_BM > -jnp.inf, axis=1)
             | (depth >= search.max_depth))
-    return {'held': held, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
-            'evals': evals, 'depth': depth}
+    return {'held': held, 'stop': stop, 'answer': answer, 'evals': evals, 'depth': depth}
 
 
 def expand(held, search):
