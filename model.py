@@ -229,8 +229,7 @@ def rope(x_BLHK, rope_BL1k):
     dimension become x1 cos - x2 sin, x2 cos + x1 sin (HF's x cos + rotate_half(x) sin, the same products)."""
     (cos_BL1k, sin_BL1k), K = rope_BL1k, x_BLHK.shape[-1]
     x1, x2 = x_BLHK[..., :K // 2].astype(jnp.float32), x_BLHK[..., K // 2:].astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos_BL1k - x2 * sin_BL1k, x2 * cos_BL1k + x1 * sin_BL1k], axis=-1)
-    return out.astype(x_BLHK.dtype)
+    return jnp.concatenate([x1 * cos_BL1k - x2 * sin_BL1k, x2 * cos_BL1k + x1 * sin_BL1k], axis=-1).astype(x_BLHK.dtype)
 
 
 def kv_cache(cache, k_BLGK, v_BLGK, positions_BL):
@@ -284,8 +283,7 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
     def local(q_BLHK, k_BTGK, v_BTGK, seg_BL):
         B, L, H, K = q_BLHK.shape
         G = k_BTGK.shape[2]
-        b = splash_block(L)
-        sizes = splash.BlockSizes(b, b, b, b, b, b, b, b)
+        sizes = splash.BlockSizes(*[splash_block(L)] * 8)  # one tile for every block size the kernel takes
         head = masks.CausalMask((L, L)) if causal else masks.FullMask((L, L))
         kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([head] * (H // G)), block_sizes=sizes,
                                                       interpret=interpret)
@@ -526,13 +524,12 @@ def generate(cfg, graph, params, prompt_BP, key):
     """prompt [B, P] -> [B, max_new_tokens] sampled tokens. The prompt fills the KV cache in one pass
     (prefill); then a jitted scan of single-token steps: each new token costs one position, not the
     whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles once."""
-    B, P = prompt_BP.shape
-    O, V = cfg.max_new_tokens, cfg.vocab_size
+    (B, P), O = prompt_BP.shape, cfg.max_new_tokens
 
     def sample(logits_BV, key):
         if cfg.temperature == 0:
             return jnp.argmax(logits_BV, -1).astype(jnp.int32)
-        if 0 < cfg.top_k < V:
+        if 0 < cfg.top_k < cfg.vocab_size:
             kth_B1 = jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:]
             logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
         return jax.random.categorical(key, logits_BV / cfg.temperature).astype(jnp.int32)
@@ -853,19 +850,17 @@ def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
     tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
     v = min(cfg.tot.value_step, steps)
 
-    def sup(p):  # supervision step i from carry, as a scan body: the model with parameters p
-        def one(carry, i):
-            kick = None if noise is None else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
-            fresh_N = jnp.full(N, i == 0)  # step 0 starts from y_init, z_init
-            y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry, fresh_N, kick)
-            carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
-            return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N, q_N)
-        return one
-    fixed = sup(jax.lax.stop_gradient(params))
+    def step(p, carry, i):  # supervision step i, the model's parameters p
+        kick = None if noise is None else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
+        fresh_N = jnp.full(N, i == 0)  # step 0 starts from y_init, z_init
+        y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry, fresh_N, kick)
+        carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
+        return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N, q_N)
+    fixed = functools.partial(step, jax.lax.stop_gradient(params))  # a scan body no gradient flows through
     yz = jnp.zeros((N, L, cfg.d_model), jnp.float32)
     i = jnp.arange(steps)
     carry, (p_before, _, _, q_before) = jax.lax.scan(fixed, (yz, yz), i[:v - 1])
-    carry, (p_v, logits_NLV, log_v_N, q_v) = sup(params)(carry, i[v - 1])
+    carry, (p_v, logits_NLV, log_v_N, q_v) = step(params, carry, i[v - 1])
     _, (p_after, l_after, _, q_after) = jax.lax.scan(fixed, carry, i[v:])
     logits_NLV = l_after[-1] if steps > v else logits_NLV
     preds, q_SN = jnp.concatenate([p_before, p_v[None], p_after]), jnp.concatenate([q_before, q_v[None], q_after])
@@ -1212,8 +1207,7 @@ def sudoku_eval_result(cfg, outs, batches, ds, save_to=None):
         grids = np.concatenate([sc['grids_BL'] for sc in scores])[:len(ds.eval_q)]
         data.write_sudoku_csv(os.path.join(save_to, 'predictions.csv'), ds.eval_q, grids)
     exact_S, cells_S = total['exact_S'] / max(total['puzzles'], 1), total['cells_S'] / max(total['blanks'], 1)
-    real = [b['segment_ids'][:, 0] > 0 for b in batches]
-    cat = lambda k: np.concatenate([o[k][r] for o, r in zip(outs, real)])
+    cat = lambda k: np.concatenate([o[k][b['segment_ids'][:, 0] > 0] for o, b in zip(outs, batches)])  # real rows
     result = {'exact_accuracy': float(exact_S[-1]), 'cell_accuracy': float(cells_S[-1]),
               'num_puzzles': int(total['puzzles']), 'decoder': cfg.decoder,
               'forward_passes': float(np.mean(cat('passes_B'))),
