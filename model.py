@@ -249,8 +249,7 @@ def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
     XLA:CPU runs well. The R = H/G query heads sharing a kv head are stacked along the length, so each kv
     head is one [R*L, K] x [K, T] matmul; the dot_product_attention layout costs more fwd+bwd on CPU
     (transposed copies of the [B, H, L, T] scores)."""
-    B, L, H, K = q_BLHK.shape
-    T, G = k_BTGK.shape[1], k_BTGK.shape[2]
+    (B, L, H, K), (_, T, G, _) = q_BLHK.shape, k_BTGK.shape
     R = H // G
     q_BGQK = q_BLHK.reshape(B, L, G, R, K).transpose(0, 2, 3, 1, 4).reshape(B, G, R * L, K)
     move = jnp.transpose if jnp.dtype(dtype) == jnp.float32 else transposed  # bf16 dots need a real copy
@@ -281,8 +280,7 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     def local(q_BLHK, k_BTGK, v_BTGK, seg_BL):
-        B, L, H, K = q_BLHK.shape
-        G = k_BTGK.shape[2]
+        (B, L, H, K), G = q_BLHK.shape, k_BTGK.shape[2]
         sizes = splash.BlockSizes(*[splash_block(L)] * 8)  # one tile for every block size the kernel takes
         head = masks.CausalMask((L, L)) if causal else masks.FullMask((L, L))
         kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([head] * (H // G)), block_sizes=sizes,
@@ -492,9 +490,8 @@ def lm_loss(cfg, graph, params, mb, carry, key, step=0):
     model = nnx.merge(graph, params)
     if cfg.vocab_tile:  # the head and its loss in vocabulary tiles: no [rows, V] logits in memory
         x_BLD = model(mb['inputs'], mb['positions'], mb['segment_ids'], logits=False)
-        B, L, D = x_BLD.shape
-        ce_BL = tiled_cross_entropy(x_BLD.reshape(B * L, D), model.head(), mb['targets'].reshape(B * L),
-                                    cfg.vocab_tile, jnp.dtype(cfg.dtype)).reshape(B, L)
+        ce_BL = tiled_cross_entropy(x_BLD.reshape(-1, x_BLD.shape[-1]), model.head(), mb['targets'].reshape(-1),
+                                    cfg.vocab_tile, jnp.dtype(cfg.dtype)).reshape(mb['targets'].shape)
     else:
         logits_BLV = model(mb['inputs'], mb['positions'], mb['segment_ids'])
         ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, mb['targets'])
@@ -746,10 +743,9 @@ class TRM(nnx.Module):
         z_BLD = jnp.where(fresh_B[:, None, None], self.z_init[...].astype(dt), z_BLD.astype(dt))
         net = lambda h_BLD: self.net_norm(self.net(h_BLD, positions_BL, segment_ids_BL)[0])
 
-        def kick(z_BLD, i):  # Gaussian noise on the latent, update i's own draw per row
-            keys_B, scale = noise
+        def kick(z_BLD, i):  # Gaussian noise on the latent, update i's own draw per row; noise = (keys [B], scale)
             draw = lambda k: jax.random.normal(jax.random.fold_in(k, i), z_BLD.shape[1:], z_BLD.dtype)
-            return z_BLD + scale * jax.vmap(draw)(keys_B)
+            return z_BLD + noise[1] * jax.vmap(draw)(noise[0])
 
         def cycle(y_BLD, z_BLD, t):
             for i in range(cfg.trm.n):
@@ -792,8 +788,7 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     slot: mean cell cross-entropy + halt_loss_weight x BCE(q, whole grid right), plus the ToT value
     head's BCE on partial grids from tot.start_step on."""
     t, fresh_B = cfg.trm, carry['halted']
-    pick = lambda new, old: jnp.where(fresh_B.reshape(-1, *[1] * (old.ndim - 1)), new, old)
-    inputs_BL, targets_BL = pick(mb['inputs'], carry['inputs']), pick(mb['targets'], carry['targets'])
+    inputs_BL, targets_BL = (jnp.where(fresh_B[:, None], mb[k], carry[k]) for k in ('inputs', 'targets'))
     steps_B = jnp.where(fresh_B, 0, carry['steps']) + 1
     y_BLD, z_BLD, logits_BLV, q_B, _ = nnx.merge(graph, params)(inputs_BL, mb['positions'], mb['segment_ids'],
                                                            carry['y'], carry['z'], fresh_B)
@@ -894,8 +889,7 @@ def parallel_decode(cfg, graph, params, q_BL, steps):
     answer is the one the halting head is surest of (highest q). No Sudoku rule is used. The draws depend
     on the puzzle and the trajectory, not on the batch.
     Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every trajectory's)."""
-    B, L = q_BL.shape
-    J = cfg.parallel.trajectories
+    (B, L), J = q_BL.shape, cfg.parallel.trajectories
     split = lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J)
     keys_BJ = jax.vmap(split)(puzzle_hash(q_BL))
     scale_N = jnp.tile(jnp.arange(J) > 0, B) * cfg.parallel.noise
@@ -1066,8 +1060,7 @@ def tree_search(evaluate, q_BL, search):
     the search goes back to an earlier state. M = width (or 0) is the plain per-depth beam above.
     Returns (grids [B, L], states evaluated per puzzle [B]). Unsolved puzzles return the best candidate of
     the last step with its blanks filled by argmax."""
-    B = q_BL.shape[0]
-    M = max(search.frontier, search.width)
+    B, M = q_BL.shape[0], max(search.frontier, search.width)  # M states held between steps
     q_BL = fill_forced(q_BL) if search.propagate else q_BL
     logp0_BLC, _, q0_B = evaluate(q_BL)
     held = {'grid': jnp.repeat(q_BL[:, None], M, axis=1), 'logp': jnp.repeat(logp0_BLC[:, None], M, axis=1),
@@ -1183,10 +1176,9 @@ def sudoku_scores(preds_SBL, batch):
     q_BL, a_BL = batch['inputs'][real] - 1, batch['targets'][real] - 1  # tokens -> digits, 0 = blank
     blank_BL = q_BL == 0
     grids_SBL = np.where(blank_BL, np.asarray(preds_SBL)[:, real] - 1, q_BL)
-    S, B = grids_SBL.shape[:2]
-    valid_SB = solved(grids_SBL.reshape(-1, SUDOKU_LEN)).reshape(S, B)
+    valid_SB = solved(grids_SBL.reshape(-1, SUDOKU_LEN)).reshape(grids_SBL.shape[:2])
     return {'exact_S': ((grids_SBL == a_BL).all(-1) & valid_SB).sum(1),
-            'cells_S': ((grids_SBL == a_BL) & blank_BL).sum((1, 2)), 'blanks': blank_BL.sum(), 'puzzles': B,
+            'cells_S': ((grids_SBL == a_BL) & blank_BL).sum((1, 2)), 'blanks': blank_BL.sum(), 'puzzles': len(q_BL),
             'grids_BL': np.clip(grids_SBL[-1], 0, 9)}
 
 
