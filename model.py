@@ -202,6 +202,7 @@ def transposed(x, perm):
     copy = lambda x: x[..., None].transpose(*perm, x.ndim)[..., 0]
     return jax.lax.platform_dependent(x, cpu=copy, default=lambda x: x.transpose(perm))
 
+
 class RMSNorm(nnx.Module):
     def __init__(self, cfg):
         self.scale = param(None, (cfg.d_model,), ('embed',), None, jnp.dtype(cfg.weight_dtype), fill=1.0)
@@ -788,6 +789,7 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     slot: mean cell cross-entropy + halt_loss_weight x BCE(q, whole grid right), plus the ToT value
     head's BCE on partial grids from tot.start_step on."""
     t, fresh_B = cfg.trm, carry['halted']
+    # A halted slot takes this step's fresh puzzle; the others keep theirs.
     inputs_BL, targets_BL = (jnp.where(fresh_B[:, None], mb[k], carry[k]) for k in ('inputs', 'targets'))
     steps_B = jnp.where(fresh_B, 0, carry['steps']) + 1
     y_BLD, z_BLD, logits_BLV, q_B, _ = nnx.merge(graph, params)(inputs_BL, mb['positions'], mb['segment_ids'],
@@ -1090,10 +1092,9 @@ def search_step(evaluate, search, c):
     fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
     ok_BN = alive_BN & finished(fill_BNL, q_BN, search.rules)
     pick = lambda x, i_B: take_rows(x, i_B[:, None])[:, 0]
-    # The answer so far: a finished one (the puzzle then stops), else the best candidate, before full-but-wrong
-    # grids are dropped.
-    best = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], pick(fill_BNL, jnp.argmax(s_BN, axis=1)),
-                     c['answer'])
+    # The answer so far: a finished one (the puzzle then stops and keeps it), else the best candidate.
+    best = pick(fill_BNL, jnp.argmax(s_BN, axis=1))  # the best, before full-but-wrong grids are dropped
+    best = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], best, c['answer'])
     found_B = live_B & jnp.any(ok_BN, axis=1)
     answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), best)
     s_BN = jnp.where(jnp.all(g_BNL > 0, axis=-1), -jnp.inf, s_BN)  # a full grid ended the search or broke a rule
