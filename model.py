@@ -27,12 +27,13 @@ axes only; the config keys trm.T and trm.n keep the TRM paper's names.
   W beam width      E thoughts per state                    M states held between search steps
   J trajectories per puzzle (decoder=trm_parallel)          I vocabulary tiles, t entries each
 """
+import collections
 import dataclasses
 import functools
 import json
 import math
 import os
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import flax.core.spmd
 import jax
@@ -47,12 +48,10 @@ from jax.sharding import PartitionSpec
 import data
 from data import MEMBERS, SUDOKU_LEN, dead_end, digits_seen, legal_digits, solved
 
-REMAT_POLICIES = {
-    'full': None,  # recompute everything in the backward pass: least memory
-    # keep the projections' outputs (dot's results named 'dot'), in the compute dtype: a policy on the dot
-    # primitives themselves would keep their float32 sums, twice the bytes in a bf16 step
-    'save_dots': jax.checkpoint_policies.save_only_these_names('dot'),
-}
+# remat=full recomputes everything in the backward pass: least memory. save_dots keeps the projections' outputs
+# (dot's results named 'dot'), in the compute dtype: a policy on the dot primitives themselves would keep their
+# float32 sums, twice the bytes in a bf16 step.
+REMAT_POLICIES = {'full': None, 'save_dots': jax.checkpoint_policies.save_only_these_names('dot')}
 
 # ==================================================================================================
 # The transformer: layers, the LM, its loss and FLOPs.
@@ -94,39 +93,39 @@ def dividing_spec(logical, shape, rules, mesh_shape):
     return PartitionSpec(*out)
 
 
+# --------------------------------------------------------------------------------------------------
+# Matmuls. In float32 every one is a plain jnp.einsum. This layer exists for the bf16 step on CPU: XLA:CPU
+# runs a dot at bf16 speed (AVX-512 BF16) only as bf16 x bf16 accumulating in float32, with the left operand
+# stored with its summed axes last; any other dot runs as float32 x float32. jnp.einsum and its autodiff
+# miss that form in three places, each fixed by one piece here:
+#   dot       a projection as one 2-D matmul [rows, in] x [in, out] (XLA:CPU differentiates that into plain
+#             matmuls; the 3-D einsum made it copy a transposed activation for each weight gradient)
+#   product   einsum in the compute dtype, float32 sums; in bf16 its own gradient (narrow_product) casts the
+#             float32 cotangent back to bf16, so the backward dots are bf16 x bf16 as well
+#   contract  each backward dot in the kernel's form, transposing (transposed) whichever operand is cheaper
+# saved_bits keeps what remat=save_dots saves in bf16 too.
+# --------------------------------------------------------------------------------------------------
 def dot(eq, x, w, dtype, out_dtype=None):
-    """einsum in the compute dtype with float32 accumulation (product), result in the compute dtype (or
-    out_dtype).
-
-    preferred_element_type=float32 matters beyond precision: CPUs with bf16 matrix instructions (AVX-512
-    BF16) run bf16 inputs accumulating in float32 at their bf16 speed, a bf16 -> bf16 dot at float32's.
-    When x's trailing axes contract with w's leading ones (every projection here) it runs as one 2-D
-    matmul [rows, in] x [in, out]: XLA:CPU differentiates that into plain matmuls, while the 3-D einsum
-    made it copy a transposed activation for each weight gradient. A result in the compute dtype is what
-    remat=save_dots keeps (saved).
-    """
-    (lhs, rhs), out = eq.split('->')[0].split(','), eq.split('->')[1]
-    n, out_dtype = len(set(lhs) & set(rhs)), out_dtype or dtype
-    keep = saved if jnp.dtype(out_dtype) == jnp.dtype(dtype) else lambda y: y
-    if not n or lhs[-n:] != rhs[:n] or out != lhs[:-n] + rhs[n:]:
-        return keep(product(eq, x, w, dtype, out_dtype))
+    """A projection: einsum `eq` where x's trailing axes contract with w's leading ones ('bld,dhk->blhk'), as
+    one [rows, in] x [in, out] product (compute dtype, float32 sums), the result in the compute dtype or
+    out_dtype. A result in the compute dtype is what remat=save_dots keeps: named 'dot' here, after the cast,
+    not the float32 sums before it (twice the bytes in a bf16 step)."""
+    lhs, rhs = eq.split('->')[0].split(',')
+    n = len(set(lhs) & set(rhs))  # the contracted axes
+    assert n and lhs[-n:] == rhs[:n] and eq.endswith('->' + lhs[:-n] + rhs[n:]), f'not a projection: {eq}'
     I = math.prod(w.shape[:n])
-    y = keep(product('ni,io->no', x.reshape(-1, I), w.reshape(I, -1), dtype, out_dtype))
+    y = product('ni,io->no', x.reshape(-1, I), w.reshape(I, -1), dtype, out_dtype or dtype)
+    if y.dtype == jnp.dtype(dtype):
+        y = saved_bits(y) if y.dtype.itemsize == 2 else checkpoint_name(y, 'dot')
     return y.reshape(x.shape[:-n] + w.shape[n:])
-
-
-def saved(y):
-    """y named 'dot', for remat=save_dots (REMAT_POLICIES): the projections' outputs in the compute dtype,
-    not the float32 sums before the cast (twice the bytes in a bf16 step). A bf16 y is named as its uint16
-    bits (saved_bits): the layer scan stacks what is kept, and XLA:CPU has no bf16 dynamic-slice, so it
-    would keep a float32 copy of every stacked bf16 array for the backward pass."""
-    return checkpoint_name(y, 'dot') if y.dtype.itemsize != 2 else saved_bits(y)
 
 
 @jax.custom_vjp
 def saved_bits(y):
-    """y itself; differentiated, its forward passes y through uint16 bits named 'dot' (a bit cast has no
-    gradient of its own, so the cotangent passes straight through)."""
+    """y itself, named 'dot' for remat=save_dots as its uint16 bits: the layer scan stacks what is kept, and
+    XLA:CPU has no bf16 dynamic-slice, so a bf16 y named as it is would be kept as a float32 copy for the
+    backward pass. The bits are named only when differentiated (saved_bits_fwd); the cotangent passes
+    straight through (a bit cast has no gradient of its own)."""
     return y
 
 
@@ -169,30 +168,31 @@ def narrow_product_bwd(eq, dtypes, xw, g):
     return contract(out, rhs, lhs, g, w).astype(dtypes[0]), contract(lhs, out, rhs, x, g).astype(dtypes[1])
 
 
+narrow_product.defvjp(narrow_product_fwd, narrow_product_bwd)
+
+
 def contract(a_spec, b_spec, out_spec, a, b):
-    """einsum a_spec,b_spec->out_spec accumulating in float32, in the one form XLA:CPU's bf16 matmuls (YNNPACK) take:
-    the left operand stored with its summed axes last, the result in the dot's own order (shared axes, the left's,
-    the right's); any other bf16 x bf16 dot it runs as float32 x float32. A weight gradient sums over the rows,
-    which lead both operands, so one of them is copied transposed: of the two ways (either operand on the left,
-    the result transposed after if its order differs) the one that moves fewer bytes. For the MLP's down
-    projection that copies the [rows, d_model] gradient, not the [rows, mlp_dim] activation."""
-    def plan(l_spec, r_spec, l):
+    """einsum a_spec,b_spec->out_spec accumulating in float32, in the one form XLA:CPU's bf16 matmuls (YNNPACK)
+    take: the left operand stored with its summed axes last, the result in the dot's own order (shared axes,
+    the left's, the right's). A weight gradient sums over the rows, which lead both operands, so one of them is
+    copied transposed: of the two ways (either operand on the left, the result transposed after if its order
+    differs) the one that moves fewer bytes. For the MLP's down projection that copies the [rows, d_model]
+    gradient, not the [rows, mlp_dim] activation."""
+    out_bytes = 4 * math.prod(dict(zip(a_spec + b_spec, a.shape + b.shape))[c] for c in out_spec)  # float32
+
+    def plan(l_spec, l, r_spec, r):  # l on the left: the bytes copied, the operands, l's layout, the result's
         summed = [c for c in l_spec if c in r_spec and c not in out_spec]
         order = ''.join([c for c in l_spec if c not in summed] + summed)
         natural = ''.join([c for c in order if c in r_spec and c in out_spec] + [c for c in order if c not in r_spec]
                           + [c for c in r_spec if c not in l_spec])
-        out_size = math.prod(dict(zip(a_spec + b_spec, a.shape + b.shape))[c] for c in out_spec)
-        return (order != l_spec) * l.size * l.dtype.itemsize + (natural != out_spec) * out_size * 4, order, natural
-    (_, order, natural), swap = min((plan(a_spec, b_spec, a), False), (plan(b_spec, a_spec, b), True),
-                                       key=lambda p: p[0][0])
-    (l_spec, l), (r_spec, r) = ((b_spec, b), (a_spec, a)) if swap else ((a_spec, a), (b_spec, b))
+        cost = (order != l_spec) * l.size * l.dtype.itemsize + (natural != out_spec) * out_bytes
+        return cost, l_spec, l, r_spec, r, order, natural
+    _, l_spec, l, r_spec, r, order, natural = min(plan(a_spec, a, b_spec, b), plan(b_spec, b, a_spec, a),
+                                                  key=lambda p: p[0])  # a tie: a on the left
     if order != l_spec:
         l = transposed(l, [l_spec.index(c) for c in order])
     y = jnp.einsum(f'{order},{r_spec}->{natural}', l, r, preferred_element_type=jnp.float32)
     return y if natural == out_spec else transposed(y, [natural.index(c) for c in out_spec])
-
-
-narrow_product.defvjp(narrow_product_fwd, narrow_product_bwd)
 
 
 def transposed(x, perm):
@@ -230,14 +230,7 @@ def rope(x_BLHK, rope_BL1k):
     dimension become x1 cos - x2 sin, x2 cos + x1 sin (HF's x cos + rotate_half(x) sin, the same products)."""
     (cos_BL1k, sin_BL1k), K = rope_BL1k, x_BLHK.shape[-1]
     x1, x2 = x_BLHK[..., :K // 2].astype(jnp.float32), x_BLHK[..., K // 2:].astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos_BL1k - x2 * sin_BL1k, x2 * cos_BL1k + x1 * sin_BL1k], axis=-1)
-    return out.astype(x_BLHK.dtype)
-
-
-def init_cache(cfg, B, T):
-    """An empty KV cache for generation: keys and values [layers, B, T, G, K] in the compute dtype."""
-    zeros = jnp.zeros((cfg.num_layers, B, T, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype))
-    return {'k': zeros, 'v': zeros}
+    return jnp.concatenate([x1 * cos_BL1k - x2 * sin_BL1k, x2 * cos_BL1k + x1 * sin_BL1k], axis=-1).astype(x_BLHK.dtype)
 
 
 def kv_cache(cache, k_BLGK, v_BLGK, positions_BL):
@@ -257,8 +250,7 @@ def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
     XLA:CPU runs well. The R = H/G query heads sharing a kv head are stacked along the length, so each kv
     head is one [R*L, K] x [K, T] matmul; the dot_product_attention layout costs more fwd+bwd on CPU
     (transposed copies of the [B, H, L, T] scores)."""
-    B, L, H, K = q_BLHK.shape
-    T, G = k_BTGK.shape[1], k_BTGK.shape[2]
+    (B, L, H, K), (_, T, G, _) = q_BLHK.shape, k_BTGK.shape
     R = H // G
     q_BGQK = q_BLHK.reshape(B, L, G, R, K).transpose(0, 2, 3, 1, 4).reshape(B, G, R * L, K)
     move = jnp.transpose if jnp.dtype(dtype) == jnp.float32 else transposed  # bf16 dots need a real copy
@@ -289,10 +281,8 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     def local(q_BLHK, k_BTGK, v_BTGK, seg_BL):
-        B, L, H, K = q_BLHK.shape
-        G = k_BTGK.shape[2]
-        b = splash_block(L)
-        sizes = splash.BlockSizes(b, b, b, b, b, b, b, b)
+        (B, L, H, K), G = q_BLHK.shape, k_BTGK.shape[2]
+        sizes = splash.BlockSizes(*[splash_block(L)] * 8)  # one tile for every block size the kernel takes
         head = masks.CausalMask((L, L)) if causal else masks.FullMask((L, L))
         kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([head] * (H // G)), block_sizes=sizes,
                                                       interpret=interpret)
@@ -309,8 +299,7 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
     q_spec, kv_spec = spec(('batch', None, 'heads'), q_BLHK), spec(('batch', None, 'kv_heads'), k_BTGK)
     if q_spec[2] != kv_spec[2]:  # heads and kv heads must split alike, or the groups break apart: keep both whole
         q_spec, kv_spec = (PartitionSpec(s[0], None, None, None) for s in (q_spec, kv_spec))
-    seg_spec = PartitionSpec(q_spec[0], None)
-    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0], None)), out_specs=q_spec,
                          check_vma=False)(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL)
 
 
@@ -379,8 +368,7 @@ class Block(nnx.Module):
             x_BDL = jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)
             x_BLD = x_BLD + jnp.swapaxes(self.token_mlp(x_BDL), 1, 2)
         else:
-            h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, rope_BL1k, segment_ids_BL,
-                                     self.causal, cache)
+            h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, rope_BL1k, segment_ids_BL, self.causal, cache)
             x_BLD = x_BLD + h_BLD
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return constrain(x_BLD, ('batch', 'length', None)), cache
@@ -460,14 +448,13 @@ def tiled_cross_entropy(x_ND, head_DV, targets_N, tile, dtype):
 
     @jax.checkpoint
     def one(carry, xs):
-        top_N, total_N, target_N = carry
-        w_Dt, i = xs
+        (top_N, total_N, target_N), (w_Dt, i) = carry, xs
         logits_Nt = dot('nd,dt->nt', x_ND, w_Dt, dtype, jnp.float32)
         new_top_N = jnp.maximum(top_N, jnp.max(logits_Nt, axis=1))
         total_N = total_N * jnp.exp(top_N - new_top_N) + jnp.sum(jnp.exp(logits_Nt - new_top_N[:, None]), axis=1)
-        here_N = targets_N // tile == i
+        # the target's logit, from the tile that holds it
         picked_N = jnp.take_along_axis(logits_Nt, (targets_N % tile)[:, None], axis=1)[:, 0]
-        return (new_top_N, total_N, target_N + jnp.where(here_N, picked_N, 0.0)), None
+        return (new_top_N, total_N, target_N + jnp.where(targets_N // tile == i, picked_N, 0.0)), None
     start = (jnp.full(N, -jnp.inf), jnp.zeros(N), jnp.zeros(N))
     (top_N, total_N, target_N), _ = jax.lax.scan(one, start, (w_IDt, jnp.arange(V // tile)))
     return top_N + jnp.log(total_N) - target_N
@@ -504,9 +491,8 @@ def lm_loss(cfg, graph, params, mb, carry, key, step=0):
     model = nnx.merge(graph, params)
     if cfg.vocab_tile:  # the head and its loss in vocabulary tiles: no [rows, V] logits in memory
         x_BLD = model(mb['inputs'], mb['positions'], mb['segment_ids'], logits=False)
-        B, L, D = x_BLD.shape
-        ce_BL = tiled_cross_entropy(x_BLD.reshape(B * L, D), model.head(), mb['targets'].reshape(B * L),
-                                    cfg.vocab_tile, jnp.dtype(cfg.dtype)).reshape(B, L)
+        ce_BL = tiled_cross_entropy(x_BLD.reshape(-1, x_BLD.shape[-1]), model.head(), mb['targets'].reshape(-1),
+                                    cfg.vocab_tile, jnp.dtype(cfg.dtype)).reshape(mb['targets'].shape)
     else:
         logits_BLV = model(mb['inputs'], mb['positions'], mb['segment_ids'])
         ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, mb['targets'])
@@ -536,21 +522,21 @@ def generate(cfg, graph, params, prompt_BP, key):
     """prompt [B, P] -> [B, max_new_tokens] sampled tokens. The prompt fills the KV cache in one pass
     (prefill); then a jitted scan of single-token steps: each new token costs one position, not the
     whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles once."""
-    B, P = prompt_BP.shape
-    O, V = cfg.max_new_tokens, cfg.vocab_size
+    (B, P), O = prompt_BP.shape, cfg.max_new_tokens
 
     def sample(logits_BV, key):
         if cfg.temperature == 0:
             return jnp.argmax(logits_BV, -1).astype(jnp.int32)
-        if 0 < cfg.top_k < V:
+        if 0 < cfg.top_k < cfg.vocab_size:
             kth_B1 = jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:]
             logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
         return jax.random.categorical(key, logits_BV / cfg.temperature).astype(jnp.int32)
 
     def run_all(params, prompt_BP, key):
         ones = lambda L: jnp.ones((B, L), jnp.int32)
+        zeros = jnp.zeros((cfg.num_layers, B, P + O, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype))
         logits_BPV, cache = nnx.merge(graph, params)(prompt_BP, jnp.arange(P) * ones(P), ones(P),
-                                                     init_cache(cfg, B, P + O))
+                                                     {'k': zeros, 'v': zeros})  # the empty KV cache
         keys = jax.random.split(key, O)
 
         def step(carry, key):  # feed the last sampled token, sample the next
@@ -617,16 +603,13 @@ def to_hf(cfg, params):
     """Our params (host arrays) -> ({HF tensor name: array}, HF config.json without the token ids)."""
     tensors = {}
     for name, path, i, how in hf_names(cfg):
-        w = params
-        for k in path:
-            w = w[k]
+        w = functools.reduce(lambda tree, k: tree[k], path, params)
         w = w if i is None else w[i]
         if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
             w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
         tensors[name] = np.ascontiguousarray(w)  # safetensors writes an array's buffer as it lies in memory
-    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu',
-            'attention_bias': False, 'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length,
-            'torch_dtype': cfg.weight_dtype,
+    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
+            'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length, 'torch_dtype': cfg.weight_dtype,
             **{hf: dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in HF_KEYS.items()}}
     return tensors, conf
 
@@ -677,7 +660,8 @@ def load_hf(cfg, path):
         return from_hf(cfg, tensors, conf)
     except data.STORAGE_ERRORS as e:
         raise data.DataError(f'load_hf={path}: cannot read {getattr(e, "filename", None) or path} '
-                             f'({data.storage_reason(e)}); give a directory with config.json and one model.safetensors') from None
+                             f'({data.storage_reason(e)}); give a directory with config.json and one '
+                             'model.safetensors') from None
     except (safetensors.SafetensorError, json.JSONDecodeError, TypeError, ZeroDivisionError) as e:
         raise data.DataError(f'load_hf={path}: config.json or model.safetensors is damaged ({str(e)[:200]})') from None
     except ValueError as e:  # the checkpoint and the config disagree
@@ -760,10 +744,9 @@ class TRM(nnx.Module):
         z_BLD = jnp.where(fresh_B[:, None, None], self.z_init[...].astype(dt), z_BLD.astype(dt))
         net = lambda h_BLD: self.net_norm(self.net(h_BLD, positions_BL, segment_ids_BL)[0])
 
-        def kick(z_BLD, i):  # Gaussian noise on the latent, update i's own draw per row
-            keys_B, scale = noise
+        def kick(z_BLD, i):  # Gaussian noise on the latent, update i's own draw per row; noise = (keys [B], scale)
             draw = lambda k: jax.random.normal(jax.random.fold_in(k, i), z_BLD.shape[1:], z_BLD.dtype)
-            return z_BLD + scale * jax.vmap(draw)(keys_B)
+            return z_BLD + noise[1] * jax.vmap(draw)(noise[0])
 
         def cycle(y_BLD, z_BLD, t):
             for i in range(cfg.trm.n):
@@ -806,8 +789,8 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     slot: mean cell cross-entropy + halt_loss_weight x BCE(q, whole grid right), plus the ToT value
     head's BCE on partial grids from tot.start_step on."""
     t, fresh_B = cfg.trm, carry['halted']
-    pick = lambda new, old: jnp.where(fresh_B.reshape(-1, *[1] * (old.ndim - 1)), new, old)
-    inputs_BL, targets_BL = pick(mb['inputs'], carry['inputs']), pick(mb['targets'], carry['targets'])
+    # A halted slot takes this step's fresh puzzle; the others keep theirs.
+    inputs_BL, targets_BL = (jnp.where(fresh_B[:, None], mb[k], carry[k]) for k in ('inputs', 'targets'))
     steps_B = jnp.where(fresh_B, 0, carry['steps']) + 1
     y_BLD, z_BLD, logits_BLV, q_B, _ = nnx.merge(graph, params)(inputs_BL, mb['positions'], mb['segment_ids'],
                                                            carry['y'], carry['z'], fresh_B)
@@ -850,13 +833,9 @@ def ema_update(decay, step, ema, params):
     return jax.tree.map(lambda e, p: (d * e + (1 - d) * p).astype(e.dtype), ema, params)
 
 
-class TRMSteps(NamedTuple):
-    """What trm_steps returns: predicted tokens after each supervision step, the digit log-probs after the
-    last, the value head's log value after step min(tot.value_step, steps), halting logits after each."""
-    preds_SNL: jax.Array
-    logp_NLC: jax.Array
-    log_value_N: jax.Array
-    halt_SN: jax.Array
+# What trm_steps returns: predicted tokens after each supervision step, the digit log-probs after the last,
+# the value head's log value after step min(tot.value_step, steps), halting logits after each.
+TRMSteps = collections.namedtuple('TRMSteps', 'preds_SNL logp_NLC log_value_N halt_SN')
 
 
 def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
@@ -868,21 +847,18 @@ def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
     tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
     v = min(cfg.tot.value_step, steps)
 
-    def sup(p):
-        def one(carry, xs):
-            fresh_N, i = xs
-            kick = None if noise is None else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
-            y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry, fresh_N, kick)
-            carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
-            return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N, q_N)
-        return one
-    fixed = sup(jax.lax.stop_gradient(params))
-    fresh = lambda n: (jnp.arange(n) == 0)[:, None] & jnp.ones((1, N), bool)  # [n, N]: step 0 starts fresh
+    def step(p, carry, i):  # supervision step i, the model's parameters p
+        kick = None if noise is None else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
+        fresh_N = jnp.full(N, i == 0)  # step 0 starts from y_init, z_init
+        y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry, fresh_N, kick)
+        carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
+        return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N, q_N)
+    fixed = functools.partial(step, jax.lax.stop_gradient(params))  # a scan body no gradient flows through
     yz = jnp.zeros((N, L, cfg.d_model), jnp.float32)
     i = jnp.arange(steps)
-    carry, (p_before, _, _, q_before) = jax.lax.scan(fixed, (yz, yz), (fresh(v - 1), i[:v - 1]))
-    carry, (p_v, logits_NLV, log_v_N, q_v) = sup(params)(carry, (jnp.full(N, v == 1), i[v - 1]))
-    _, (p_after, l_after, _, q_after) = jax.lax.scan(fixed, carry, (jnp.zeros((steps - v, N), bool), i[v:]))
+    carry, (p_before, _, _, q_before) = jax.lax.scan(fixed, (yz, yz), i[:v - 1])
+    carry, (p_v, logits_NLV, log_v_N, q_v) = step(params, carry, i[v - 1])
+    _, (p_after, l_after, _, q_after) = jax.lax.scan(fixed, carry, i[v:])
     logits_NLV = l_after[-1] if steps > v else logits_NLV
     preds, q_SN = jnp.concatenate([p_before, p_v[None], p_after]), jnp.concatenate([q_before, q_v[None], q_after])
     # Digit d is token d + 1: the nine digit logits are tokens 2..10.
@@ -915,8 +891,7 @@ def parallel_decode(cfg, graph, params, q_BL, steps):
     answer is the one the halting head is surest of (highest q). No Sudoku rule is used. The draws depend
     on the puzzle and the trajectory, not on the batch.
     Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every trajectory's)."""
-    B, L = q_BL.shape
-    J = cfg.parallel.trajectories
+    (B, L), J = q_BL.shape, cfg.parallel.trajectories
     split = lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J)
     keys_BJ = jax.vmap(split)(puzzle_hash(q_BL))
     scale_N = jnp.tile(jnp.arange(J) > 0, B) * cfg.parallel.noise
@@ -986,13 +961,6 @@ def puzzle_hash(q_BL):
 # ToT, part 2: decoding by search. The rule checks (data.digits_seen, dead_end, solved) are Long's Sudoku
 # ToT checker, as masks; rules=False (tot.rule_checks=false) leaves the learned heads alone to decide.
 # ==================================================================================================
-def legal_moves(grids_NL, logp_NLC, rules=True):
-    """The log-probs of the moves that break no rule: blank cell, digit not in a peer (others -inf).
-    Without rules: any digit in a blank cell."""
-    ok_NLC = legal_digits(grids_NL) if rules else (grids_NL == 0)[..., None]
-    return jnp.where(ok_NLC, logp_NLC, -jnp.inf)
-
-
 def fill_forced(grids_NL):
     """Fills what the rules force, until nothing more is: a blank with one legal digit left (a naked single),
     and a digit with one legal cell left in a row, column or box (a hidden single). Costs no forward pass
@@ -1008,11 +976,6 @@ def fill_forced(grids_NL):
     return jax.lax.while_loop(lambda c: c[1], fill, (grids_NL, jnp.bool_(True)))[0]
 
 
-def dead(grids_NL, rules):
-    """A state to drop: no completion of it obeys the rules (data.dead_end; never, without rules)."""
-    return dead_end(grids_NL) if rules else jnp.zeros(grids_NL.shape[:-1], bool)
-
-
 def finished(answer_NL, q_N, rules):
     """Whether a state's policy answer ends the search: it obeys the rules, or without rules, the
     halting head (a learned "this answer is right") says so, q > 0."""
@@ -1024,45 +987,36 @@ def fill_argmax(grids_NL, logp_NLC):
     return jnp.where(grids_NL == 0, jnp.argmax(logp_NLC, axis=-1) + 1, grids_NL)
 
 
-def shrinking_loop(body, c, shared=()):
+def shrinking_loop(body, c):
     """lax.while_loop(body) until every row's c['stop'], in which finished rows leave the batch: once at
     most a quarter of the rows still run, those rows are gathered into a batch a quarter the size (static
     shapes: 100 -> 25 -> 6 rows, each its own loop in the same compiled function) and scattered back at
-    the end, so a few hard puzzles no longer drag a full batch through every step. Every entry of c but
-    the `shared` keys has the batch as its first axis; body reads the batch size from its carry."""
-    sizes = [c['stop'].shape[0]]
-    while sizes[-1] // 4 >= 4:
-        sizes.append(sizes[-1] // 4)
-
-    def run(c, i):
-        if i + 1 == len(sizes):
-            return jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, c)
-        c = jax.lax.while_loop(lambda c: jnp.sum(~c['stop']) > sizes[i + 1], body, c)
-        idx = jax.lax.top_k((~c['stop']).astype(jnp.int32), sizes[i + 1])[1]  # every row still running
-        rows = {k: v for k, v in c.items() if k not in shared}
-        sub = run(dict(jax.tree.map(lambda x: x[idx], rows), **{k: c[k] for k in shared}), i + 1)
-        return dict(jax.tree.map(lambda x, s: x.at[idx].set(s), rows, {k: sub[k] for k in rows}),
-                    **{k: sub[k] for k in shared})
-    return run(c, 0)
+    the end, so a few hard puzzles no longer drag a full batch through every step. Every entry of c has
+    the batch as its first axis; body reads the batch size from its carry."""
+    quarter = c['stop'].shape[0] // 4
+    if quarter < 4:  # small enough: run to the end
+        return jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, c)
+    c = jax.lax.while_loop(lambda c: jnp.sum(~c['stop']) > quarter, body, c)
+    idx = jax.lax.top_k((~c['stop']).astype(jnp.int32), quarter)[1]  # every row still running
+    rest = shrinking_loop(body, jax.tree.map(lambda x: x[idx], c))
+    return jax.tree.map(lambda x, r: x.at[idx].set(r), c, rest)
 
 
 def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
     """One state -> its E candidate grids (the surest blank cell at each of its E likeliest legal digits,
     plus the cells-1 next surest blanks at their argmax), their log-prob gain, and whether they exist."""
     NEG = -jnp.inf
-    lp_LC = legal_moves(g_L, logp_LC, rules)
+    # The moves that break no rule: a blank cell, a digit no peer holds (without rules: any digit in a blank).
+    legal_LC = legal_digits(g_L) if rules else (g_L == 0)[:, None]
+    lp_LC = jnp.where(legal_LC, logp_LC, NEG)
     conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
     cell = jnp.argmax(conf_L)
     top_E, digit_E = jax.lax.top_k(lp_LC[cell], E)
-
-    def one(digit, gain):
-        g = g_L.at[cell].set(digit)
-        if cells > 1:  # the rest of the thought: the most confident other blanks, at their argmax
-            more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(NEG), cells - 1)
-            g = g.at[more_i].set(jnp.where(more_v > NEG, best_L[more_i], g[more_i]))
-            gain = gain + jnp.sum(jnp.where(more_v > NEG, more_v, 0.0))
-        return g, gain
-    g_EL, gain_E = jax.vmap(one)(digit_E + 1, top_E)
+    g_EL, gain_E = jnp.broadcast_to(g_L, (E, g_L.shape[0])).at[:, cell].set(digit_E + 1), top_E
+    if cells > 1:  # the rest of the thought, the same for every digit: the most confident other blanks, at their argmax
+        more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(NEG), cells - 1)
+        g_EL = g_EL.at[:, more_i].set(jnp.where(more_v > NEG, best_L[more_i], g_EL[:, more_i]))
+        gain_E = gain_E + jnp.sum(jnp.where(more_v > NEG, more_v, 0.0))
     return g_EL, gain_E, top_E > NEG
 
 
@@ -1108,24 +1062,16 @@ def tree_search(evaluate, q_BL, search):
     the search goes back to an earlier state. M = width (or 0) is the plain per-depth beam above.
     Returns (grids [B, L], states evaluated per puzzle [B]). Unsolved puzzles return the best candidate of
     the last step with its blanks filled by argmax."""
-    B, L = q_BL.shape
-    M = max(search.frontier, search.width)
+    B, M = q_BL.shape[0], max(search.frontier, search.width)  # M states held between steps
     q_BL = fill_forced(q_BL) if search.propagate else q_BL
-    logp0, _, q0 = evaluate_grids(evaluate, q_BL[:, None])
-    held = {'grid': jnp.repeat(q_BL[:, None], M, axis=1), 'logp': jnp.repeat(logp0, M, axis=1),
+    logp0_BLC, _, q0_B = evaluate(q_BL)
+    held = {'grid': jnp.repeat(q_BL[:, None], M, axis=1), 'logp': jnp.repeat(logp0_BLC[:, None], M, axis=1),
             'cum': jnp.zeros((B, M)), 'score': jnp.full((B, M), -jnp.inf).at[:, 0].set(0.0)}
-    fill0 = fill_argmax(q_BL, logp0[:, 0])
-    done = finished(fill0, q0[:, 0], search.rules)
-    carry = {'held': held, 'done': done, 'stop': done, 'answer': fill0, 'fallback': fill0,
-             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.int32(0)}
-    c = shrinking_loop(lambda c: search_step(evaluate, search, c), carry, shared=('depth',))
-    return jnp.where(c['done'][:, None], c['answer'], c['fallback']), c['evals']
-
-
-def evaluate_grids(evaluate, g_BNL):
-    """evaluate on [B, N, L] grids, outputs shaped [B, N, ...]."""
-    logp, logv, q = evaluate(g_BNL.reshape(-1, g_BNL.shape[-1]))
-    return logp.reshape(*g_BNL.shape, 9), logv.reshape(g_BNL.shape[:2]), q.reshape(g_BNL.shape[:2])
+    fill0 = fill_argmax(q_BL, logp0_BLC)
+    carry = {'held': held, 'stop': finished(fill0, q0_B, search.rules), 'answer': fill0,
+             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.zeros(B, jnp.int32)}
+    c = shrinking_loop(lambda c: search_step(evaluate, search, c), carry)
+    return c['answer'], c['evals']
 
 
 def take_rows(x_BN, i_BK):
@@ -1136,19 +1082,21 @@ def take_rows(x_BN, i_BK):
 def search_step(evaluate, search, c):
     """One step of tree_search for every puzzle of the carry c: expand the best held states, evaluate
     and rank their candidates, note a finished answer, hold the M best states for the next step."""
-    B, live_B = c['stop'].shape[0], ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
     cand, rest = expand(c['held'], search)
     g_BNL, alive_BN = cand['grid'], cand['alive']
-    logp_BNLC, logv_BN, q_BN = evaluate_grids(evaluate, g_BNL)
+    (B, N, L), live_B = g_BNL.shape, ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
+    logp_NLC, logv_N, q_N = evaluate(g_BNL.reshape(B * N, L))  # one forward pass per candidate
+    logp_BNLC, logv_BN, q_BN = logp_NLC.reshape(B, N, L, 9), logv_N.reshape(B, N), q_N.reshape(B, N)
     rank_BN = cand['cum'] if search.score == 'logp' else logv_BN + search.logp_weight * cand['cum']
     s_BN = jnp.where(alive_BN, rank_BN, -jnp.inf)
     fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
     ok_BN = alive_BN & finished(fill_BNL, q_BN, search.rules)
     pick = lambda x, i_B: take_rows(x, i_B[:, None])[:, 0]
+    # The answer so far: a finished one (the puzzle then stops and keeps it), else the best candidate.
+    best = pick(fill_BNL, jnp.argmax(s_BN, axis=1))  # the best, before full-but-wrong grids are dropped
+    best = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], best, c['answer'])
     found_B = live_B & jnp.any(ok_BN, axis=1)
-    answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), c['answer'])
-    fallback = pick(fill_BNL, jnp.argmax(s_BN, axis=1))  # the best, before full-but-wrong grids are dropped
-    fallback = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], fallback, c['fallback'])
+    answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), best)
     s_BN = jnp.where(jnp.all(g_BNL > 0, axis=-1), -jnp.inf, s_BN)  # a full grid ended the search or broke a rule
     # The M best of the new candidates (first: they win ties) and the states held but not expanded.
     pool = jax.tree.map(lambda n, o: jnp.concatenate([n, o], axis=1),
@@ -1157,11 +1105,10 @@ def search_step(evaluate, search, c):
     new = jax.tree.map(lambda x: take_rows(x, idx_BM), pool)
     held = jax.tree.map(lambda n, o: jnp.where(live_B.reshape(B, *[1] * (n.ndim - 1)), n, o), new, c['held'])
     evals = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0)
-    depth, done = c['depth'] + 1, c['done'] | found_B
-    stop = (c['stop'] | done | (evals >= search.max_thoughts) | ~jnp.any(top_BM > -jnp.inf, axis=1)
+    depth = c['depth'] + 1
+    stop = (c['stop'] | found_B | (evals >= search.max_thoughts) | ~jnp.any(top_BM > -jnp.inf, axis=1)
             | (depth >= search.max_depth))
-    return {'held': held, 'done': done, 'stop': stop, 'answer': answer, 'fallback': fallback,
-            'evals': evals, 'depth': depth}
+    return {'held': held, 'stop': stop, 'answer': answer, 'evals': evals, 'depth': depth}
 
 
 def expand(held, search):
@@ -1176,7 +1123,9 @@ def expand(held, search):
     N = search.width * search.thoughts
     g_BNL = g.reshape(B, N, L)
     g_BNL = fill_forced(g_BNL) if search.propagate else g_BNL
-    alive_BN = (ok & (bm['score'][..., None] > -jnp.inf)).reshape(B, N) & ~dead(g_BNL, search.rules)
+    alive_BN = (ok & (bm['score'][..., None] > -jnp.inf)).reshape(B, N)
+    if search.rules:  # drop a state no completion of which obeys the rules
+        alive_BN &= ~dead_end(g_BNL)
     same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
     alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
     return {'grid': g_BNL, 'cum': (bm['cum'][..., None] + gain).reshape(B, N), 'alive': alive_BN}, rest
@@ -1185,9 +1134,6 @@ def expand(held, search):
 # ==================================================================================================
 # The Sudoku task: the TRM's train state and metrics, decoding with cfg.decoder, host-side scoring.
 # ==================================================================================================
-DECODERS = ('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot')
-
-
 def sudoku_search(cfg, decoder):
     """The Search a decoder runs, from base.yml's keys (greedy: the defaults, width one)."""
     rules = cfg.tot.rule_checks
@@ -1231,10 +1177,9 @@ def sudoku_scores(preds_SBL, batch):
     q_BL, a_BL = batch['inputs'][real] - 1, batch['targets'][real] - 1  # tokens -> digits, 0 = blank
     blank_BL = q_BL == 0
     grids_SBL = np.where(blank_BL, np.asarray(preds_SBL)[:, real] - 1, q_BL)
-    S, B = grids_SBL.shape[:2]
-    valid_SB = solved(grids_SBL.reshape(-1, SUDOKU_LEN)).reshape(S, B)
+    valid_SB = solved(grids_SBL.reshape(-1, SUDOKU_LEN)).reshape(grids_SBL.shape[:2])
     return {'exact_S': ((grids_SBL == a_BL).all(-1) & valid_SB).sum(1),
-            'cells_S': ((grids_SBL == a_BL) & blank_BL).sum((1, 2)), 'blanks': blank_BL.sum(), 'puzzles': B,
+            'cells_S': ((grids_SBL == a_BL) & blank_BL).sum((1, 2)), 'blanks': blank_BL.sum(), 'puzzles': len(q_BL),
             'grids_BL': np.clip(grids_SBL[-1], 0, 9)}
 
 
@@ -1255,8 +1200,7 @@ def sudoku_eval_result(cfg, outs, batches, ds, save_to=None):
         grids = np.concatenate([sc['grids_BL'] for sc in scores])[:len(ds.eval_q)]
         data.write_sudoku_csv(os.path.join(save_to, 'predictions.csv'), ds.eval_q, grids)
     exact_S, cells_S = total['exact_S'] / max(total['puzzles'], 1), total['cells_S'] / max(total['blanks'], 1)
-    real = [b['segment_ids'][:, 0] > 0 for b in batches]
-    cat = lambda k: np.concatenate([o[k][r] for o, r in zip(outs, real)])
+    cat = lambda k: np.concatenate([o[k][b['segment_ids'][:, 0] > 0] for o, b in zip(outs, batches)])  # real rows
     result = {'exact_accuracy': float(exact_S[-1]), 'cell_accuracy': float(cells_S[-1]),
               'num_puzzles': int(total['puzzles']), 'decoder': cfg.decoder,
               'forward_passes': float(np.mean(cat('passes_B'))),
@@ -1308,29 +1252,22 @@ def trm_step_metrics(sums, weight):
     return out
 
 
-SUDOKU_KEYS = (
+SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
     ('count', 'sudoku_train_puzzles sudoku_eval_puzzles beam_width max_depth max_thoughts trm.T trm.n trm.N_sup '
               'parallel.trajectories tot.policy_steps tot.value_step'),
     ('off', 'trm.eval_steps tot.start_step tot.frontier'),
     ('nonneg', 'trm.halt_loss_weight parallel.noise tot.loss_weight tot.logp_weight'),
-    ('share', 'trm.halt_explore_prob'),
-    ('decay', 'trm.ema_decay'),
-    ('bool', 'augment tot.rule_checks tot.propagate'),
-    (('ints', 0, 81), 'sudoku_blanks'),
-    (('int', 1, 9), 'thoughts_per_step'),
-    (('int', 1, 81), 'thought_cells'),
-    (DECODERS, 'decoder'),
-    (('first', 'best', 'last'), 'trm.eval_halt'),
-    (('attention', 'mlp'), 'trm.mixer'),
-)
+    ('share', 'trm.halt_explore_prob'), ('decay', 'trm.ema_decay'), ('bool', 'augment tot.rule_checks tot.propagate'),
+    (('ints', 0, 81), 'sudoku_blanks'), (('int', 1, 9), 'thoughts_per_step'), (('int', 1, 81), 'thought_cells'),
+    (('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot'), 'decoder'), (('first', 'best', 'last'), 'trm.eval_halt'),
+    (('attention', 'mlp'), 'trm.mixer'))
 SUDOKU = Task(
+    module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token, step_metrics=trm_step_metrics,
+    eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
     keys=SUDOKU_KEYS, dataset=data.SudokuData,
     shown=(('train_exact', 'solved {:.1%}'), ('eval_exact_accuracy', 'eval solved {:.1%}'),
            ('eval_cell_accuracy', 'cells {:.1%}')),
-    module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token,
-    eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
     fixed=lambda cfg: {'vocab_size': data.SUDOKU_VOCAB, 'max_target_length': SUDOKU_LEN},
-    step_metrics=trm_step_metrics,
     # The EMA and the carry are train state: checkpointed, so a resume is exact.
     state=lambda cfg, params, rows: {'ema': params, 'carry': trm_carry(cfg, cfg.grad_accum, rows)},
     state_axes=lambda param_axes: {'ema': param_axes, 'carry': {k: PartitionSpec(*v) for k, v in CARRY_AXES.items()}},
