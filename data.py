@@ -52,6 +52,7 @@ SUDOKU_VOCAB = 11          # TRM tokens: pad 0, blank 1, digits 1..9 -> 2..10 (t
 _TOKENIZER_SAMPLE_CHARS = 5_000_000   # BPE training on 5 MB takes ~1 s; more text barely changes merges
 _EVAL_HEAD_DOCS = 10_000  # documents of a streamed eval split read for eval (its head)
 _SENTENCE_CHARS = 4000     # sentencepiece caps sentence length, so long files are cut at line ends
+_MAX_SENTENCE_CHARS = 4 * _SENTENCE_CHARS  # what it takes: a line longer than this is skipped
 _SUDOKU_GEN_VERSION = 1    # bump when the generator changes, so cached puzzle sets are regenerated
 _STDLIB_SKIP = {'site-packages', 'dist-packages', 'test', 'tests', 'idle_test', '__pycache__'}
 
@@ -535,9 +536,18 @@ def _stdlib_files():
     return files
 
 
+def _corpus_key(cfg):
+    """The key=value that names the text a run reads, for messages about the text itself."""
+    if cfg.dataset == 'stdlib':
+        return 'dataset=stdlib'
+    hf_key = 'hf_data_files' if cfg.hf_data_files else 'hf_path'
+    key = {'tfds': 'tfds_name', 'hf': hf_key}.get(cfg.dataset, 'dataset_path')
+    return f'{key}={getattr(cfg, key)!r}'
+
+
 def _split_files(cfg):
     """(train_files, eval_files): eval_path if set, else ~3% of files picked by a hash of their path."""
-    key = 'dataset=stdlib' if cfg.dataset == 'stdlib' else f'dataset_path={cfg.dataset_path!r}'
+    key = _corpus_key(cfg)
     files = _stdlib_files() if cfg.dataset == 'stdlib' else _glob(cfg.dataset_path, 'dataset_path')
     if cfg.eval_path:
         eval_files = _glob(cfg.eval_path, 'eval_path')
@@ -765,33 +775,49 @@ class _StreamIterator(grain.DatasetIterator):
 
 # ---- text: tokenizer --------------------------------------------------------------------------
 
-def _train_tokenizer(texts, vocab_size, path):
+def _sentences(texts, cfg):
+    """What the tokenizer trains on: up to ~5 MB of the training split in record order, cut at line ends into
+    sentences of about _SENTENCE_CHARS (a longer line stays whole, and sentencepiece skips it). Text with no such
+    sentence stops here, naming why: sentencepiece would fail on it blaming vocab_size."""
+    sentences, read = [], 0
+    for i in range(len(texts)):
+        text, chunk = texts[i], ''
+        for line in text.splitlines(keepends=True):
+            if chunk and len(chunk) + len(line) > _SENTENCE_CHARS:
+                sentences.append(chunk)
+                chunk = ''
+            chunk += line
+        sentences += [chunk] if chunk else []
+        read += len(text)
+        if read >= _TOKENIZER_SAMPLE_CHARS:
+            break
+    text = [s for s in sentences if not s.isspace()]
+    if any(len(s) <= _MAX_SENTENCE_CHARS for s in text):
+        return sentences
+    if not read:
+        why = ('every file is empty' if cfg.dataset in ('files', 'stdlib') else
+               f"every record's text (text_key={cfg.text_key!r}) is empty")
+    elif not text:
+        why = 'the text is only whitespace'
+    else:
+        longest = max(map(len, text))
+        size = f'{longest / 1e6:.1f} MB' if longest >= 100_000 else f'{longest:,} characters'
+        nul = 'NUL-separated text with ' if any('\0' in s for s in text) else ''
+        why = (f'{nul}no line breaks in {size} (sentencepiece takes lines of up to {_MAX_SENTENCE_CHARS:,} '
+               'characters): break the text into lines')
+    raise DataError(f'{_corpus_key(cfg)}: no text to train the tokenizer on: {why}')
+
+
+def _train_tokenizer(sentences, vocab_size, path):
     """Byte-fallback BPE that keeps code layout: no whitespace normalisation, newlines inside pieces."""
     import sentencepiece as spm
-
-    def sentences():  # up to ~5 MB of the training split in record order, cut at line ends
-        budget = _TOKENIZER_SAMPLE_CHARS
-        for i in range(len(texts)):
-            text = texts[i]
-            chunk = ''
-            for line in text.splitlines(keepends=True):
-                if chunk and len(chunk) + len(line) > _SENTENCE_CHARS:
-                    yield chunk
-                    chunk = ''
-                chunk += line
-            if chunk:
-                yield chunk
-            budget -= len(text)
-            if budget <= 0:
-                return
-
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences(), model_writer=model, vocab_size=vocab_size, model_type='bpe',
+            sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size, model_type='bpe',
             byte_fallback=True, character_coverage=0.9995,   # rare characters go to byte pieces
             normalization_rule_name='identity', remove_extra_whitespaces=False, add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True, split_digits=False, max_sentence_length=4 * _SENTENCE_CHARS,
+            allow_whitespace_only_pieces=True, split_digits=False, max_sentence_length=_MAX_SENTENCE_CHARS,
             pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
             num_threads=os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as e:  # e.g. too little text for this many pieces; spm says which size would fit
@@ -815,7 +841,7 @@ def _tokenizer(cfg, train_texts, identity, log=None):
         with _locked(cfg.cache_dir):
             if not os.path.exists(path):
                 with _announced(log, f'training a {cfg.vocab_size}-piece BPE tokenizer on the training text'):
-                    _train_tokenizer(train_texts, cfg.vocab_size, path)
+                    _train_tokenizer(_sentences(train_texts, cfg), cfg.vocab_size, path)
     try:
         sp = (spm.SentencePieceProcessor(model_proto=epath.Path(path).read_bytes()) if '://' in path  # gs://
               else spm.SentencePieceProcessor(model_file=path))
