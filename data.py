@@ -300,17 +300,10 @@ def held(run_dir, lock):
 _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # lanes read on the prefetch thread, not a pool each
 
 
-def _zeros_batch(rows, length):
-    """An all-padding batch: unfilled slots stay segment 0 with loss_mask 0."""
-    batch = {k: np.zeros((rows, length), np.int32)
-             for k in ('inputs', 'targets', 'segment_ids', 'positions')}
-    batch['loss_mask'] = np.zeros((rows, length), np.float32)
-    return batch
-
-
 def _stack(rows, n, length):
-    """A batch of n rows from row dicts; the rows past them are padding."""
-    batch = _zeros_batch(n, length)
+    """A batch of n rows from row dicts; the rows past them are padding (segment 0, loss_mask 0)."""
+    batch = {k: np.zeros((n, length), np.float32 if k == 'loss_mask' else np.int32)
+             for k in ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')}
     for r, row in enumerate(rows):
         for k, v in batch.items():
             v[r] = row[k]
@@ -386,11 +379,9 @@ class _StreamBatches(Batches):
 
 class _Data:
     """What make_dataset returns. Subclasses define _lane (one row's pipeline), eval_batches, and identity:
-    a name of the records read, so a checkpoint's position is applied only to the data it counts."""
-    vocab_size = None
+    a name of the records read, so a checkpoint's position is applied only to the data it counts; and
+    vocab_size, length (of a row) and tokenizer (None: the data is token ids already)."""
     tokenizer = None
-    length = None
-    identity = None
     log = staticmethod(lambda msg: None)
 
     def __init__(self, cfg, process_index, process_count):
@@ -402,17 +393,18 @@ class _Data:
         what a checkpoint saved, {'lanes': every lane's state, as saved by a run on any number of processes,
         'source': the identity of the data they read} (None = the start)."""
         rows, first = local_rows * self.process_count, local_rows * self.process_index
-        lanes_state = self._resumable(state, rows)
+        lanes_state = self._resumable(state, local_rows)
         lanes = [self._lane(r, rows) for r in range(first, first + local_rows)]
         try:
-            return Batches(lanes, self.cfg.prefetch, lanes_state and lanes_state[first:first + local_rows], self.identity)
+            return Batches(lanes, self.cfg.prefetch, lanes_state, self.identity)
         except (KeyError, ValueError, TypeError, IndexError):  # another pipeline's states (older checkpoints)
             self.log('WARNING: the checkpoint\'s data position does not fit this data: the data order starts again '
                      'from its beginning')
             return Batches(lanes, self.cfg.prefetch, source=self.identity)
 
-    def _resumable(self, state, rows):
-        """The lane states to resume from; None (with a warning) if they are another source's."""
+    def _resumable(self, state, local_rows):
+        """This process's lane states to resume from; None (with a warning) if they are another source's."""
+        rows, first = local_rows * self.process_count, local_rows * self.process_index
         if state is None:
             return None
         if state.get('source') not in (None, self.identity):
@@ -423,7 +415,7 @@ class _Data:
             raise DataError(f'the checkpoint holds the data position of {len(state["lanes"])} rows per microbatch but '
                             f'this run reads {rows} (per_device_batch x devices): keep {len(state["lanes"])} to resume, '
                             'or start a new run_name with load_params=RUN_DIR')
-        return state['lanes']
+        return state['lanes'][first:first + local_rows]
 
 
 @contextlib.contextmanager
@@ -431,11 +423,8 @@ def _locked(cache_dir):
     """Serialises preparation between processes sharing cache_dir (e.g. two hosts on one machine)."""
     os.makedirs(cache_dir, exist_ok=True)
     with open(os.path.join(cache_dir, '.lock'), 'w') as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        fcntl.flock(f, fcntl.LOCK_EX)  # closing the file releases it, however the block ends
+        yield
 
 
 @contextlib.contextmanager
@@ -474,17 +463,9 @@ class SyntheticData(_Data):
 
 # ---- text: sources ----------------------------------------------------------------------------
 
-class _Texts:
-    """Random access to the text of each record of a tfds data source (or a list of examples)."""
-
-    def __init__(self, source, key):
-        self.source, self.key = source, key
-
-    def __len__(self):
-        return len(self.source)
-
-    def __getitem__(self, i):
-        return _text(self.source[i], self.key)
+def _texts(records, key):
+    """Random access to the text of each record of a tfds data source, a Hugging Face dataset or a list."""
+    return grain.MapDataset.source(records).map(lambda record: _text(record, key))
 
 
 def _text(record, key):
@@ -551,19 +532,17 @@ def _split_files(cfg):
     files = _stdlib_files() if cfg.dataset == 'stdlib' else _glob(cfg.dataset_path, 'dataset_path')
     if cfg.eval_path:
         eval_files = _glob(cfg.eval_path, 'eval_path')
-        held_out = set(eval_files)
-        train_files = [f for f in files if f not in held_out]
-        if not train_files:
-            raise DataError(f'{key}: every file is also in eval_path={cfg.eval_path!r}; nothing left to train on')
-        return train_files, eval_files
-    if len(files) < 2:
+    elif len(files) < 2:
         raise DataError(f'{key} matches one file; need two or more (some are held out for eval) or set eval_path')
-    # Hash the path relative to the files' common root, so the split is the same on every machine.
-    root = os.path.commonpath(files)
-    digest = {f: hashlib.sha1(os.path.relpath(f, root).encode()).digest() for f in files}
-    eval_files = [f for f in files if digest[f][0] < 8] or [min(files, key=digest.get)]  # 8/256 ~ 3%
+    else:  # hash the path relative to the files' common root, so the split is the same on every machine
+        root = os.path.commonpath(files)
+        digest = {f: hashlib.sha1(os.path.relpath(f, root).encode()).digest() for f in files}
+        eval_files = [f for f in files if digest[f][0] < 8] or [min(files, key=digest.get)]  # 8/256 ~ 3%
     held_out = set(eval_files)
-    return [f for f in files if f not in held_out], eval_files
+    train_files = [f for f in files if f not in held_out]
+    if cfg.eval_path and not train_files:
+        raise DataError(f'{key}: every file is also in eval_path={cfg.eval_path!r}; nothing left to train on')
+    return train_files, eval_files
 
 
 def _fingerprint(train_files, eval_files):
@@ -576,14 +555,12 @@ def _fingerprint(train_files, eval_files):
     return h.hexdigest()[:16]
 
 
-def _text_files_builder(name, train_files, eval_files, data_dir):
-    """A tfds GeneratorBasedBuilder over text files, one record (document) per file."""
+def _file_sources(cfg, log=None):
+    """(train texts, eval texts, identity) for dataset=files|stdlib, prepared once into cache_dir by a tfds
+    builder over the files, one record (document) per file."""
     import tensorflow_datasets as tfds
-
-    class FilesConfig(tfds.core.BuilderConfig):
-        def __init__(self, *, train_files, eval_files, **kwargs):
-            super().__init__(**kwargs)
-            self.train_files, self.eval_files = train_files, eval_files
+    train_files, eval_files = _split_files(cfg)
+    name = 'files_' + _fingerprint(train_files, eval_files)
 
     # skip_registration: the class is made per call and must not clash in tfds' global registry.
     class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -594,24 +571,15 @@ def _text_files_builder(name, train_files, eval_files, data_dir):
                 {'text': tfds.features.Text()}))
 
         def _split_generators(self, dl_manager):
-            return {'train': self._generate_examples(self.builder_config.train_files),
-                    'eval': self._generate_examples(self.builder_config.eval_files)}
+            return {'train': self._generate_examples(train_files), 'eval': self._generate_examples(eval_files)}
 
         def _generate_examples(self, files):
             for path in files:
                 yield path, {'text': epath.Path(path).read_bytes().decode('utf-8', 'replace')}
 
-    config = FilesConfig(name=name, train_files=train_files, eval_files=eval_files)
-    return TextFiles(config=config, data_dir=data_dir, file_format='array_record')
-
-
-def _file_sources(cfg, log=None):
-    """(train texts, eval texts, identity) for dataset=files|stdlib, prepared once into cache_dir."""
-    import tensorflow_datasets as tfds
-    train_files, eval_files = _split_files(cfg)
-    name = 'files_' + _fingerprint(train_files, eval_files)
     with _locked(cfg.cache_dir):  # the builder reads what is prepared when made: after another process built it
-        builder = _text_files_builder(name, train_files, eval_files, cfg.cache_dir)
+        builder = TextFiles(config=tfds.core.BuilderConfig(name=name), data_dir=cfg.cache_dir,
+                            file_format='array_record')
         if not builder.is_prepared():
             tfds.disable_progress_bar()
             with _announced(log, f'building the text dataset from {len(train_files)} + {len(eval_files)} '
@@ -619,7 +587,7 @@ def _file_sources(cfg, log=None):
                 builder.download_and_prepare(file_format='array_record', download_config=tfds.download.DownloadConfig(
                     compute_stats=tfds.download.ComputeStatsMode.SKIP))
     source = builder.as_data_source()
-    return _Texts(source['train'], 'text'), _Texts(source['eval'], 'text'), name
+    return _texts(source['train'], 'text'), _texts(source['eval'], 'text'), name
 
 
 def _tfds_sources(cfg):
@@ -652,13 +620,13 @@ def _tfds_sources(cfg):
     if not len(sources[0]):
         raise DataError(f'train_split={cfg.train_split!r} of {cfg.tfds_name} has no records: choose a split with data')
     identity = 'tfds_' + builder.info.full_name.replace('/', '_') + f'_{cfg.train_split}'
-    return _Texts(sources[0], cfg.text_key), _Texts(sources[1], cfg.text_key), identity
+    return _texts(sources[0], cfg.text_key), _texts(sources[1], cfg.text_key), identity
 
 
 # ---- text: Hugging Face datasets ----------------------------------------------------------------
 
-def _hf_split(cfg, split, key, streaming=None):
-    """One split of dataset=hf (datasets.load_dataset: a hub name, or a builder such as json / parquet / text
+def _hf_split(cfg, key):
+    """The split cfg.<key> of dataset=hf (datasets.load_dataset: a hub name, or a builder such as json / parquet / text
     with hf_data_files), prepared into cache_dir/hf. What the hub or the files refuse is one DataError naming
     the key; without network or with HF_HUB_OFFLINE=1 only what is cached loads."""
     if not cfg.hf_path:
@@ -672,17 +640,16 @@ def _hf_split(cfg, split, key, streaming=None):
     for name in ('datasets', 'huggingface_hub'):  # their retries and fallbacks: the error below says it once
         logging.getLogger(name).setLevel(logging.CRITICAL)
     files = [f.strip() for f in cfg.hf_data_files.split(',')] if cfg.hf_data_files else None
-    streaming = cfg.hf_streaming if streaming is None else streaming
     try:
         with _locked(cfg.cache_dir):
-            found = datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=split,
-                                          streaming=streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
+            found = datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=getattr(cfg, key),
+                                          streaming=cfg.hf_streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
     except Exception as e:
-        raise _hf_error(cfg, e, split, key) from None
-    return _HFRecords(cfg, found, split, key) if streaming else found
+        raise _hf_error(cfg, e, key) from None
+    return _HFRecords(cfg, found, key) if cfg.hf_streaming else found
 
 
-def _hf_error(cfg, e, split, key):
+def _hf_error(cfg, e, key):
     """What the hub or the files refuse, loading or streaming: a DataError naming the key."""
     if isinstance(e, DataError):
         return e
@@ -691,7 +658,7 @@ def _hf_error(cfg, e, split, key):
         return DataError(f'hf_path={cfg.hf_path}: {text} (offline, only datasets in cache_dir load; a private one '
                          'needs HF_TOKEN)')
     if isinstance(e, ValueError) and 'split' in text.lower():  # a split it lacks
-        return DataError(f'{key}={split}: {text}')
+        return DataError(f'{key}={getattr(cfg, key)}: {text}')
     where = 'hf_data_files' if cfg.hf_data_files else 'hf_path'  # files the builder cannot read, a refused dataset
     return DataError(f'{where}={getattr(cfg, where)}: {type(e).__name__}: {text}')
 
@@ -700,14 +667,14 @@ class _HFRecords:
     """A streamed split whose records come with the same one-line errors as loading it: a stream only reads
     (and fails on) its files as it is iterated. The rest of the stream's interface passes through."""
 
-    def __init__(self, cfg, stream, split, key):
-        self.cfg, self.stream, self.split, self.key = cfg, stream, split, key
+    def __init__(self, cfg, stream, key):
+        self.cfg, self.stream, self.key = cfg, stream, key
 
     def __iter__(self):
         try:
             yield from self.stream
         except Exception as e:
-            raise _hf_error(self.cfg, e, self.split, self.key) from None
+            raise _hf_error(self.cfg, e, self.key) from None
 
     def __getattr__(self, name):  # set_epoch, state_dict, load_state_dict, n_shards, ...
         return getattr(self.stream, name)
@@ -723,16 +690,16 @@ def _hf_identity(cfg, *parts):
 def _hf_sources(cfg):
     """(train texts, eval texts, identity) of a random-access dataset=hf: the split's records, and eval from
     hf_eval_split or else a fixed ~3% of the records (by a hash of their index) held out of training."""
-    train = _hf_split(cfg, cfg.hf_split, 'hf_split')
+    train = _hf_split(cfg, 'hf_split')
     if cfg.hf_eval_split:
-        eval_ = _hf_split(cfg, cfg.hf_eval_split, 'hf_eval_split')
+        eval_ = _hf_split(cfg, 'hf_eval_split')
     else:
         ids = np.arange(len(train))
         held = (ids * 2654435761 % 2 ** 32) % 32 == 0
         train, eval_ = train.select(ids[~held]), train.select(ids[held])
     if not len(train):
         raise DataError(f'hf_split={cfg.hf_split}: no records')
-    return _Texts(train, cfg.text_key), _Texts(eval_, cfg.text_key), _hf_identity(cfg, len(train))
+    return _texts(train, cfg.text_key), _texts(eval_, cfg.text_key), _hf_identity(cfg, len(train))
 
 
 class _Stream(grain.IterDataset):
@@ -887,7 +854,7 @@ class TextData(_Data):
         self.vocab_size, self.length = self.tokenizer.get_piece_size(), cfg.max_target_length
         self.eos_id = self.tokenizer.eos_id()
         self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
-        self._order = grain.MapDataset.source(train_texts).shuffle(seed=cfg.seed).repeat().map(self.encode)
+        self._order = train_texts.shuffle(seed=cfg.seed).repeat().map(self.encode)
 
     def tokenizer_files(self):
         """The tokenizer as Hugging Face reads a Llama one: {file name: contents} of tokenizer.model and
@@ -927,26 +894,23 @@ class StreamData(TextData):
             raise DataError('hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. validation), '
                             'or eval_batches=0')
         head, chars = [], 0
-        for record in _hf_split(cfg, cfg.hf_split, 'hf_split'):
+        for record in _hf_split(cfg, 'hf_split'):
             head.append(record)
             chars += len(_text(record, cfg.text_key))
             if chars >= _TOKENIZER_SAMPLE_CHARS:
                 break
-        evals = itertools.islice(_hf_split(cfg, cfg.hf_eval_split, 'hf_eval_split'), _EVAL_HEAD_DOCS) if \
-            cfg.hf_eval_split else []
-        super().__init__(cfg, _Texts(head, cfg.text_key), _Texts(list(evals), cfg.text_key),
+        evals = list(itertools.islice(_hf_split(cfg, 'hf_eval_split'), _EVAL_HEAD_DOCS)) if cfg.hf_eval_split else []
+        super().__init__(cfg, _texts(head, cfg.text_key), _texts(evals, cfg.text_key),
                          _hf_identity(cfg, 'stream'), process_index, process_count, log)
 
     def train_iter(self, local_rows, state=None):
         from datasets.distributed import split_dataset_by_node
         host = (self.process_index, self.process_count)
-        share = split_dataset_by_node(_hf_split(self.cfg, self.cfg.hf_split, 'hf_split').stream, *host)
-        docs = _Stream(_HFRecords(self.cfg, share, self.cfg.hf_split, 'hf_split'),
-                       self.encode, self.cfg.text_key)
+        share = split_dataset_by_node(_hf_split(self.cfg, 'hf_split').stream, *host)
+        docs = _Stream(_HFRecords(self.cfg, share, 'hf_split'), self.encode, self.cfg.text_key)
         batches = _pack(docs, self.length).batch(local_rows, drop_remainder=True)
-        lanes_state, first = self._resumable(state, local_rows * self.process_count), local_rows * self.process_index
-        return _StreamBatches(batches, self.cfg.prefetch, host, local_rows,
-                              lanes_state and lanes_state[first:first + local_rows], self.identity)
+        return _StreamBatches(batches, self.cfg.prefetch, host, local_rows, self._resumable(state, local_rows),
+                              self.identity)
 
 
 # ---- Sudoku: the rules, defined once ------------------------------------------------------------
