@@ -385,8 +385,7 @@ class _Data:
     log = staticmethod(lambda msg: None)
 
     def __init__(self, cfg, process_index, process_count):
-        self.cfg = cfg
-        self.process_index, self.process_count = process_index, process_count
+        self.cfg, self.process_index, self.process_count = cfg, process_index, process_count
 
     def train_iter(self, local_rows, state=None):
         """This process's rows of the global batch (local_rows x process_count rows, a lane each), from `state`:
@@ -430,12 +429,10 @@ def _locked(cache_dir):
 @contextlib.contextmanager
 def _announced(log, what):
     """One line before and one after a slow preparation step (done once, then cached); log=None is silent."""
-    start = time.perf_counter()
-    if log:
-        log(f'{what} (once; cached for later runs) ...')
+    log, start = log or (lambda msg: None), time.perf_counter()
+    log(f'{what} (once; cached for later runs) ...')
     yield
-    if log:
-        log(f'{what}: done in {time.perf_counter() - start:.1f}s')
+    log(f'{what}: done in {time.perf_counter() - start:.1f}s')
 
 
 # ---- synthetic tokens --------------------------------------------------------------------------
@@ -651,8 +648,6 @@ def _hf_split(cfg, key):
 
 def _hf_error(cfg, e, key):
     """What the hub or the files refuse, loading or streaming: a DataError naming the key."""
-    if isinstance(e, DataError):
-        return e
     text = first_line(e, typed=False, limit=200) if str(e) else ''
     if isinstance(e, ConnectionError):
         return DataError(f'hf_path={cfg.hf_path}: {text} (offline, only datasets in cache_dir load; a private one '
@@ -791,10 +786,15 @@ def _train_tokenizer(sentences, vocab_size, path):
         reason = str(e).split('] ')[-1]
         raise DataError(f'vocab_size={vocab_size}: cannot train a tokenizer of that size on this text '
                         f'({reason})') from None
+    _save(path, lambda f: f.write(model.getvalue()))
+
+
+def _save(path, write):
+    """write(file) into a new file that then replaces `path` atomically: a crash never leaves half a cache file."""
     tmp = f'{path}.tmp{os.getpid()}'
     with open(tmp, 'wb') as f:
-        f.write(model.getvalue())
-    os.replace(tmp, path)  # atomic, so a crash never leaves half a model behind
+        write(f)
+    os.replace(tmp, path)
 
 
 def _tokenizer(cfg, train_texts, identity, log=None):
@@ -968,9 +968,7 @@ def _search(grid, limit):
             bit, (r, c, b) = 1 << v, _CELL_UNITS[i]
             if (used[r] | used[c] | used[b]) & bit:
                 return None, 0  # the givens already clash
-            used[r] |= bit
-            used[c] |= bit
-            used[b] |= bit
+            used[r], used[c], used[b] = used[r] | bit, used[c] | bit, used[b] | bit
     empty = [i for i in range(81) if not g[i]]
     found = []
 
@@ -993,13 +991,9 @@ def _search(grid, limit):
             bit = best_mask & -best_mask
             best_mask ^= bit
             g[best] = bit.bit_length() - 1
-            used[r] |= bit
-            used[c] |= bit
-            used[b] |= bit
+            used[r], used[c], used[b] = used[r] | bit, used[c] | bit, used[b] | bit
             stop = recurse()
-            used[r] ^= bit
-            used[c] ^= bit
-            used[b] ^= bit
+            used[r], used[c], used[b] = used[r] ^ bit, used[c] ^ bit, used[b] ^ bit
             g[best] = 0
             if stop:
                 return True
@@ -1015,25 +1009,6 @@ def solve(grid):
     return (None if solution is None else np.asarray(solution, np.uint8)), count
 
 
-def _make_puzzle(rng, blanks):
-    # The three diagonal boxes share no row or column, so any filling of them completes to a grid.
-    seed_grid = [0] * 81
-    for b in range(3):
-        for k, d in enumerate(rng.sample(range(1, 10), 9)):
-            seed_grid[(3 * b + k // 3) * 9 + 3 * b + k % 3] = d
-    solution = _search(seed_grid, limit=1)[0]
-    puzzle, removed = list(solution), 0
-    for i in rng.sample(range(81), 81):
-        if removed == blanks:
-            break
-        puzzle[i] = 0
-        if _search(puzzle, limit=2)[1] == 1:
-            removed += 1
-        else:
-            puzzle[i] = solution[i]  # that blank would allow a second solution
-    return puzzle, solution
-
-
 def generate_sudoku(n, blanks, seed, stream='train'):
     """(puzzles uint8[n, 81], solutions uint8[n, 81]), each puzzle with exactly one solution.
 
@@ -1043,7 +1018,23 @@ def generate_sudoku(n, blanks, seed, stream='train'):
     """
     q, a, blanks = np.zeros((n, 81), np.uint8), np.zeros((n, 81), np.uint8), np.atleast_1d(blanks)
     for i in range(n):
-        q[i], a[i] = _make_puzzle(random.Random(f'sudoku/{stream}/{seed}/{i}'), blanks[i % len(blanks)])
+        rng = random.Random(f'sudoku/{stream}/{seed}/{i}')
+        # The three diagonal boxes share no row or column, so any filling of them completes to a grid.
+        seed_grid = [0] * 81
+        for b in range(3):
+            for k, d in enumerate(rng.sample(range(1, 10), 9)):
+                seed_grid[(3 * b + k // 3) * 9 + 3 * b + k % 3] = d
+        a[i] = solution = _search(seed_grid, limit=1)[0]
+        puzzle, removed = list(solution), 0
+        for cell in rng.sample(range(81), 81):
+            if removed == blanks[i % len(blanks)]:
+                break
+            puzzle[cell] = 0
+            if _search(puzzle, limit=2)[1] == 1:
+                removed += 1
+            else:
+                puzzle[cell] = solution[cell]  # that blank would allow a second solution
+        q[i] = puzzle
     return q, a
 
 
@@ -1095,13 +1086,14 @@ def read_sudoku_csv(path, key='dataset_path'):
     with epath.Path(path).open('rb') as raw, io.TextIOWrapper(raw, newline='') as f:  # a local file or gs://
         reader = csv.reader(f)
         try:
-            puzzles, solutions, lines = _csv_grids(path, reader)
+            rows = list(_csv_grids(path, reader))
         except UnicodeDecodeError:
             raise DataError(f'{key}={path!r}: not a text CSV (compressed? decompress it first)') from None
         except csv.Error as e:  # e.g. a field longer than the csv module's limit: not a puzzle file
             raise DataError(f'{path}:{reader.line_num}: {e}') from None
-    if not puzzles:
+    if not rows:
         raise DataError(f'{key}={path!r}: no puzzles in the file')
+    lines, puzzles, solutions = zip(*rows)
     q, a = _digit_rows(puzzles), _digit_rows(solutions)
     clash = ((q != 0) & (q != a)).any(axis=1)
     bad = clash | ~np.concatenate([solved(a[i:i + 65536]) for i in range(0, len(a), 65536)])  # bounded memory
@@ -1114,8 +1106,7 @@ def read_sudoku_csv(path, key='dataset_path'):
 
 
 def _csv_grids(path, reader):
-    """(puzzle strings, solution strings, their line numbers) of a CSV reader's rows, each row checked."""
-    puzzles, solutions, lines = [], [], []
+    """(line number, puzzle string, solution string) of each of a CSV reader's rows, each row checked."""
     first = next(reader, [])
     iq, ia, first_is_data = _csv_columns(path, first) if first else (0, 1, False)
     for row in itertools.chain([first] if first_is_data else [], reader):
@@ -1131,10 +1122,7 @@ def _csv_grids(path, reader):
             illegal = set(text) - set(allowed)
             if illegal:
                 raise DataError(f'{where}: {name} has illegal character {min(illegal)!r} (allowed: {allowed})')
-        puzzles.append(q.replace('.', '0'))
-        solutions.append(a)
-        lines.append(reader.line_num)
-    return puzzles, solutions, lines
+        yield reader.line_num, q.replace('.', '0'), a
 
 
 def parse_grid(text):
@@ -1156,18 +1144,19 @@ def write_sudoku_csv(path, q, a):
                              ''.join(str(d) for d in solution), 0])  # rating 0 = unrated
 
 
-def _cached_sudoku(cache_dir, n, blanks, seed, split, log=None):
-    mix = '-'.join(map(str, np.atleast_1d(blanks)))  # 45, or 45-81 for a mix
-    path = os.path.join(cache_dir, 'sudoku', f'{split}_seed{seed}_blanks{mix}_n{n}_v{_SUDOKU_GEN_VERSION}.npz')
-    with _locked(cache_dir):
+def _puzzles(cfg, split, log=None):
+    """(puzzles, solutions) of the train or eval split: its CSV file if set, else generated once into cache_dir."""
+    key, n = ('dataset_path', cfg.sudoku_train_puzzles) if split == 'train' else ('eval_path', cfg.sudoku_eval_puzzles)
+    if getattr(cfg, key):
+        return read_sudoku_csv(getattr(cfg, key), key)
+    mix = '-'.join(map(str, cfg.sudoku_blanks))  # 45, or 45-81 for a mix
+    path = os.path.join(cfg.cache_dir, 'sudoku', f'{split}_seed{cfg.seed}_blanks{mix}_n{n}_v{_SUDOKU_GEN_VERSION}.npz')
+    with _locked(cfg.cache_dir):
         if not os.path.exists(path):
             with _announced(log, f'generating {n} {split} puzzles with {mix} blanks'):
-                q, a = generate_sudoku(n, blanks, seed, stream=split)
+                q, a = generate_sudoku(n, cfg.sudoku_blanks, cfg.seed, stream=split)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f'{path}.tmp{os.getpid()}'
-            with open(tmp, 'wb') as f:
-                np.savez(f, q=q, a=a)
-            os.replace(tmp, path)
+            _save(path, lambda f: np.savez(f, q=q, a=a))
     with np.load(path) as f:
         return f['q'], f['a']
 
@@ -1184,22 +1173,15 @@ class SudokuData(_Data):
 
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count)
-        if cfg.dataset_path:
-            self.train_q, self.train_a = read_sudoku_csv(cfg.dataset_path, 'dataset_path')
-        else:
-            self.train_q, self.train_a = _cached_sudoku(
-                cfg.cache_dir, cfg.sudoku_train_puzzles, cfg.sudoku_blanks, cfg.seed, 'train', log)
-        if cfg.eval_path:
-            self.eval_q, self.eval_a = read_sudoku_csv(cfg.eval_path, 'eval_path')
-        else:
-            q, a = _cached_sudoku(cfg.cache_dir, cfg.sudoku_eval_puzzles, cfg.sudoku_blanks, cfg.seed, 'eval', log)
-            # A separate seed stream makes overlap unlikely; this makes it impossible.
+        self.train_q, self.train_a = _puzzles(cfg, 'train', log)
+        self.eval_q, self.eval_a = _puzzles(cfg, 'eval', log)
+        if not cfg.eval_path:  # a separate seed stream makes overlap unlikely; this makes it impossible
             seen = {s.tobytes() for s in self.train_a}
-            keep = np.array([s.tobytes() not in seen for s in a], bool)
-            self.eval_q, self.eval_a = q[keep], a[keep]
+            keep = np.array([s.tobytes() not in seen for s in self.eval_a], bool)
+            self.eval_q, self.eval_a = self.eval_q[keep], self.eval_a[keep]
+        blanks = ','.join(map(str, cfg.sudoku_blanks))
         self.identity = (f'sudoku {cfg.dataset_path}' if cfg.dataset_path else
-                         f'sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {",".join(map(str, cfg.sudoku_blanks))} '
-                         f'blanks, seed {cfg.seed}')
+                         f'sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {blanks} blanks, seed {cfg.seed}')
         self._order = grain.MapDataset.range(len(self.train_q)).shuffle(seed=cfg.seed).repeat().map_with_index(
             self._example)
 
@@ -1218,9 +1200,8 @@ class SudokuData(_Data):
         gathered answers come back in file order; rows past the end are padding (loss_mask 0)."""
         rows = local_rows * self.process_count
         n = -(-len(self.eval_q) // rows) if n is None else n
-        first = [i * rows + self.process_index * local_rows for i in range(n)]
-        ids = [np.arange(f, min(f + local_rows, len(self.eval_q))) for f in first]
-        return [_sudoku_batch(self.eval_q[i], self.eval_a[i], local_rows) for i in ids]
+        starts = [i * rows + self.process_index * local_rows for i in range(n)]
+        return [_sudoku_batch(self.eval_q[s:s + local_rows], self.eval_a[s:s + local_rows], local_rows) for s in starts]
 
 
 # ---- entry points -----------------------------------------------------------------------------
