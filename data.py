@@ -20,6 +20,7 @@ here once (UNITS, PEERS, digits_seen, dead_end, solved) and take numpy or jax ar
 uses them too.
 """
 
+import collections.abc
 import contextlib
 import csv
 import fcntl
@@ -323,21 +324,17 @@ def _tuples(state):
     return tuple(state) if isinstance(state, list) else state
 
 
-class Batches:
+class Batches(collections.abc.Iterator):
     """What train_iter returns: grain zips the lanes' rows into batches and reads `prefetch` batches ahead on a
     thread. state() is each lane's state after the last batch handed out (grain keeps it with every prefetched
     batch); wait_seconds is the time next() spent blocked on data."""
 
     def __init__(self, lanes, prefetch, state=None, source=''):
-        self.source = source  # the identity of the data read, saved with the position
+        self.source, self.wait_seconds = source, 0.0  # source: the identity of the data read, saved with the position
         batches = ZipIterDataset(lanes).map(lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]})
         self._it = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
         if state:
             self._it.set_state({'parents': [_tuples(s) for s in state]})
-        self.wait_seconds = 0.0
-
-    def __iter__(self):
-        return self
 
     def __next__(self):
         start = time.perf_counter()
@@ -411,9 +408,9 @@ class _Data:
                      f'({self.identity}): the data order starts again from its beginning')
             return None
         if len(state['lanes']) != rows:
-            raise DataError(f'the checkpoint holds the data position of {len(state["lanes"])} rows per microbatch but '
-                            f'this run reads {rows} (per_device_batch x devices): keep {len(state["lanes"])} to resume, '
-                            'or start a new run_name with load_params=RUN_DIR')
+            raise DataError(f'the checkpoint holds the data position of {len(state["lanes"])} rows per microbatch '
+                            f'but this run reads {rows} (per_device_batch x devices): keep {len(state["lanes"])} to '
+                            'resume, or start a new run_name with load_params=RUN_DIR')
         return state['lanes'][first:first + local_rows]
 
 
@@ -453,9 +450,8 @@ class SyntheticData(_Data):
         return grain.MapDataset.range(sys.maxsize).map(lambda step: self._row(0, step, row)).to_iter_dataset(_READ)
 
     def eval_batches(self, local_rows, n):
-        first = self.process_index * local_rows
-        return [_stack([self._row(1, i, r) for r in range(first, first + local_rows)], local_rows, self.length)
-                for i in range(n)]
+        rows = range(self.process_index * local_rows, (self.process_index + 1) * local_rows)
+        return [_stack([self._row(1, i, r) for r in rows], local_rows, self.length) for i in range(n)]
 
 
 # ---- text: sources ----------------------------------------------------------------------------
@@ -516,10 +512,9 @@ def _stdlib_files():
 
 def _corpus_key(cfg):
     """The key=value that names the text a run reads, for messages about the text itself."""
-    if cfg.dataset == 'stdlib':
-        return 'dataset=stdlib'
-    hf_key = 'hf_data_files' if cfg.hf_data_files else 'hf_path'
-    key = {'tfds': 'tfds_name', 'hf': hf_key}.get(cfg.dataset, 'dataset_path')
+    if cfg.dataset in ('files', 'stdlib'):
+        return 'dataset=stdlib' if cfg.dataset == 'stdlib' else f'dataset_path={cfg.dataset_path!r}'
+    key = 'tfds_name' if cfg.dataset == 'tfds' else 'hf_data_files' if cfg.hf_data_files else 'hf_path'
     return f'{key}={getattr(cfg, key)!r}'
 
 
@@ -542,22 +537,17 @@ def _split_files(cfg):
     return train_files, eval_files
 
 
-def _fingerprint(train_files, eval_files):
-    """Names a prepared dataset by its file lists (and sizes, mtimes): another glob is another dataset."""
-    h = hashlib.sha1()
-    for split, files in (('train', train_files), ('eval', eval_files)):
-        for f in files:
-            size, mtime = _stat(f)
-            h.update(f'{split}\t{f if "://" in f else os.path.abspath(f)}\t{size}\t{mtime}\n'.encode())
-    return h.hexdigest()[:16]
-
-
 def _file_sources(cfg, log=None):
     """(train texts, eval texts, identity) for dataset=files|stdlib, prepared once into cache_dir by a tfds
     builder over the files, one record (document) per file."""
     import tensorflow_datasets as tfds
     train_files, eval_files = _split_files(cfg)
-    name = 'files_' + _fingerprint(train_files, eval_files)
+    h = hashlib.sha1()  # names the prepared dataset by its files (and sizes, mtimes): another glob, another dataset
+    for split, files in (('train', train_files), ('eval', eval_files)):
+        for f in files:
+            size, mtime = _stat(f)
+            h.update(f'{split}\t{f if "://" in f else os.path.abspath(f)}\t{size}\t{mtime}\n'.encode())
+    name = 'files_' + h.hexdigest()[:16]
 
     # skip_registration: the class is made per call and must not clash in tfds' global registry.
     class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -627,8 +617,8 @@ def _hf_split(cfg, key):
     with hf_data_files), prepared into cache_dir/hf. What the hub or the files refuse is one DataError naming
     the key; without network or with HF_HUB_OFFLINE=1 only what is cached loads."""
     if not cfg.hf_path:
-        raise DataError('dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, parquet, '
-                        'text, csv) with hf_data_files')
+        raise DataError('dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, '
+                        'parquet, text, csv) with hf_data_files')
     try:
         import datasets
     except ImportError:
@@ -762,11 +752,9 @@ def _sentences(texts, cfg):
     elif not text:
         why = 'the text is only whitespace'
     else:
-        longest = max(map(len, text))
-        size = f'{longest / 1e6:.1f} MB' if longest >= 100_000 else f'{longest:,} characters'
         nul = 'NUL-separated text with ' if any('\0' in s for s in text) else ''
-        why = (f'{nul}no line breaks in {size} (sentencepiece takes lines of up to {_MAX_SENTENCE_CHARS:,} '
-               'characters): break the text into lines')
+        why = (f'{nul}no line breaks in {max(map(len, text)):,} characters (sentencepiece takes lines of up to '
+               f'{_MAX_SENTENCE_CHARS:,}): break the text into lines')
     raise DataError(f'{_corpus_key(cfg)}: no text to train the tokenizer on: {why}')
 
 
@@ -813,12 +801,11 @@ def _tokenizer(cfg, train_texts, identity, log=None):
         sp = (spm.SentencePieceProcessor(model_proto=epath.Path(path).read_bytes()) if '://' in path  # gs://
               else spm.SentencePieceProcessor(model_file=path))
     except (OSError, RuntimeError) as e:
-        raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({first_line(e, typed=False, limit=120)}); give '
-                        "a .model file, or '' to train one") from None
+        raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({first_line(e, typed=False, limit=120)}); '
+                        "give a .model file, or '' to train one") from None
     size = sp.get_piece_size()
     if size != cfg.vocab_size:
-        raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: '
-                        f'set vocab_size={size}')
+        raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: set vocab_size={size}')
     if sp.eos_id() < 0:
         raise DataError(f'tokenizer {path} has no eos piece, which ends every document: retrain it with eos_id set')
     return sp
@@ -842,19 +829,20 @@ def _pack(docs, length):
 
 
 class TextData(_Data):
-    """Documents from a random-access text source, tokenized on the fly and packed into rows."""
+    """Documents from a random-access text source, tokenized on the fly and packed into rows. `sources`:
+    (train texts, eval texts, identity), as the *_sources functions make them."""
 
-    def __init__(self, cfg, train_texts, eval_texts, identity, process_index, process_count, log=None):
+    def __init__(self, cfg, sources, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count)
-        self.train_texts, self.eval_texts, self.identity = train_texts, eval_texts, identity
+        self.train_texts, self.eval_texts, self.identity = sources
         # The eval records this process reads: disjoint between processes, all of them together. A process
         # left without any (fewer records than processes) reads padding, which weighs nothing.
-        self.eval_records = np.arange(process_index, len(eval_texts), process_count)
-        self.tokenizer = _tokenizer(cfg, train_texts, identity, log)
+        self.eval_records = np.arange(process_index, len(self.eval_texts), process_count)
+        self.tokenizer = _tokenizer(cfg, self.train_texts, self.identity, log)
         self.vocab_size, self.length = self.tokenizer.get_piece_size(), cfg.max_target_length
         self.eos_id = self.tokenizer.eos_id()
         self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
-        self._order = train_texts.shuffle(seed=cfg.seed).repeat().map(self.encode)
+        self._order = self.train_texts.shuffle(seed=cfg.seed).repeat().map(self.encode)
 
     def tokenizer_files(self):
         """The tokenizer as Hugging Face reads a Llama one: {file name: contents} of tokenizer.model and
@@ -900,8 +888,8 @@ class StreamData(TextData):
             if chars >= _TOKENIZER_SAMPLE_CHARS:
                 break
         evals = list(itertools.islice(_hf_split(cfg, 'hf_eval_split'), _EVAL_HEAD_DOCS)) if cfg.hf_eval_split else []
-        super().__init__(cfg, _texts(head, cfg.text_key), _texts(evals, cfg.text_key),
-                         _hf_identity(cfg, 'stream'), process_index, process_count, log)
+        sources = _texts(head, cfg.text_key), _texts(evals, cfg.text_key), _hf_identity(cfg, 'stream')
+        super().__init__(cfg, sources, process_index, process_count, log)
 
     def train_iter(self, local_rows, state=None):
         from datasets.distributed import split_dataset_by_node
@@ -1048,27 +1036,18 @@ def augment(q, a, rng):
     rows = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
     cols = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
     index_99 = rows[:, None] * 9 + cols[None, :]
-    if rng.random() < 0.5:
-        index_99 = index_99.T
-    index = index_99.reshape(81)
+    index = (index_99.T if rng.random() < 0.5 else index_99).reshape(81)
     return digits[np.asarray(q)[index]], digits[np.asarray(a)[index]]
 
 
 # ---- Sudoku: CSV files (public sudoku-extreme layout: source,q,a,rating) -------------------------
 
-def _digit_rows(strings):
-    return (np.frombuffer(''.join(strings).encode('ascii'), np.uint8) - ord('0')).reshape(-1, 81)
-
-
-_CSV_HEADERS = (('q', 'a'), ('question', 'answer'), ('puzzle', 'solution'))  # spellings in use
-
-
 def _csv_columns(path, first):
     """(puzzle column, solution column, whether `first` is a data row). A header names its columns with
-    one of _CSV_HEADERS; without one, columns are read by position as the TRM reference does: the public
+    one of the spellings in use; without one, columns are read by position as the TRM reference does: the public
     layout source,question,answer,rating (or a bare puzzle,solution pair)."""
     names = [c.strip().lower() for c in first]
-    for q, a in _CSV_HEADERS:
+    for q, a in (('q', 'a'), ('question', 'answer'), ('puzzle', 'solution')):
         if q in names and a in names:
             return names.index(q), names.index(a), False
     if not any(len(c.strip()) == 81 for c in first):
@@ -1094,7 +1073,8 @@ def read_sudoku_csv(path, key='dataset_path'):
     if not rows:
         raise DataError(f'{key}={path!r}: no puzzles in the file')
     lines, puzzles, solutions = zip(*rows)
-    q, a = _digit_rows(puzzles), _digit_rows(solutions)
+    q, a = ((np.frombuffer(''.join(grids).encode('ascii'), np.uint8) - ord('0')).reshape(-1, 81)
+            for grids in (puzzles, solutions))
     clash = ((q != 0) & (q != a)).any(axis=1)
     bad = clash | ~np.concatenate([solved(a[i:i + 65536]) for i in range(0, len(a), 65536)])  # bounded memory
     if bad.any():
@@ -1139,9 +1119,8 @@ def write_sudoku_csv(path, q, a):
     with open(path, 'w', newline='') as f:
         writer = csv.writer(f)
         writer.writerow(['source', 'q', 'a', 'rating'])
-        for puzzle, solution in zip(np.asarray(q), np.asarray(a)):
-            writer.writerow(['generated', ''.join(str(d) for d in puzzle).replace('0', '.'),
-                             ''.join(str(d) for d in solution), 0])  # rating 0 = unrated
+        writer.writerows(['generated', ''.join(map(str, puzzle)).replace('0', '.'), ''.join(map(str, solution)), 0]
+                         for puzzle, solution in zip(np.asarray(q), np.asarray(a)))  # rating 0 = unrated
 
 
 def _puzzles(cfg, split, log=None):
@@ -1213,7 +1192,8 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     try:
         os.makedirs(cfg.cache_dir, exist_ok=True)
     except OSError as e:
-        raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable cache_dir') from None
+        raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable '
+                        'cache_dir') from None
     if source:
         ds = source(cfg, process_index, process_count, log)
     elif cfg.dataset == 'synthetic':
@@ -1222,7 +1202,7 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
         ds = StreamData(cfg, process_index, process_count, log)
     else:
         sources = {'tfds': _tfds_sources, 'hf': _hf_sources}.get(cfg.dataset, lambda cfg: _file_sources(cfg, log))(cfg)
-        ds = TextData(cfg, *sources, process_index, process_count, log)
+        ds = TextData(cfg, sources, process_index, process_count, log)
     ds.log = log or ds.log
     return ds
 

@@ -277,11 +277,11 @@ def test_user_errors_name_the_key(tmp_path, corpus):
 @pytest.mark.parametrize('source, text, why', [
     ('files', '', 'every file is empty'),
     ('files', ' \n\t\n   \n', 'the text is only whitespace'),
-    ('files', 'word ' * 4000, 'no line breaks in 20,000 characters (sentencepiece takes lines of up to 16,000 '
-                              'characters): break the text into lines'),
+    ('files', 'word ' * 4000, 'no line breaks in 20,000 characters (sentencepiece takes lines of up to 16,000): '
+                              'break the text into lines'),
     ('files', '\0'.join(['one record'] * 2000), 'NUL-separated text with no line breaks in 21,999 characters '
-                                                 '(sentencepiece takes lines of up to 16,000 characters): break the '
-                                                 'text into lines'),
+                                                 '(sentencepiece takes lines of up to 16,000): break the text into '
+                                                 'lines'),
     ('hf', '', "every record's text (text_key='text') is empty"),
 ], ids=['empty', 'whitespace', 'one long line', 'NUL-separated', 'hf empty'])
 def test_a_corpus_without_usable_text_says_why(tmp_path, source, text, why):
