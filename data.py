@@ -375,14 +375,18 @@ class _StreamBatches(Batches):
 
 
 class _Data:
-    """What make_dataset returns. Subclasses define _lane (one row's pipeline), eval_batches, and identity:
-    a name of the records read, so a checkpoint's position is applied only to the data it counts; and
-    vocab_size, length (of a row) and tokenizer (None: the data is token ids already)."""
+    """What make_dataset returns. Subclasses define _order (the examples in their seeded order: lane r of
+    `rows` reads positions r, r + rows, ...) or their own _lane (one row's pipeline), eval_batches, and
+    identity: a name of the records read, so a checkpoint's position is applied only to the data it counts;
+    and vocab_size, length (of a row) and tokenizer (None: the data is token ids already)."""
     tokenizer = None
     log = staticmethod(lambda msg: None)
 
     def __init__(self, cfg, process_index, process_count):
         self.cfg, self.process_index, self.process_count = cfg, process_index, process_count
+
+    def _lane(self, row, rows):
+        return self._order[row::rows].to_iter_dataset(_READ)
 
     def train_iter(self, local_rows, state=None):
         """This process's rows of the global batch (local_rows x process_count rows, a lane each), from `state`:
@@ -416,8 +420,8 @@ class _Data:
 
 @contextlib.contextmanager
 def _locked(cache_dir):
-    """Serialises preparation between processes sharing cache_dir (e.g. two hosts on one machine)."""
-    os.makedirs(cache_dir, exist_ok=True)
+    """Serialises preparation between processes sharing cache_dir (e.g. two hosts on one machine); make_dataset
+    made cache_dir."""
     with open(os.path.join(cache_dir, '.lock'), 'w') as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # closing the file releases it, however the block ends
         yield
@@ -768,8 +772,7 @@ def _train_tokenizer(sentences, vocab_size, path):
             byte_fallback=True, character_coverage=0.9995,   # rare characters go to byte pieces
             normalization_rule_name='identity', remove_extra_whitespaces=False, add_dummy_prefix=False,
             allow_whitespace_only_pieces=True, split_digits=False, max_sentence_length=_MAX_SENTENCE_CHARS,
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-            num_threads=os.cpu_count() or 1, minloglevel=2)
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, num_threads=os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as e:  # e.g. too little text for this many pieces; spm says which size would fit
         reason = str(e).split('] ')[-1]
         raise DataError(f'vocab_size={vocab_size}: cannot train a tokenizer of that size on this text '
@@ -848,9 +851,8 @@ class TextData(_Data):
         """The tokenizer as Hugging Face reads a Llama one: {file name: contents} of tokenizer.model and
         tokenizer_config.json (train.py writes them, to a disk or a bucket)."""
         piece = self.tokenizer.id_to_piece
-        config = {'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(self.bos_id),
-                  'eos_token': piece(self.eos_id), 'unk_token': piece(self.tokenizer.unk_id()),
-                  'add_bos_token': True, 'add_eos_token': False,
+        config = {'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(self.bos_id), 'eos_token': piece(self.eos_id),
+                  'unk_token': piece(self.tokenizer.unk_id()), 'add_bos_token': True, 'add_eos_token': False,
                   'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
                   'model_max_length': self.cfg.max_target_length}
         return {'tokenizer.model': self.tokenizer.serialized_model_proto(),
@@ -861,7 +863,7 @@ class TextData(_Data):
         return np.asarray([self.bos_id] + self.tokenizer.encode(text) + [self.eos_id], np.int32)
 
     def _lane(self, row, rows):
-        return _pack(self._order[row::rows].to_iter_dataset(_READ), self.length)
+        return _pack(super()._lane(row, rows), self.length)
 
     def eval_batches(self, local_rows, n):
         # Fixed order and a single pass: batches past the end of the split are padding (loss_mask 0).
@@ -1065,14 +1067,13 @@ def read_sudoku_csv(path, key='dataset_path'):
     with epath.Path(path).open('rb') as raw, io.TextIOWrapper(raw, newline='') as f:  # a local file or gs://
         reader = csv.reader(f)
         try:
-            rows = list(_csv_grids(path, reader))
+            puzzles, solutions, lines = _csv_grids(path, reader)
         except UnicodeDecodeError:
             raise DataError(f'{key}={path!r}: not a text CSV (compressed? decompress it first)') from None
         except csv.Error as e:  # e.g. a field longer than the csv module's limit: not a puzzle file
             raise DataError(f'{path}:{reader.line_num}: {e}') from None
-    if not rows:
+    if not puzzles:
         raise DataError(f'{key}={path!r}: no puzzles in the file')
-    lines, puzzles, solutions = zip(*rows)
     q, a = ((np.frombuffer(''.join(grids).encode('ascii'), np.uint8) - ord('0')).reshape(-1, 81)
             for grids in (puzzles, solutions))
     clash = ((q != 0) & (q != a)).any(axis=1)
@@ -1086,7 +1087,8 @@ def read_sudoku_csv(path, key='dataset_path'):
 
 
 def _csv_grids(path, reader):
-    """(line number, puzzle string, solution string) of each of a CSV reader's rows, each row checked."""
+    """(puzzle strings, solution strings, their line numbers) of a CSV reader's rows, each row checked."""
+    puzzles, solutions, lines = [], [], []
     first = next(reader, [])
     iq, ia, first_is_data = _csv_columns(path, first) if first else (0, 1, False)
     for row in itertools.chain([first] if first_is_data else [], reader):
@@ -1102,7 +1104,10 @@ def _csv_grids(path, reader):
             illegal = set(text) - set(allowed)
             if illegal:
                 raise DataError(f'{where}: {name} has illegal character {min(illegal)!r} (allowed: {allowed})')
-        yield reader.line_num, q.replace('.', '0'), a
+        puzzles.append(q.replace('.', '0'))
+        solutions.append(a)
+        lines.append(reader.line_num)
+    return puzzles, solutions, lines
 
 
 def parse_grid(text):
@@ -1169,9 +1174,6 @@ class SudokuData(_Data):
         if self.cfg.augment:  # seeded by position (epoch, record), so a resumed run draws the same shuffles
             q, a = augment(q, a, np.random.default_rng([self.cfg.seed, position // len(self.train_q), rid]))
         return _full_row(q.astype(np.int32) + 1, a.astype(np.int32) + 1)
-
-    def _lane(self, row, rows):
-        return self._order[row::rows].to_iter_dataset(_READ)
 
     def eval_batches(self, local_rows, n=None):
         """n batches (None: enough for the whole eval set), fixed order, unaugmented. Batch i of the whole
