@@ -20,6 +20,7 @@ here once (UNITS, PEERS, digits_seen, dead_end, solved) and take numpy or jax ar
 uses them too.
 """
 
+import collections.abc
 import contextlib
 import csv
 import fcntl
@@ -52,6 +53,7 @@ SUDOKU_VOCAB = 11          # TRM tokens: pad 0, blank 1, digits 1..9 -> 2..10 (t
 _TOKENIZER_SAMPLE_CHARS = 5_000_000   # BPE training on 5 MB takes ~1 s; more text barely changes merges
 _EVAL_HEAD_DOCS = 10_000  # documents of a streamed eval split read for eval (its head)
 _SENTENCE_CHARS = 4000     # sentencepiece caps sentence length, so long files are cut at line ends
+_MAX_SENTENCE_CHARS = 4 * _SENTENCE_CHARS  # what it takes: a line longer than this is skipped
 _SUDOKU_GEN_VERSION = 1    # bump when the generator changes, so cached puzzle sets are regenerated
 _STDLIB_SKIP = {'site-packages', 'dist-packages', 'test', 'tests', 'idle_test', '__pycache__'}
 
@@ -299,17 +301,10 @@ def held(run_dir, lock):
 _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # lanes read on the prefetch thread, not a pool each
 
 
-def _zeros_batch(rows, length):
-    """An all-padding batch: unfilled slots stay segment 0 with loss_mask 0."""
-    batch = {k: np.zeros((rows, length), np.int32)
-             for k in ('inputs', 'targets', 'segment_ids', 'positions')}
-    batch['loss_mask'] = np.zeros((rows, length), np.float32)
-    return batch
-
-
 def _stack(rows, n, length):
-    """A batch of n rows from row dicts; the rows past them are padding."""
-    batch = _zeros_batch(n, length)
+    """A batch of n rows from row dicts; the rows past them are padding (segment 0, loss_mask 0)."""
+    batch = {k: np.zeros((n, length), np.float32 if k == 'loss_mask' else np.int32)
+             for k in ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')}
     for r, row in enumerate(rows):
         for k, v in batch.items():
             v[r] = row[k]
@@ -329,21 +324,17 @@ def _tuples(state):
     return tuple(state) if isinstance(state, list) else state
 
 
-class Batches:
+class Batches(collections.abc.Iterator):
     """What train_iter returns: grain zips the lanes' rows into batches and reads `prefetch` batches ahead on a
     thread. state() is each lane's state after the last batch handed out (grain keeps it with every prefetched
     batch); wait_seconds is the time next() spent blocked on data."""
 
     def __init__(self, lanes, prefetch, state=None, source=''):
-        self.source = source  # the identity of the data read, saved with the position
+        self.source, self.wait_seconds = source, 0.0  # source: the identity of the data read, saved with the position
         batches = ZipIterDataset(lanes).map(lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]})
         self._it = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
         if state:
             self._it.set_state({'parents': [_tuples(s) for s in state]})
-        self.wait_seconds = 0.0
-
-    def __iter__(self):
-        return self
 
     def __next__(self):
         start = time.perf_counter()
@@ -384,34 +375,36 @@ class _StreamBatches(Batches):
 
 
 class _Data:
-    """What make_dataset returns. Subclasses define _lane (one row's pipeline), eval_batches, and identity:
-    a name of the records read, so a checkpoint's position is applied only to the data it counts."""
-    vocab_size = None
+    """What make_dataset returns. Subclasses define _order (the examples in their seeded order: lane r of
+    `rows` reads positions r, r + rows, ...) or their own _lane (one row's pipeline), eval_batches, and
+    identity: a name of the records read, so a checkpoint's position is applied only to the data it counts;
+    and vocab_size, length (of a row) and tokenizer (None: the data is token ids already)."""
     tokenizer = None
-    length = None
-    identity = None
     log = staticmethod(lambda msg: None)
 
     def __init__(self, cfg, process_index, process_count):
-        self.cfg = cfg
-        self.process_index, self.process_count = process_index, process_count
+        self.cfg, self.process_index, self.process_count = cfg, process_index, process_count
+
+    def _lane(self, row, rows):
+        return self._order[row::rows].to_iter_dataset(_READ)
 
     def train_iter(self, local_rows, state=None):
         """This process's rows of the global batch (local_rows x process_count rows, a lane each), from `state`:
         what a checkpoint saved, {'lanes': every lane's state, as saved by a run on any number of processes,
         'source': the identity of the data they read} (None = the start)."""
         rows, first = local_rows * self.process_count, local_rows * self.process_index
-        lanes_state = self._resumable(state, rows)
+        lanes_state = self._resumable(state, local_rows)
         lanes = [self._lane(r, rows) for r in range(first, first + local_rows)]
         try:
-            return Batches(lanes, self.cfg.prefetch, lanes_state and lanes_state[first:first + local_rows], self.identity)
+            return Batches(lanes, self.cfg.prefetch, lanes_state, self.identity)
         except (KeyError, ValueError, TypeError, IndexError):  # another pipeline's states (older checkpoints)
             self.log('WARNING: the checkpoint\'s data position does not fit this data: the data order starts again '
                      'from its beginning')
             return Batches(lanes, self.cfg.prefetch, source=self.identity)
 
-    def _resumable(self, state, rows):
-        """The lane states to resume from; None (with a warning) if they are another source's."""
+    def _resumable(self, state, local_rows):
+        """This process's lane states to resume from; None (with a warning) if they are another source's."""
+        rows, first = local_rows * self.process_count, local_rows * self.process_index
         if state is None:
             return None
         if state.get('source') not in (None, self.identity):
@@ -419,33 +412,28 @@ class _Data:
                      f'({self.identity}): the data order starts again from its beginning')
             return None
         if len(state['lanes']) != rows:
-            raise DataError(f'the checkpoint holds the data position of {len(state["lanes"])} rows per microbatch but '
-                            f'this run reads {rows} (per_device_batch x devices): keep {len(state["lanes"])} to resume, '
-                            'or start a new run_name with load_params=RUN_DIR')
-        return state['lanes']
+            raise DataError(f'the checkpoint holds the data position of {len(state["lanes"])} rows per microbatch '
+                            f'but this run reads {rows} (per_device_batch x devices): keep {len(state["lanes"])} to '
+                            'resume, or start a new run_name with load_params=RUN_DIR')
+        return state['lanes'][first:first + local_rows]
 
 
 @contextlib.contextmanager
 def _locked(cache_dir):
-    """Serialises preparation between processes sharing cache_dir (e.g. two hosts on one machine)."""
-    os.makedirs(cache_dir, exist_ok=True)
+    """Serialises preparation between processes sharing cache_dir (e.g. two hosts on one machine); make_dataset
+    made cache_dir."""
     with open(os.path.join(cache_dir, '.lock'), 'w') as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        fcntl.flock(f, fcntl.LOCK_EX)  # closing the file releases it, however the block ends
+        yield
 
 
 @contextlib.contextmanager
 def _announced(log, what):
     """One line before and one after a slow preparation step (done once, then cached); log=None is silent."""
-    start = time.perf_counter()
-    if log:
-        log(f'{what} (once; cached for later runs) ...')
+    log, start = log or (lambda msg: None), time.perf_counter()
+    log(f'{what} (once; cached for later runs) ...')
     yield
-    if log:
-        log(f'{what}: done in {time.perf_counter() - start:.1f}s')
+    log(f'{what}: done in {time.perf_counter() - start:.1f}s')
 
 
 # ---- synthetic tokens --------------------------------------------------------------------------
@@ -466,24 +454,15 @@ class SyntheticData(_Data):
         return grain.MapDataset.range(sys.maxsize).map(lambda step: self._row(0, step, row)).to_iter_dataset(_READ)
 
     def eval_batches(self, local_rows, n):
-        first = self.process_index * local_rows
-        return [_stack([self._row(1, i, r) for r in range(first, first + local_rows)], local_rows, self.length)
-                for i in range(n)]
+        rows = range(self.process_index * local_rows, (self.process_index + 1) * local_rows)
+        return [_stack([self._row(1, i, r) for r in rows], local_rows, self.length) for i in range(n)]
 
 
 # ---- text: sources ----------------------------------------------------------------------------
 
-class _Texts:
-    """Random access to the text of each record of a tfds data source (or a list of examples)."""
-
-    def __init__(self, source, key):
-        self.source, self.key = source, key
-
-    def __len__(self):
-        return len(self.source)
-
-    def __getitem__(self, i):
-        return _text(self.source[i], self.key)
+def _texts(records, key):
+    """Random access to the text of each record of a tfds data source, a Hugging Face dataset or a list."""
+    return grain.MapDataset.source(records).map(lambda record: _text(record, key))
 
 
 def _text(record, key):
@@ -535,45 +514,44 @@ def _stdlib_files():
     return files
 
 
+def _corpus_key(cfg):
+    """The key=value that names the text a run reads, for messages about the text itself."""
+    if cfg.dataset in ('files', 'stdlib'):
+        return 'dataset=stdlib' if cfg.dataset == 'stdlib' else f'dataset_path={cfg.dataset_path!r}'
+    key = 'tfds_name' if cfg.dataset == 'tfds' else 'hf_data_files' if cfg.hf_data_files else 'hf_path'
+    return f'{key}={getattr(cfg, key)!r}'
+
+
 def _split_files(cfg):
     """(train_files, eval_files): eval_path if set, else ~3% of files picked by a hash of their path."""
-    key = 'dataset=stdlib' if cfg.dataset == 'stdlib' else f'dataset_path={cfg.dataset_path!r}'
+    key = _corpus_key(cfg)
     files = _stdlib_files() if cfg.dataset == 'stdlib' else _glob(cfg.dataset_path, 'dataset_path')
     if cfg.eval_path:
         eval_files = _glob(cfg.eval_path, 'eval_path')
-        held_out = set(eval_files)
-        train_files = [f for f in files if f not in held_out]
-        if not train_files:
-            raise DataError(f'{key}: every file is also in eval_path={cfg.eval_path!r}; nothing left to train on')
-        return train_files, eval_files
-    if len(files) < 2:
+    elif len(files) < 2:
         raise DataError(f'{key} matches one file; need two or more (some are held out for eval) or set eval_path')
-    # Hash the path relative to the files' common root, so the split is the same on every machine.
-    root = os.path.commonpath(files)
-    digest = {f: hashlib.sha1(os.path.relpath(f, root).encode()).digest() for f in files}
-    eval_files = [f for f in files if digest[f][0] < 8] or [min(files, key=digest.get)]  # 8/256 ~ 3%
+    else:  # hash the path relative to the files' common root, so the split is the same on every machine
+        root = os.path.commonpath(files)
+        digest = {f: hashlib.sha1(os.path.relpath(f, root).encode()).digest() for f in files}
+        eval_files = [f for f in files if digest[f][0] < 8] or [min(files, key=digest.get)]  # 8/256 ~ 3%
     held_out = set(eval_files)
-    return [f for f in files if f not in held_out], eval_files
+    train_files = [f for f in files if f not in held_out]
+    if cfg.eval_path and not train_files:
+        raise DataError(f'{key}: every file is also in eval_path={cfg.eval_path!r}; nothing left to train on')
+    return train_files, eval_files
 
 
-def _fingerprint(train_files, eval_files):
-    """Names a prepared dataset by its file lists (and sizes, mtimes): another glob is another dataset."""
-    h = hashlib.sha1()
+def _file_sources(cfg, log=None):
+    """(train texts, eval texts, identity) for dataset=files|stdlib, prepared once into cache_dir by a tfds
+    builder over the files, one record (document) per file."""
+    import tensorflow_datasets as tfds
+    train_files, eval_files = _split_files(cfg)
+    h = hashlib.sha1()  # names the prepared dataset by its files (and sizes, mtimes): another glob, another dataset
     for split, files in (('train', train_files), ('eval', eval_files)):
         for f in files:
             size, mtime = _stat(f)
             h.update(f'{split}\t{f if "://" in f else os.path.abspath(f)}\t{size}\t{mtime}\n'.encode())
-    return h.hexdigest()[:16]
-
-
-def _text_files_builder(name, train_files, eval_files, data_dir):
-    """A tfds GeneratorBasedBuilder over text files, one record (document) per file."""
-    import tensorflow_datasets as tfds
-
-    class FilesConfig(tfds.core.BuilderConfig):
-        def __init__(self, *, train_files, eval_files, **kwargs):
-            super().__init__(**kwargs)
-            self.train_files, self.eval_files = train_files, eval_files
+    name = 'files_' + h.hexdigest()[:16]
 
     # skip_registration: the class is made per call and must not clash in tfds' global registry.
     class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -584,24 +562,15 @@ def _text_files_builder(name, train_files, eval_files, data_dir):
                 {'text': tfds.features.Text()}))
 
         def _split_generators(self, dl_manager):
-            return {'train': self._generate_examples(self.builder_config.train_files),
-                    'eval': self._generate_examples(self.builder_config.eval_files)}
+            return {'train': self._generate_examples(train_files), 'eval': self._generate_examples(eval_files)}
 
         def _generate_examples(self, files):
             for path in files:
                 yield path, {'text': epath.Path(path).read_bytes().decode('utf-8', 'replace')}
 
-    config = FilesConfig(name=name, train_files=train_files, eval_files=eval_files)
-    return TextFiles(config=config, data_dir=data_dir, file_format='array_record')
-
-
-def _file_sources(cfg, log=None):
-    """(train texts, eval texts, identity) for dataset=files|stdlib, prepared once into cache_dir."""
-    import tensorflow_datasets as tfds
-    train_files, eval_files = _split_files(cfg)
-    name = 'files_' + _fingerprint(train_files, eval_files)
     with _locked(cfg.cache_dir):  # the builder reads what is prepared when made: after another process built it
-        builder = _text_files_builder(name, train_files, eval_files, cfg.cache_dir)
+        builder = TextFiles(config=tfds.core.BuilderConfig(name=name), data_dir=cfg.cache_dir,
+                            file_format='array_record')
         if not builder.is_prepared():
             tfds.disable_progress_bar()
             with _announced(log, f'building the text dataset from {len(train_files)} + {len(eval_files)} '
@@ -609,7 +578,7 @@ def _file_sources(cfg, log=None):
                 builder.download_and_prepare(file_format='array_record', download_config=tfds.download.DownloadConfig(
                     compute_stats=tfds.download.ComputeStatsMode.SKIP))
     source = builder.as_data_source()
-    return _Texts(source['train'], 'text'), _Texts(source['eval'], 'text'), name
+    return _texts(source['train'], 'text'), _texts(source['eval'], 'text'), name
 
 
 def _tfds_sources(cfg):
@@ -642,18 +611,18 @@ def _tfds_sources(cfg):
     if not len(sources[0]):
         raise DataError(f'train_split={cfg.train_split!r} of {cfg.tfds_name} has no records: choose a split with data')
     identity = 'tfds_' + builder.info.full_name.replace('/', '_') + f'_{cfg.train_split}'
-    return _Texts(sources[0], cfg.text_key), _Texts(sources[1], cfg.text_key), identity
+    return _texts(sources[0], cfg.text_key), _texts(sources[1], cfg.text_key), identity
 
 
 # ---- text: Hugging Face datasets ----------------------------------------------------------------
 
-def _hf_split(cfg, split, key, streaming=None):
-    """One split of dataset=hf (datasets.load_dataset: a hub name, or a builder such as json / parquet / text
+def _hf_split(cfg, key):
+    """The split cfg.<key> of dataset=hf (datasets.load_dataset: a hub name, or a builder such as json / parquet / text
     with hf_data_files), prepared into cache_dir/hf. What the hub or the files refuse is one DataError naming
     the key; without network or with HF_HUB_OFFLINE=1 only what is cached loads."""
     if not cfg.hf_path:
-        raise DataError('dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, parquet, '
-                        'text, csv) with hf_data_files')
+        raise DataError('dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, '
+                        'parquet, text, csv) with hf_data_files')
     try:
         import datasets
     except ImportError:
@@ -662,26 +631,23 @@ def _hf_split(cfg, split, key, streaming=None):
     for name in ('datasets', 'huggingface_hub'):  # their retries and fallbacks: the error below says it once
         logging.getLogger(name).setLevel(logging.CRITICAL)
     files = [f.strip() for f in cfg.hf_data_files.split(',')] if cfg.hf_data_files else None
-    streaming = cfg.hf_streaming if streaming is None else streaming
     try:
         with _locked(cfg.cache_dir):
-            found = datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=split,
-                                          streaming=streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
+            found = datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=getattr(cfg, key),
+                                          streaming=cfg.hf_streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
     except Exception as e:
-        raise _hf_error(cfg, e, split, key) from None
-    return _HFRecords(cfg, found, split, key) if streaming else found
+        raise _hf_error(cfg, e, key) from None
+    return _HFRecords(cfg, found, key) if cfg.hf_streaming else found
 
 
-def _hf_error(cfg, e, split, key):
+def _hf_error(cfg, e, key):
     """What the hub or the files refuse, loading or streaming: a DataError naming the key."""
-    if isinstance(e, DataError):
-        return e
     text = first_line(e, typed=False, limit=200) if str(e) else ''
     if isinstance(e, ConnectionError):
         return DataError(f'hf_path={cfg.hf_path}: {text} (offline, only datasets in cache_dir load; a private one '
                          'needs HF_TOKEN)')
     if isinstance(e, ValueError) and 'split' in text.lower():  # a split it lacks
-        return DataError(f'{key}={split}: {text}')
+        return DataError(f'{key}={getattr(cfg, key)}: {text}')
     where = 'hf_data_files' if cfg.hf_data_files else 'hf_path'  # files the builder cannot read, a refused dataset
     return DataError(f'{where}={getattr(cfg, where)}: {type(e).__name__}: {text}')
 
@@ -690,14 +656,14 @@ class _HFRecords:
     """A streamed split whose records come with the same one-line errors as loading it: a stream only reads
     (and fails on) its files as it is iterated. The rest of the stream's interface passes through."""
 
-    def __init__(self, cfg, stream, split, key):
-        self.cfg, self.stream, self.split, self.key = cfg, stream, split, key
+    def __init__(self, cfg, stream, key):
+        self.cfg, self.stream, self.key = cfg, stream, key
 
     def __iter__(self):
         try:
             yield from self.stream
         except Exception as e:
-            raise _hf_error(self.cfg, e, self.split, self.key) from None
+            raise _hf_error(self.cfg, e, self.key) from None
 
     def __getattr__(self, name):  # set_epoch, state_dict, load_state_dict, n_shards, ...
         return getattr(self.stream, name)
@@ -713,16 +679,16 @@ def _hf_identity(cfg, *parts):
 def _hf_sources(cfg):
     """(train texts, eval texts, identity) of a random-access dataset=hf: the split's records, and eval from
     hf_eval_split or else a fixed ~3% of the records (by a hash of their index) held out of training."""
-    train = _hf_split(cfg, cfg.hf_split, 'hf_split')
+    train = _hf_split(cfg, 'hf_split')
     if cfg.hf_eval_split:
-        eval_ = _hf_split(cfg, cfg.hf_eval_split, 'hf_eval_split')
+        eval_ = _hf_split(cfg, 'hf_eval_split')
     else:
         ids = np.arange(len(train))
         held = (ids * 2654435761 % 2 ** 32) % 32 == 0
         train, eval_ = train.select(ids[~held]), train.select(ids[held])
     if not len(train):
         raise DataError(f'hf_split={cfg.hf_split}: no records')
-    return _Texts(train, cfg.text_key), _Texts(eval_, cfg.text_key), _hf_identity(cfg, len(train))
+    return _texts(train, cfg.text_key), _texts(eval_, cfg.text_key), _hf_identity(cfg, len(train))
 
 
 class _Stream(grain.IterDataset):
@@ -765,43 +731,61 @@ class _StreamIterator(grain.DatasetIterator):
 
 # ---- text: tokenizer --------------------------------------------------------------------------
 
-def _train_tokenizer(texts, vocab_size, path):
+def _sentences(texts, cfg):
+    """What the tokenizer trains on: up to ~5 MB of the training split in record order, cut at line ends into
+    sentences of about _SENTENCE_CHARS (a longer line stays whole, and sentencepiece skips it). Text with no such
+    sentence stops here, naming why: sentencepiece would fail on it blaming vocab_size."""
+    sentences, read = [], 0
+    for i in range(len(texts)):
+        text, chunk = texts[i], ''
+        for line in text.splitlines(keepends=True):
+            if chunk and len(chunk) + len(line) > _SENTENCE_CHARS:
+                sentences.append(chunk)
+                chunk = ''
+            chunk += line
+        sentences += [chunk] if chunk else []
+        read += len(text)
+        if read >= _TOKENIZER_SAMPLE_CHARS:
+            break
+    text = [s for s in sentences if not s.isspace()]
+    if any(len(s) <= _MAX_SENTENCE_CHARS for s in text):
+        return sentences
+    if not read:
+        why = ('every file is empty' if cfg.dataset in ('files', 'stdlib') else
+               f"every record's text (text_key={cfg.text_key!r}) is empty")
+    elif not text:
+        why = 'the text is only whitespace'
+    else:
+        nul = 'NUL-separated text with ' if any('\0' in s for s in text) else ''
+        why = (f'{nul}no line breaks in {max(map(len, text)):,} characters (sentencepiece takes lines of up to '
+               f'{_MAX_SENTENCE_CHARS:,}): break the text into lines')
+    raise DataError(f'{_corpus_key(cfg)}: no text to train the tokenizer on: {why}')
+
+
+def _train_tokenizer(sentences, vocab_size, path):
     """Byte-fallback BPE that keeps code layout: no whitespace normalisation, newlines inside pieces."""
     import sentencepiece as spm
-
-    def sentences():  # up to ~5 MB of the training split in record order, cut at line ends
-        budget = _TOKENIZER_SAMPLE_CHARS
-        for i in range(len(texts)):
-            text = texts[i]
-            chunk = ''
-            for line in text.splitlines(keepends=True):
-                if chunk and len(chunk) + len(line) > _SENTENCE_CHARS:
-                    yield chunk
-                    chunk = ''
-                chunk += line
-            if chunk:
-                yield chunk
-            budget -= len(text)
-            if budget <= 0:
-                return
-
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences(), model_writer=model, vocab_size=vocab_size, model_type='bpe',
+            sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size, model_type='bpe',
             byte_fallback=True, character_coverage=0.9995,   # rare characters go to byte pieces
             normalization_rule_name='identity', remove_extra_whitespaces=False, add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True, split_digits=False, max_sentence_length=4 * _SENTENCE_CHARS,
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-            num_threads=os.cpu_count() or 1, minloglevel=2)
+            allow_whitespace_only_pieces=True, split_digits=False, max_sentence_length=_MAX_SENTENCE_CHARS,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, num_threads=os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as e:  # e.g. too little text for this many pieces; spm says which size would fit
         reason = str(e).split('] ')[-1]
         raise DataError(f'vocab_size={vocab_size}: cannot train a tokenizer of that size on this text '
                         f'({reason})') from None
+    _save(path, lambda f: f.write(model.getvalue()))
+
+
+def _save(path, write):
+    """write(file) into a new file that then replaces `path` atomically: a crash never leaves half a cache file."""
     tmp = f'{path}.tmp{os.getpid()}'
     with open(tmp, 'wb') as f:
-        f.write(model.getvalue())
-    os.replace(tmp, path)  # atomic, so a crash never leaves half a model behind
+        write(f)
+    os.replace(tmp, path)
 
 
 def _tokenizer(cfg, train_texts, identity, log=None):
@@ -815,17 +799,16 @@ def _tokenizer(cfg, train_texts, identity, log=None):
         with _locked(cfg.cache_dir):
             if not os.path.exists(path):
                 with _announced(log, f'training a {cfg.vocab_size}-piece BPE tokenizer on the training text'):
-                    _train_tokenizer(train_texts, cfg.vocab_size, path)
+                    _train_tokenizer(_sentences(train_texts, cfg), cfg.vocab_size, path)
     try:
         sp = (spm.SentencePieceProcessor(model_proto=epath.Path(path).read_bytes()) if '://' in path  # gs://
               else spm.SentencePieceProcessor(model_file=path))
     except (OSError, RuntimeError) as e:
-        raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({first_line(e, typed=False, limit=120)}); give '
-                        "a .model file, or '' to train one") from None
+        raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({first_line(e, typed=False, limit=120)}); '
+                        "give a .model file, or '' to train one") from None
     size = sp.get_piece_size()
     if size != cfg.vocab_size:
-        raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: '
-                        f'set vocab_size={size}')
+        raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: set vocab_size={size}')
     if sp.eos_id() < 0:
         raise DataError(f'tokenizer {path} has no eos piece, which ends every document: retrain it with eos_id set')
     return sp
@@ -849,27 +832,27 @@ def _pack(docs, length):
 
 
 class TextData(_Data):
-    """Documents from a random-access text source, tokenized on the fly and packed into rows."""
+    """Documents from a random-access text source, tokenized on the fly and packed into rows. `sources`:
+    (train texts, eval texts, identity), as the *_sources functions make them."""
 
-    def __init__(self, cfg, train_texts, eval_texts, identity, process_index, process_count, log=None):
+    def __init__(self, cfg, sources, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count)
-        self.train_texts, self.eval_texts, self.identity = train_texts, eval_texts, identity
+        self.train_texts, self.eval_texts, self.identity = sources
         # The eval records this process reads: disjoint between processes, all of them together. A process
         # left without any (fewer records than processes) reads padding, which weighs nothing.
-        self.eval_records = np.arange(process_index, len(eval_texts), process_count)
-        self.tokenizer = _tokenizer(cfg, train_texts, identity, log)
+        self.eval_records = np.arange(process_index, len(self.eval_texts), process_count)
+        self.tokenizer = _tokenizer(cfg, self.train_texts, self.identity, log)
         self.vocab_size, self.length = self.tokenizer.get_piece_size(), cfg.max_target_length
         self.eos_id = self.tokenizer.eos_id()
         self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
-        self._order = grain.MapDataset.source(train_texts).shuffle(seed=cfg.seed).repeat().map(self.encode)
+        self._order = self.train_texts.shuffle(seed=cfg.seed).repeat().map(self.encode)
 
     def tokenizer_files(self):
         """The tokenizer as Hugging Face reads a Llama one: {file name: contents} of tokenizer.model and
         tokenizer_config.json (train.py writes them, to a disk or a bucket)."""
         piece = self.tokenizer.id_to_piece
-        config = {'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(self.bos_id),
-                  'eos_token': piece(self.eos_id), 'unk_token': piece(self.tokenizer.unk_id()),
-                  'add_bos_token': True, 'add_eos_token': False,
+        config = {'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(self.bos_id), 'eos_token': piece(self.eos_id),
+                  'unk_token': piece(self.tokenizer.unk_id()), 'add_bos_token': True, 'add_eos_token': False,
                   'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
                   'model_max_length': self.cfg.max_target_length}
         return {'tokenizer.model': self.tokenizer.serialized_model_proto(),
@@ -880,7 +863,7 @@ class TextData(_Data):
         return np.asarray([self.bos_id] + self.tokenizer.encode(text) + [self.eos_id], np.int32)
 
     def _lane(self, row, rows):
-        return _pack(self._order[row::rows].to_iter_dataset(_READ), self.length)
+        return _pack(super()._lane(row, rows), self.length)
 
     def eval_batches(self, local_rows, n):
         # Fixed order and a single pass: batches past the end of the split are padding (loss_mask 0).
@@ -901,26 +884,23 @@ class StreamData(TextData):
             raise DataError('hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. validation), '
                             'or eval_batches=0')
         head, chars = [], 0
-        for record in _hf_split(cfg, cfg.hf_split, 'hf_split'):
+        for record in _hf_split(cfg, 'hf_split'):
             head.append(record)
             chars += len(_text(record, cfg.text_key))
             if chars >= _TOKENIZER_SAMPLE_CHARS:
                 break
-        evals = itertools.islice(_hf_split(cfg, cfg.hf_eval_split, 'hf_eval_split'), _EVAL_HEAD_DOCS) if \
-            cfg.hf_eval_split else []
-        super().__init__(cfg, _Texts(head, cfg.text_key), _Texts(list(evals), cfg.text_key),
-                         _hf_identity(cfg, 'stream'), process_index, process_count, log)
+        evals = list(itertools.islice(_hf_split(cfg, 'hf_eval_split'), _EVAL_HEAD_DOCS)) if cfg.hf_eval_split else []
+        sources = _texts(head, cfg.text_key), _texts(evals, cfg.text_key), _hf_identity(cfg, 'stream')
+        super().__init__(cfg, sources, process_index, process_count, log)
 
     def train_iter(self, local_rows, state=None):
         from datasets.distributed import split_dataset_by_node
         host = (self.process_index, self.process_count)
-        share = split_dataset_by_node(_hf_split(self.cfg, self.cfg.hf_split, 'hf_split').stream, *host)
-        docs = _Stream(_HFRecords(self.cfg, share, self.cfg.hf_split, 'hf_split'),
-                       self.encode, self.cfg.text_key)
+        share = split_dataset_by_node(_hf_split(self.cfg, 'hf_split').stream, *host)
+        docs = _Stream(_HFRecords(self.cfg, share, 'hf_split'), self.encode, self.cfg.text_key)
         batches = _pack(docs, self.length).batch(local_rows, drop_remainder=True)
-        lanes_state, first = self._resumable(state, local_rows * self.process_count), local_rows * self.process_index
-        return _StreamBatches(batches, self.cfg.prefetch, host, local_rows,
-                              lanes_state and lanes_state[first:first + local_rows], self.identity)
+        return _StreamBatches(batches, self.cfg.prefetch, host, local_rows, self._resumable(state, local_rows),
+                              self.identity)
 
 
 # ---- Sudoku: the rules, defined once ------------------------------------------------------------
@@ -978,9 +958,7 @@ def _search(grid, limit):
             bit, (r, c, b) = 1 << v, _CELL_UNITS[i]
             if (used[r] | used[c] | used[b]) & bit:
                 return None, 0  # the givens already clash
-            used[r] |= bit
-            used[c] |= bit
-            used[b] |= bit
+            used[r], used[c], used[b] = used[r] | bit, used[c] | bit, used[b] | bit
     empty = [i for i in range(81) if not g[i]]
     found = []
 
@@ -1003,13 +981,9 @@ def _search(grid, limit):
             bit = best_mask & -best_mask
             best_mask ^= bit
             g[best] = bit.bit_length() - 1
-            used[r] |= bit
-            used[c] |= bit
-            used[b] |= bit
+            used[r], used[c], used[b] = used[r] | bit, used[c] | bit, used[b] | bit
             stop = recurse()
-            used[r] ^= bit
-            used[c] ^= bit
-            used[b] ^= bit
+            used[r], used[c], used[b] = used[r] ^ bit, used[c] ^ bit, used[b] ^ bit
             g[best] = 0
             if stop:
                 return True
@@ -1025,25 +999,6 @@ def solve(grid):
     return (None if solution is None else np.asarray(solution, np.uint8)), count
 
 
-def _make_puzzle(rng, blanks):
-    # The three diagonal boxes share no row or column, so any filling of them completes to a grid.
-    seed_grid = [0] * 81
-    for b in range(3):
-        for k, d in enumerate(rng.sample(range(1, 10), 9)):
-            seed_grid[(3 * b + k // 3) * 9 + 3 * b + k % 3] = d
-    solution = _search(seed_grid, limit=1)[0]
-    puzzle, removed = list(solution), 0
-    for i in rng.sample(range(81), 81):
-        if removed == blanks:
-            break
-        puzzle[i] = 0
-        if _search(puzzle, limit=2)[1] == 1:
-            removed += 1
-        else:
-            puzzle[i] = solution[i]  # that blank would allow a second solution
-    return puzzle, solution
-
-
 def generate_sudoku(n, blanks, seed, stream='train'):
     """(puzzles uint8[n, 81], solutions uint8[n, 81]), each puzzle with exactly one solution.
 
@@ -1053,7 +1008,23 @@ def generate_sudoku(n, blanks, seed, stream='train'):
     """
     q, a, blanks = np.zeros((n, 81), np.uint8), np.zeros((n, 81), np.uint8), np.atleast_1d(blanks)
     for i in range(n):
-        q[i], a[i] = _make_puzzle(random.Random(f'sudoku/{stream}/{seed}/{i}'), blanks[i % len(blanks)])
+        rng = random.Random(f'sudoku/{stream}/{seed}/{i}')
+        # The three diagonal boxes share no row or column, so any filling of them completes to a grid.
+        seed_grid = [0] * 81
+        for b in range(3):
+            for k, d in enumerate(rng.sample(range(1, 10), 9)):
+                seed_grid[(3 * b + k // 3) * 9 + 3 * b + k % 3] = d
+        a[i] = solution = _search(seed_grid, limit=1)[0]
+        puzzle, removed = list(solution), 0
+        for cell in rng.sample(range(81), 81):
+            if removed == blanks[i % len(blanks)]:
+                break
+            puzzle[cell] = 0
+            if _search(puzzle, limit=2)[1] == 1:
+                removed += 1
+            else:
+                puzzle[cell] = solution[cell]  # that blank would allow a second solution
+        q[i] = puzzle
     return q, a
 
 
@@ -1067,27 +1038,18 @@ def augment(q, a, rng):
     rows = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
     cols = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
     index_99 = rows[:, None] * 9 + cols[None, :]
-    if rng.random() < 0.5:
-        index_99 = index_99.T
-    index = index_99.reshape(81)
+    index = (index_99.T if rng.random() < 0.5 else index_99).reshape(81)
     return digits[np.asarray(q)[index]], digits[np.asarray(a)[index]]
 
 
 # ---- Sudoku: CSV files (public sudoku-extreme layout: source,q,a,rating) -------------------------
 
-def _digit_rows(strings):
-    return (np.frombuffer(''.join(strings).encode('ascii'), np.uint8) - ord('0')).reshape(-1, 81)
-
-
-_CSV_HEADERS = (('q', 'a'), ('question', 'answer'), ('puzzle', 'solution'))  # spellings in use
-
-
 def _csv_columns(path, first):
     """(puzzle column, solution column, whether `first` is a data row). A header names its columns with
-    one of _CSV_HEADERS; without one, columns are read by position as the TRM reference does: the public
+    one of the spellings in use; without one, columns are read by position as the TRM reference does: the public
     layout source,question,answer,rating (or a bare puzzle,solution pair)."""
     names = [c.strip().lower() for c in first]
-    for q, a in _CSV_HEADERS:
+    for q, a in (('q', 'a'), ('question', 'answer'), ('puzzle', 'solution')):
         if q in names and a in names:
             return names.index(q), names.index(a), False
     if not any(len(c.strip()) == 81 for c in first):
@@ -1112,7 +1074,8 @@ def read_sudoku_csv(path, key='dataset_path'):
             raise DataError(f'{path}:{reader.line_num}: {e}') from None
     if not puzzles:
         raise DataError(f'{key}={path!r}: no puzzles in the file')
-    q, a = _digit_rows(puzzles), _digit_rows(solutions)
+    q, a = ((np.frombuffer(''.join(grids).encode('ascii'), np.uint8) - ord('0')).reshape(-1, 81)
+            for grids in (puzzles, solutions))
     clash = ((q != 0) & (q != a)).any(axis=1)
     bad = clash | ~np.concatenate([solved(a[i:i + 65536]) for i in range(0, len(a), 65536)])  # bounded memory
     if bad.any():
@@ -1161,23 +1124,23 @@ def write_sudoku_csv(path, q, a):
     with open(path, 'w', newline='') as f:
         writer = csv.writer(f)
         writer.writerow(['source', 'q', 'a', 'rating'])
-        for puzzle, solution in zip(np.asarray(q), np.asarray(a)):
-            writer.writerow(['generated', ''.join(str(d) for d in puzzle).replace('0', '.'),
-                             ''.join(str(d) for d in solution), 0])  # rating 0 = unrated
+        writer.writerows(['generated', ''.join(map(str, puzzle)).replace('0', '.'), ''.join(map(str, solution)), 0]
+                         for puzzle, solution in zip(np.asarray(q), np.asarray(a)))  # rating 0 = unrated
 
 
-def _cached_sudoku(cache_dir, n, blanks, seed, split, log=None):
-    mix = '-'.join(map(str, np.atleast_1d(blanks)))  # 45, or 45-81 for a mix
-    path = os.path.join(cache_dir, 'sudoku', f'{split}_seed{seed}_blanks{mix}_n{n}_v{_SUDOKU_GEN_VERSION}.npz')
-    with _locked(cache_dir):
+def _puzzles(cfg, split, log=None):
+    """(puzzles, solutions) of the train or eval split: its CSV file if set, else generated once into cache_dir."""
+    key, n = ('dataset_path', cfg.sudoku_train_puzzles) if split == 'train' else ('eval_path', cfg.sudoku_eval_puzzles)
+    if getattr(cfg, key):
+        return read_sudoku_csv(getattr(cfg, key), key)
+    mix = '-'.join(map(str, cfg.sudoku_blanks))  # 45, or 45-81 for a mix
+    path = os.path.join(cfg.cache_dir, 'sudoku', f'{split}_seed{cfg.seed}_blanks{mix}_n{n}_v{_SUDOKU_GEN_VERSION}.npz')
+    with _locked(cfg.cache_dir):
         if not os.path.exists(path):
             with _announced(log, f'generating {n} {split} puzzles with {mix} blanks'):
-                q, a = generate_sudoku(n, blanks, seed, stream=split)
+                q, a = generate_sudoku(n, cfg.sudoku_blanks, cfg.seed, stream=split)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f'{path}.tmp{os.getpid()}'
-            with open(tmp, 'wb') as f:
-                np.savez(f, q=q, a=a)
-            os.replace(tmp, path)
+            _save(path, lambda f: np.savez(f, q=q, a=a))
     with np.load(path) as f:
         return f['q'], f['a']
 
@@ -1194,22 +1157,15 @@ class SudokuData(_Data):
 
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count)
-        if cfg.dataset_path:
-            self.train_q, self.train_a = read_sudoku_csv(cfg.dataset_path, 'dataset_path')
-        else:
-            self.train_q, self.train_a = _cached_sudoku(
-                cfg.cache_dir, cfg.sudoku_train_puzzles, cfg.sudoku_blanks, cfg.seed, 'train', log)
-        if cfg.eval_path:
-            self.eval_q, self.eval_a = read_sudoku_csv(cfg.eval_path, 'eval_path')
-        else:
-            q, a = _cached_sudoku(cfg.cache_dir, cfg.sudoku_eval_puzzles, cfg.sudoku_blanks, cfg.seed, 'eval', log)
-            # A separate seed stream makes overlap unlikely; this makes it impossible.
+        self.train_q, self.train_a = _puzzles(cfg, 'train', log)
+        self.eval_q, self.eval_a = _puzzles(cfg, 'eval', log)
+        if not cfg.eval_path:  # a separate seed stream makes overlap unlikely; this makes it impossible
             seen = {s.tobytes() for s in self.train_a}
-            keep = np.array([s.tobytes() not in seen for s in a], bool)
-            self.eval_q, self.eval_a = q[keep], a[keep]
+            keep = np.array([s.tobytes() not in seen for s in self.eval_a], bool)
+            self.eval_q, self.eval_a = self.eval_q[keep], self.eval_a[keep]
+        blanks = ','.join(map(str, cfg.sudoku_blanks))
         self.identity = (f'sudoku {cfg.dataset_path}' if cfg.dataset_path else
-                         f'sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {",".join(map(str, cfg.sudoku_blanks))} '
-                         f'blanks, seed {cfg.seed}')
+                         f'sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {blanks} blanks, seed {cfg.seed}')
         self._order = grain.MapDataset.range(len(self.train_q)).shuffle(seed=cfg.seed).repeat().map_with_index(
             self._example)
 
@@ -1219,18 +1175,14 @@ class SudokuData(_Data):
             q, a = augment(q, a, np.random.default_rng([self.cfg.seed, position // len(self.train_q), rid]))
         return _full_row(q.astype(np.int32) + 1, a.astype(np.int32) + 1)
 
-    def _lane(self, row, rows):
-        return self._order[row::rows].to_iter_dataset(_READ)
-
     def eval_batches(self, local_rows, n=None):
         """n batches (None: enough for the whole eval set), fixed order, unaugmented. Batch i of the whole
         system holds puzzles i * rows onward in file order, process p its p-th share of them, so the
         gathered answers come back in file order; rows past the end are padding (loss_mask 0)."""
         rows = local_rows * self.process_count
         n = -(-len(self.eval_q) // rows) if n is None else n
-        first = [i * rows + self.process_index * local_rows for i in range(n)]
-        ids = [np.arange(f, min(f + local_rows, len(self.eval_q))) for f in first]
-        return [_sudoku_batch(self.eval_q[i], self.eval_a[i], local_rows) for i in ids]
+        starts = [i * rows + self.process_index * local_rows for i in range(n)]
+        return [_sudoku_batch(self.eval_q[s:s + local_rows], self.eval_a[s:s + local_rows], local_rows) for s in starts]
 
 
 # ---- entry points -----------------------------------------------------------------------------
@@ -1242,7 +1194,8 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     try:
         os.makedirs(cfg.cache_dir, exist_ok=True)
     except OSError as e:
-        raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable cache_dir') from None
+        raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable '
+                        'cache_dir') from None
     if source:
         ds = source(cfg, process_index, process_count, log)
     elif cfg.dataset == 'synthetic':
@@ -1251,7 +1204,7 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
         ds = StreamData(cfg, process_index, process_count, log)
     else:
         sources = {'tfds': _tfds_sources, 'hf': _hf_sources}.get(cfg.dataset, lambda cfg: _file_sources(cfg, log))(cfg)
-        ds = TextData(cfg, *sources, process_index, process_count, log)
+        ds = TextData(cfg, sources, process_index, process_count, log)
     ds.log = log or ds.log
     return ds
 

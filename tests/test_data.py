@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import data
+import train
 from conftest import HF, ROOT, SUDOKU, TEXT, VOCAB, config, dataset, documents_text, write_corpus, write_parquet
 
 
@@ -271,6 +272,34 @@ def test_user_errors_name_the_key(tmp_path, corpus):
         dataset(config(tmp_path, 'dataset=tfds', 'tfds_name=no_such_dataset_xyz', preset=()))
     with pytest.raises(data.DataError, match='dataset_path='):
         dataset(config(tmp_path, f'dataset_path={tmp_path}/missing.csv', preset=SUDOKU))
+
+
+@pytest.mark.parametrize('source, text, why', [
+    ('files', '', 'every file is empty'),
+    ('files', ' \n\t\n   \n', 'the text is only whitespace'),
+    ('files', 'word ' * 4000, 'no line breaks in 20,000 characters (sentencepiece takes lines of up to 16,000): '
+                              'break the text into lines'),
+    ('files', '\0'.join(['one record'] * 2000), 'NUL-separated text with no line breaks in 21,999 characters '
+                                                 '(sentencepiece takes lines of up to 16,000): break the text into '
+                                                 'lines'),
+    ('hf', '', "every record's text (text_key='text') is empty"),
+], ids=['empty', 'whitespace', 'one long line', 'NUL-separated', 'hf empty'])
+def test_a_corpus_without_usable_text_says_why(tmp_path, source, text, why):
+    """Text the tokenizer cannot train on stops the run in one line naming the files and why (sentencepiece
+    itself would blame vocab_size, naming no file)."""
+    if source == 'files':
+        for k in range(3):
+            (tmp_path / f'{k}.txt').write_text(text)
+        where, cfg = f"dataset_path='{tmp_path}/*.txt'", config(tmp_path, f'dataset_path={tmp_path}/*.txt', preset=TEXT)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({'text': [text] * 40}), str(tmp_path / 'd.parquet'))
+        where, cfg = f"hf_data_files='{tmp_path}/d.parquet'", config(tmp_path, f'hf_data_files={tmp_path}/d.parquet',
+                                                                    preset=HF)
+    with pytest.raises(data.DataError) as e:
+        train.run(cfg, jax.devices()[:1])
+    assert f'error: {e.value}'.splitlines() == [f'error: {where}: no text to train the tokenizer on: {why}']
 
 
 def test_vocab_mismatch(tmp_path, corpus):
