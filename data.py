@@ -296,6 +296,99 @@ def held(run_dir, lock):
     return lambda: inode() == first
 
 
+PATH_KEYS = ('output_dir', 'load_params', 'load_hf', 'export_dir', 'dataset_path', 'eval_path', 'tokenizer_path',
+             'hf_data_files', 'compile_cache_dir')
+
+
+def paths_of(cfg):
+    """{key: path} of every path key: what needs credentials, and what tensorstore must be able to name."""
+    return {key: getattr(cfg, key) for key in PATH_KEYS}
+
+
+def check_paths(cfg):
+    """Every path the user typed must exist, whatever else the run does (a resumable run directory would
+    otherwise hide a mistyped load_params). Data paths may be globs; any of them may be on gs://."""
+    check_credentials(paths_of(cfg))
+    for key in ('data_dir', 'cache_dir'):  # array_record's own file layer (no TensorFlow) and flock: local only
+        if remote(getattr(cfg, key)):
+            raise DataError(f'{key}={getattr(cfg, key)}: prepared datasets are read through a local file layer; '
+                              f'give a local directory (copy the data down with `gcloud storage cp -r`, or mount the '
+                              'bucket with gcsfuse)')
+    is_dir, is_file = lambda p: stored(p).is_dir(), lambda p: stored(p).is_file()
+    matches = lambda pattern: bool(expand(pattern))
+    listed = lambda files: all(matches(f.strip()) for f in files.split(',') if f.strip())
+    wanted = {'load_params': is_dir, 'load_hf': is_dir, 'tokenizer_path': is_file,
+              'data_dir': is_dir, 'dataset_path': matches, 'eval_path': matches, 'hf_data_files': listed}
+    for key, exists in wanted.items():
+        value = getattr(cfg, key)
+        if value and not exists(value):
+            what = ('no such directory' if exists is is_dir else
+                    'matches no files' if any(c in value for c in '*?[,') else 'no such file')
+            raise DataError(f'{key}={value}: {what}; fix the path (or set {key}= to leave it out)')
+    if cfg.load_params and not checkpoint_steps(cfg.load_params)[1]:
+        raise DataError(f'load_params={cfg.load_params}: no checkpoint there; give a run directory, its '
+                          'checkpoints/ directory or one checkpoints/STEP directory')
+
+
+def checkpoint_steps(path):
+    """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
+    (the checkpoints directory, the steps found there)."""
+    path = path.rstrip('/')
+    if stored(os.path.join(path, 'checkpoints')).is_dir():
+        path = os.path.join(path, 'checkpoints')
+    if os.path.basename(path).isdigit() and stored(path).is_dir():
+        return os.path.dirname(path), [int(os.path.basename(path))]
+    found = stored(path).iterdir() if stored(path).is_dir() else []
+    return path, sorted(int(d.name) for d in found if d.name.isdigit())
+
+
+def make_run_dir(cfg, run_dir, log):
+    """output_dir/run_name made (local or gs://); a local directory refusing is the user's to fix (DataError), a
+    bucket refusing, a fault (WriteError)."""
+    bucket = '/'.join(run_dir.split('/')[:3])  # gs://NAME
+    try:
+        if remote(run_dir) and not stored(bucket).exists():  # gcsfs would create the bucket a typo names
+            raise WriteError(f'output_dir={cfg.output_dir}: bucket {bucket} does not exist or these credentials '
+                             f'cannot see it; create it (gcloud storage buckets create {bucket}) or fix output_dir')
+        stored(run_dir).mkdir(parents=True, exist_ok=True)
+    except STORAGE_ERRORS as e:
+        raise (WriteError if remote(run_dir) else DataError)(
+            f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable '
+            'output_dir') from None
+
+
+def prepare_training(cfg, run_dir, log):
+    """mode=train: resume=false moves an earlier run's checkpoints and metrics aside (renamed, never deleted) so the
+    new run starts clean; checkpoints/ is made and written once, now rather than at the first save."""
+    checkpoints = os.path.join(run_dir, 'checkpoints')
+    try:
+        for name in ('checkpoints', 'metrics.jsonl') if not cfg.resume and MAIN else ():
+            if stored(os.path.join(run_dir, name)).exists():
+                moved = set_aside(os.path.join(run_dir, name), 'replaced')
+                log(f'resume=false: moved the earlier {name} aside to {os.path.basename(moved)}')
+        if stored(checkpoints).is_file():
+            raise DataError(f'{checkpoints} is a file, where the run keeps its checkpoints: move it away')
+        stored(checkpoints).mkdir(parents=True, exist_ok=True)
+        probe = stored(checkpoints) / f'.writable-{os.getpid()}'
+        probe.write_text('')
+        probe.unlink()
+    except STORAGE_ERRORS as e:
+        raise (WriteError if remote(run_dir) else DataError)(
+            f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable '
+            'output_dir') from None
+
+
+def kept_rows(path, step, log=print):
+    """The rows of a metrics.jsonl up to `step`; a last row written only in part (a kill mid-write) is dropped."""
+    try:
+        lines = stored(path).read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
+    if lines and not lines[-1].endswith('\n'):
+        log(f'WARNING: {path}: dropped its last line, written only in part: {lines.pop()[:60]!r}')
+    return [r for r in lines if json.loads(r)['step'] <= step]
+
+
 # ---- shared plumbing: lanes, batches, the prefetching iterator --------------------------------
 
 _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # lanes read on the prefetch thread, not a pool each

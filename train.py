@@ -303,14 +303,6 @@ def flat(values, prefix=''):
                                                          else [(f'{prefix}{k}', v)]))
 
 
-PATH_KEYS = ('output_dir', 'load_params', 'load_hf', 'export_dir', 'dataset_path', 'eval_path', 'tokenizer_path',
-             'hf_data_files', 'compile_cache_dir')
-
-
-def paths_of(cfg):
-    return {key: getattr(cfg, key) for key in PATH_KEYS}
-
-
 def check(cfg, task):
     """The rules that tie keys together, the task's own, and the paths: each message names the key and the fix."""
     mesh, axes = ','.join(map(str, cfg.mesh)), ','.join(cfg.mesh_axes)
@@ -340,51 +332,14 @@ def check(cfg, task):
                                       'with a backslash; choose a name without one') for key in ('run_name', 'output_dir')],
         *[(data.remote(path) and data.URL_MANGLED.search(path), f'{key}={path}: tensorstore reads a gs:// path as a URL '
            '(it cuts ? and # and decodes %XX), so arrays would land outside it; choose a name without ?, # or %')
-          for key, path in [*paths_of(cfg).items(), ('run_name', os.path.join(cfg.output_dir, cfg.run_name))]],
+          for key, path in [*data.paths_of(cfg).items(), ('run_name', os.path.join(cfg.output_dir, cfg.run_name))]],
         (cfg.wandb_project and importlib.util.find_spec('wandb') is None,
          f'wandb_project={cfg.wandb_project}: wandb is not installed: pip install wandb==0.31.0 (or set wandb_project=)'),
         (True, task.check(cfg)),
     ]
     if message := next((says for bad, says in rules if bad and says), None):
         raise ConfigError(message)
-    check_paths(cfg)
-
-
-def check_paths(cfg):
-    """Every path the user typed must exist, whatever else the run does (a resumable run directory would
-    otherwise hide a mistyped load_params). Data paths may be globs; any of them may be on gs://."""
-    data.check_credentials(paths_of(cfg))
-    for key in ('data_dir', 'cache_dir'):  # array_record's own file layer (no TensorFlow) and flock: local only
-        if data.remote(getattr(cfg, key)):
-            raise ConfigError(f'{key}={getattr(cfg, key)}: prepared datasets are read through a local file layer; '
-                              f'give a local directory (copy the data down with `gcloud storage cp -r`, or mount the '
-                              'bucket with gcsfuse)')
-    is_dir, is_file = lambda p: data.stored(p).is_dir(), lambda p: data.stored(p).is_file()
-    matches = lambda pattern: bool(data.expand(pattern))
-    listed = lambda files: all(matches(f.strip()) for f in files.split(',') if f.strip())
-    wanted = {'load_params': is_dir, 'load_hf': is_dir, 'tokenizer_path': is_file,
-              'data_dir': is_dir, 'dataset_path': matches, 'eval_path': matches, 'hf_data_files': listed}
-    for key, exists in wanted.items():
-        value = getattr(cfg, key)
-        if value and not exists(value):
-            what = ('no such directory' if exists is is_dir else
-                    'matches no files' if any(c in value for c in '*?[,') else 'no such file')
-            raise ConfigError(f'{key}={value}: {what}; fix the path (or set {key}= to leave it out)')
-    if cfg.load_params and not checkpoint_steps(cfg.load_params)[1]:
-        raise ConfigError(f'load_params={cfg.load_params}: no checkpoint there; give a run directory, its '
-                          'checkpoints/ directory or one checkpoints/STEP directory')
-
-
-def checkpoint_steps(path):
-    """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
-    (the checkpoints directory, the steps found there)."""
-    path = path.rstrip('/')
-    if data.stored(os.path.join(path, 'checkpoints')).is_dir():
-        path = os.path.join(path, 'checkpoints')
-    if os.path.basename(path).isdigit() and data.stored(path).is_dir():
-        return os.path.dirname(path), [int(os.path.basename(path))]
-    found = data.stored(path).iterdir() if data.stored(path).is_dir() else []
-    return path, sorted(int(d.name) for d in found if d.name.isdigit())
+    data.check_paths(cfg)
 
 
 def cpu_has_bf16():
@@ -863,7 +818,7 @@ def config_changes(run_dir, cfg):
 def load_params(path, abstract, cfg, part='params'):
     """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
     (step, the state entry `part` of its newest readable checkpoint)."""
-    path, steps = checkpoint_steps(path)
+    path, steps = data.checkpoint_steps(path)
     with checkpoints(path, cfg, read_only=True) as mngr:
         found = restore_checkpoint(mngr, abstract, cfg, steps, part=part)
     if not found:
@@ -983,17 +938,6 @@ def short_line(m, steps, shown):
     return '  '.join(parts + [fmt.format(m[k]) for k, fmt in shown if k in m])
 
 
-def kept_rows(path, step):
-    """The rows of a metrics.jsonl up to `step`; a last row written only in part (a kill mid-write) is dropped."""
-    try:
-        lines = data.stored(path).read_text().splitlines(keepends=True)
-    except FileNotFoundError:
-        return []
-    if lines and not lines[-1].endswith('\n'):
-        log(f'WARNING: {path}: dropped its last line, written only in part: {lines.pop()[:60]!r}')
-    return [r for r in lines if json.loads(r)['step'] <= step]
-
-
 def open_wandb(cfg, run_dir):
     """The run's W&B run, the same one across resumes (its id is kept in RUN_DIR/wandb_id), with the resolved
     config. WANDB_MODE=offline writes it under RUN_DIR/wandb for `wandb sync` later (a bucket's run: under the
@@ -1041,7 +985,7 @@ class MetricsWriter:
         self.path, self.rows, self.unsent, self.tb, self.wandb = os.path.join(run_dir, 'metrics.jsonl'), [], [], None, None
         if self.main:
             self.wandb = open_wandb(cfg, run_dir) if cfg.wandb_project else None
-            data.write(self.path, ''.join(kept_rows(self.path, start_step)) if start_step else '')
+            data.write(self.path, ''.join(data.kept_rows(self.path, start_step, log)) if start_step else '')
             self.tb_dir = tempfile.mkdtemp(prefix='tensorboard-') if data.remote(run_dir) else run_dir
             for f in data.stored(run_dir).glob('events.out.tfevents.steps-*') if data.remote(run_dir) else ():
                 if int(f.name.split('-')[1]) > start_step:  # written past the checkpoint resumed from
@@ -1578,31 +1522,12 @@ def run_directory(cfg):
     and in mode=train owned by this run (one run trains in a run directory at a time). resume=false moves an
     earlier run's checkpoints and metrics aside (renamed, never deleted) so the new run starts clean."""
     run_dir = os.path.join(cfg.output_dir, cfg.run_name)
-    checkpoints_dir, bucket = os.path.join(run_dir, 'checkpoints'), '/'.join(run_dir.split('/')[:3])  # gs://NAME
+    data.make_run_dir(cfg, run_dir, log)
+    lock, key = hold(run_dir, cfg) if cfg.mode == 'train' else None, run_dir if data.remote(run_dir) else os.path.abspath(run_dir)
     try:
-        if data.remote(run_dir) and not data.stored(bucket).exists():  # gcsfs would create the bucket a typo names
-            raise data.WriteError(f'output_dir={cfg.output_dir}: bucket {bucket} does not exist or these credentials '
-                                  f'cannot see it; create it (gcloud storage buckets create {bucket}) or fix output_dir')
-        data.stored(run_dir).mkdir(parents=True, exist_ok=True)
-        lock = hold(run_dir, cfg) if cfg.mode == 'train' else None
         if cfg.mode == 'train':
-            for name in ('checkpoints', 'metrics.jsonl') if not cfg.resume and data.MAIN else ():
-                if data.stored(os.path.join(run_dir, name)).exists():
-                    moved = data.set_aside(os.path.join(run_dir, name), 'replaced')
-                    log(f'resume=false: moved the earlier {name} aside to {os.path.basename(moved)}')
-            if data.stored(checkpoints_dir).is_file():
-                raise ConfigError(f'{checkpoints_dir} is a file, where the run keeps its checkpoints: move it away')
-            data.stored(checkpoints_dir).mkdir(parents=True, exist_ok=True)
-            probe = data.stored(checkpoints_dir) / f'.writable-{os.getpid()}'  # now rather than at the first save
-            probe.write_text('')
-            probe.unlink()
-    except data.STORAGE_ERRORS as e:  # a local directory refusing is the user's to fix; a bucket refusing, a fault
-        raise (data.WriteError if data.remote(run_dir) else ConfigError)(
-            f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({data.storage_reason(e)}); choose a writable '
-            'output_dir') from None
-    key = run_dir if data.remote(run_dir) else os.path.abspath(run_dir)
-    data.HELD[key] = data.held(run_dir, lock)
-    try:
+            data.prepare_training(cfg, run_dir, log)
+        data.HELD[key] = data.held(run_dir, lock)
         yield run_dir
     finally:
         data.HELD.pop(key, None)

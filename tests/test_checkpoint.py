@@ -200,7 +200,7 @@ def test_a_nonfinite_step_names_the_checkpoint_to_go_on_from_and_the_advice_work
 
 def test_unwritable_output_dir(tmp_path):
     (tmp_path / 'file').write_text('')
-    with pytest.raises(train.ConfigError, match='output_dir=.*choose a writable output_dir'):
+    with pytest.raises(train.data.DataError, match='output_dir=.*choose a writable output_dir'):
         train.run(config(tmp_path, f'output_dir={tmp_path}/file/sub'), jax.devices()[:1])
 
 
