@@ -30,18 +30,23 @@ import io
 import itertools
 import json
 import logging
+import math
 import os
 import random
 import re
+import shutil
 import socket
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
+import warnings
 
 import grain
 import numpy as np
 from etils import epath
+from tensorboardX import SummaryWriter
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
 
 # Special ids of the tokenizers trained here. A tokenizer given by tokenizer_path keeps its own ids
@@ -308,6 +313,10 @@ def paths_of(cfg):
 def check_paths(cfg):
     """Every path the user typed must exist, whatever else the run does (a resumable run directory would
     otherwise hide a mistyped load_params). Data paths may be globs; any of them may be on gs://."""
+    for key, path in {**paths_of(cfg), 'run_name': cfg.run_name}.items():
+        if remote(cfg.output_dir if key == 'run_name' else path) and URL_MANGLED.search(path):
+            raise DataError(f'{key}={path}: tensorstore reads a gs:// path as a URL (it cuts ? and # and decodes %XX), '
+                            'so arrays would land outside it; choose a name without ?, # or %')
     check_credentials(paths_of(cfg))
     for key in ('data_dir', 'cache_dir'):  # array_record's own file layer (no TensorFlow) and flock: local only
         if remote(getattr(cfg, key)):
@@ -378,6 +387,16 @@ def prepare_training(cfg, run_dir, log):
             'output_dir') from None
 
 
+def resume_metrics(run_dir, step, log=print):
+    """A run starting at `step`: its metrics.jsonl keeps the rows up to it (none from a fresh start), and a bucket's
+    run drops the TensorBoard event files written past it (a local run's are read up to the newest row)."""
+    path = os.path.join(run_dir, 'metrics.jsonl')
+    write(path, ''.join(kept_rows(path, step, log)) if step else '')
+    for f in stored(run_dir).glob('events.out.tfevents.steps-*') if remote(run_dir) else ():
+        if int(f.name.split('-')[1]) > step:
+            f.unlink()
+
+
 def kept_rows(path, step, log=print):
     """The rows of a metrics.jsonl up to `step`; a last row written only in part (a kill mid-write) is dropped."""
     try:
@@ -387,6 +406,134 @@ def kept_rows(path, step, log=print):
     if lines and not lines[-1].endswith('\n'):
         log(f'WARNING: {path}: dropped its last line, written only in part: {lines.pop()[:60]!r}')
     return [r for r in lines if json.loads(r)['step'] <= step]
+
+
+def move_up(local_dir, pattern, run_dir, name=None):
+    """Local files (local_dir/pattern, ** recursive) moved into run_dir at their relative path, or all as `name`:
+    how what the profiler and TensorBoard can write only locally reaches a bucket's run directory."""
+    for f in glob.glob(os.path.join(local_dir, pattern), recursive=True):
+        if os.path.isfile(f):
+            with open(f, 'rb') as local:
+                write(os.path.join(run_dir, name or os.path.relpath(f, local_dir)), local.read())
+            os.remove(f)
+
+
+TOKENIZER_KEYS = ('tokenizer_path', 'vocab_size', 'dataset', 'dataset_path', 'tfds_name', 'train_split', 'hf_path',
+                  'hf_name', 'hf_data_files', 'hf_split', 'text_key')
+
+
+def keep_tokenizer(ds, run_dir, resumed, changes):
+    """What a checkpoint's token ids mean is part of it: a run keeps its tokenizer as RUN_DIR/tokenizer.model, and
+    a resume whose tokenizer differs (other files, vocab_size, tokenizer_path) stops, naming what changed (`changes`:
+    the keys changed since the run's config.yml, as 'key (old -> new)')."""
+    path, model = os.path.join(run_dir, 'tokenizer.model'), ds.tokenizer.serialized_model_proto()
+    if not (resumed and stored(path).exists()):
+        return write(path, model)
+    if stored(path).read_bytes() != model:
+        changed = [c for c in changes if c.split()[0] in TOKENIZER_KEYS] or [
+            'the training text (its files changed, so the tokenizer trained on them did)']
+        raise DataError(f'{path}: this run\'s tokenizer would change with {", ".join(changed)}: the checkpoint\'s '
+                          'token ids would mean other text; undo the change, set tokenizer_path=' + path + ' to keep '
+                          'its tokenizer, or start a new run_name (load_params= takes the weights)')
+
+
+def open_wandb(cfg, run_dir):
+    """The run's W&B run, the same one across resumes (its id is kept in RUN_DIR/wandb_id), with the resolved
+    config. WANDB_MODE=offline writes it under RUN_DIR/wandb for `wandb sync` later (a bucket's run: under the
+    system's temporary directory, since wandb writes only to a local disk)."""
+    import wandb
+    path = os.path.join(run_dir, 'wandb_id')
+    try:
+        run_id = stored(path).read_text().strip() if stored(path).exists() else os.urandom(6).hex()
+    except UnicodeDecodeError:
+        run_id = ''
+    if not re.fullmatch(r'[a-z0-9]{1,64}', run_id):
+        raise DataError(f'{path}: not a W&B run id (a run writes 12 hex digits there); restore it to keep logging '
+                          'to the same W&B run, or delete it to start a new one')
+    write(path, run_id + '\n')
+    local = os.path.join(tempfile.gettempdir(), 'wandb', cfg.run_name) if remote(run_dir) else run_dir
+    os.makedirs(local, exist_ok=True)
+    # wandb's core keeps its logs in its cache directory (~/.cache/wandb) and, where it cannot make that (a home
+    # that is not writable), prints them on stderr instead, line after line: then the cache goes beside the run.
+    cache = os.environ.get('WANDB_CACHE_DIR') or os.path.join(
+        os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'wandb')
+    with contextlib.suppress(OSError):
+        os.makedirs(cache, exist_ok=True)
+    if not os.access(cache, os.W_OK):
+        os.environ['WANDB_CACHE_DIR'] = os.path.join(local, 'wandb-cache')
+    try:
+        return wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity or None, id=run_id, resume='allow',
+                          name=cfg.run_name, dir=local, config=cfg.model_dump(mode='json'),
+                          settings=wandb.Settings(silent=True, console='off'))
+    except Exception as e:  # not logged in, no network, a project the entity cannot write to
+        raise DataError(f'wandb_project={cfg.wandb_project}: W&B refused the run ({first_line(e)}): log in with '
+                          '`wandb login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline, or set '
+                          'wandb_project=') from None
+
+
+def quiet_libraries():
+    """Library noise off stderr, for what the trainer reports in one line: orbax and tfds narrate through
+    absl warnings (a local build as a download, our per-glob builder config); reading a damaged checkpoint,
+    the tensorstore reads orbax left in flight fail later, each logged by asyncio and raised once more from
+    its abandoned coroutine or into a closed event loop; a refused write leaves orbax's write coroutines
+    unawaited, which Python reports at exit."""
+    logging.getLogger('absl').setLevel(logging.CRITICAL)  # orbax logs a failed save it raises to us as well
+    for name in ('gcsfs', 'fsspec', 'google.auth', 'wandb'):  # retries and fallbacks: what matters, we say once
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    warnings.filterwarnings('ignore', r"coroutine '.*' was never awaited", RuntimeWarning)
+    logging.getLogger('asyncio').setLevel(logging.CRITICAL)
+    hook = sys.unraisablehook
+    orbax_read = lambda u: 'orbax' in getattr(getattr(u.object, 'cr_code', None), 'co_filename', '')
+    sys.unraisablehook = lambda u: None if str(u.exc_value) == 'Event loop is closed' or orbax_read(u) else hook(u)
+
+
+class MetricsWriter:
+    """The run's metrics rows, on the MAIN process, to metrics.jsonl, TensorBoard (tensorboardX, no TensorFlow) and
+    W&B. Rows reach the run directory at flush(): after every row on a disk, before each checkpoint on a bucket (an
+    event file per flush there). A resume drops rows past its checkpoint; W&B cannot: it gets rows once saved."""
+
+    def __init__(self, cfg, run_dir, start_step, log=print):
+        self.main, self.remote, self.run_dir, self.rows, self.unsent, self.wandb = MAIN, remote(run_dir), run_dir, [], [], None
+        if self.main:
+            self.wandb = open_wandb(cfg, run_dir) if cfg.wandb_project else None
+            resume_metrics(run_dir, start_step, log)
+            self.tb_dir = tempfile.mkdtemp(prefix='tensorboard-') if self.remote else run_dir
+            self.tb = SummaryWriter(self.tb_dir)
+
+    def write(self, m):
+        if not self.main:
+            return
+        for k, v in m.items():  # a NaN (a metric not measured) would make TensorBoard warn on stderr
+            if k != 'step' and isinstance(v, (int, float)) and math.isfinite(v):
+                self.tb.add_scalar(k, v, m['step'])
+        self.rows.append(m)
+        self.unsent += [m] if self.wandb else []
+        if not self.remote:
+            self.flush()
+
+    def flush(self, saved=False):
+        """The rows since the last flush into the run directory (a bucket's event file goes up closed, whole); with
+        `saved` (a checkpoint holds every row so far) the rows not yet sent go to W&B too."""
+        for m in self.unsent if saved else ():
+            self.wandb.log({k: v for k, v in m.items() if k != 'step'}, step=m['step'])
+        self.unsent = [] if saved else self.unsent
+        rows, self.rows = self.rows, []  # taken first: rows a failed write could not land are not tried again
+        if not rows:  # only process 0 has any
+            return
+        append(os.path.join(self.run_dir, 'metrics.jsonl'), ''.join(json.dumps(m) + '\n' for m in rows))
+        self.tb.flush()
+        if self.remote:
+            self.tb.close()
+            move_up(self.tb_dir, 'events.out.tfevents.*', self.run_dir,
+                         f'events.out.tfevents.steps-{rows[0]["step"]:010d}-{rows[-1]["step"]:010d}')
+            self.tb = SummaryWriter(self.tb_dir)
+
+    def close(self):
+        if self.main:
+            self.flush()
+            self.tb.close()
+            shutil.rmtree(self.tb_dir, ignore_errors=True) if self.remote else None  # a bucket's local staging
+            self.wandb.finish() if self.wandb else None
 
 
 # ---- shared plumbing: lanes, batches, the prefetching iterator --------------------------------

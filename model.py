@@ -652,12 +652,13 @@ def save_hf(cfg, params, out_dir, token_ids, files):
     return tensors
 
 
-def load_hf(cfg, path):
-    """load_hf=DIR: a Hugging Face Llama checkpoint -> {our params path: array}; a DataError naming what is wrong."""
+def load_hf(cfg, path, abstract_params):
+    """load_hf=DIR: a Hugging Face Llama checkpoint -> our params (host arrays shaped and typed as abstract_params);
+    a DataError naming what is wrong."""
     try:
         conf = json.loads(data.stored(os.path.join(path, 'config.json')).read_text())
-        tensors = safetensors.numpy.load(data.stored(os.path.join(path, 'model.safetensors')).read_bytes())
-        return from_hf(cfg, tensors, conf)
+        flat = from_hf(cfg, safetensors.numpy.load(data.stored(os.path.join(path, 'model.safetensors')).read_bytes()),
+                       conf)
     except data.STORAGE_ERRORS as e:
         raise data.DataError(f'load_hf={path}: cannot read {getattr(e, "filename", None) or path} '
                              f'({data.storage_reason(e)}); give a directory with config.json and one '
@@ -666,6 +667,15 @@ def load_hf(cfg, path):
         raise data.DataError(f'load_hf={path}: config.json or model.safetensors is damaged ({str(e)[:200]})') from None
     except ValueError as e:  # the checkpoint and the config disagree
         raise data.DataError(f'load_hf={path}: {e}') from None
+
+    def placed(keypath, a):
+        w = flat[tuple(k.key for k in keypath)]
+        if w.size != a.size:
+            raise data.DataError(f'load_hf={path}: model.safetensors disagrees with its config.json: '
+                                 f'{"/".join(str(k.key) for k in keypath)} holds {w.shape} values where the config '
+                                 f'makes {a.shape}')
+        return w.reshape(a.shape).astype(a.dtype)
+    return jax.tree_util.tree_map_with_path(placed, abstract_params)
 
 
 # ==================================================================================================

@@ -3,36 +3,14 @@
 Read it top to bottom: every section uses only what stands above it, in the order a run meets them:
 config -> devices, hosts and mesh -> sharding -> state -> the step -> eval -> checkpoints -> metrics -> the loop
 -> the other modes -> the TPU fit check -> run() -> the command line. A run goes
-  main -> load_config -> run: check, resolve, agree (every host the same) -> build (mesh, feed, state layout,
-  the jitted steps) -> data.make_dataset -> run_directory -> restore_or_init -> train: train_loop (next_batch,
-  the step, InFlight / Window -> MetricsWriter, save_checkpoint; the Watchdog beside it).
+  main -> load_config -> run: check, resolve, same_everywhere (every host alike) -> build (mesh, feed, state
+  layout, the jitted steps) -> data.make_dataset -> run_directory -> restore_or_init -> train: train_loop
+  (next_batch, the step, Meter -> MetricsWriter, save_checkpoint; the Watchdog beside it).
 What is trained, the language model or the puzzle heads, is a model.Task picked once in run(); the data pipelines
-and the storage layer (local or gs:// paths, the run directory's lock) are in data.py. Shape letters: model.py.
+and the storage layer (local or gs:// paths, the run directory's lock, W&B) are in data.py. Shape letters: model.py.
 """
-import contextlib
-import ctypes
-import dataclasses
-import difflib
-import faulthandler
-import functools
-import glob
-import importlib.util
-import itertools
-import json
-import logging
-import math
-import os
-import pkgutil
-import re
-import resource
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-import warnings
+import contextlib, ctypes, dataclasses, difflib, faulthandler, functools, glob, importlib.util, itertools, json, math
+import os, pkgutil, re, resource, signal, subprocess, sys, tempfile, threading, time
 from typing import Annotated, Any, Callable, Literal, NamedTuple
 
 from flax import nnx
@@ -46,7 +24,6 @@ import yaml
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from pydantic import AfterValidator, BeforeValidator, Field
-from tensorboardX import SummaryWriter
 
 import data
 import model as model_lib
@@ -87,13 +64,10 @@ def _items(value):
     return value if isinstance(value, (list, tuple)) else [value]  # one value (YAML's 45) is a list of one
 
 
-def rule(ok, says):
-    """A rule on one key's value, kept in its type: pydantic reports `says` as that key's error."""
-    def checked(value):
-        if not ok(value):
-            raise ValueError(says)
-        return value
-    return AfterValidator(checked)
+def _mesh_sizes(sizes):
+    if sizes.count(-1) > 1 or any(s < 1 and s != -1 for s in sizes):
+        raise ValueError('use positive sizes and at most one -1')
+    return sizes
 
 
 Number = BeforeValidator(_number)
@@ -106,18 +80,15 @@ NonNeg = Annotated[float, Number, Field(ge=0, le=FLOAT_MAX)]
 Share = Annotated[float, Number, Field(ge=0, le=1)]    # a probability or fraction
 Decay = Annotated[float, Number, Field(ge=0, lt=1)]    # a moving-average decay: 1 would never move
 Names = Annotated[tuple[str, ...], BeforeValidator(_items)]
-Mesh = Annotated[tuple[int, ...], BeforeValidator(_items),
-                 rule(lambda m: m.count(-1) <= 1 and all(s > 0 or s == -1 for s in m), 'use positive sizes and at most one -1')]
 AxisRule = tuple[str, str | tuple[str, ...] | None]
-GiBs = lambda n: n * GiB
 # TPU slices the fit check compiles for: (libtpu topology, chip config, HBM per JAX device). A v2/v3 device is one
 # core (half a chip); a TPU7x (Ironwood) device one of a chip's two dies (libtpu 0.0.51: 8 x 94.7 GiB per 2x2x1).
 TPU_SLICES = {
-    'v2-8': ('v2:2x2', 'default', GiBs(8)), 'v3-8': ('v3:2x2', 'default', GiBs(16)),
-    'v4-8': ('v4:2x2x1', 'megacore', GiBs(32)), 'v4-32': ('v4:2x2x4', 'megacore', GiBs(32)),
-    'v4-64': ('v4:2x4x4', 'megacore', GiBs(32)), 'v5e-8': ('v5e:2x4', 'default', GiBs(16)),
-    'v5p-8': ('v5p:2x2x1', 'megacore', GiBs(95)), 'v6e-8': ('v6e:2x4', 'default', GiBs(32)),
-    'tpu7x-8': ('tpu7x:2x2x1', 'default', GiBs(96)),
+    'v2-8': ('v2:2x2', 'default', 8 * GiB), 'v3-8': ('v3:2x2', 'default', 16 * GiB),
+    'v4-8': ('v4:2x2x1', 'megacore', 32 * GiB), 'v4-32': ('v4:2x2x4', 'megacore', 32 * GiB),
+    'v4-64': ('v4:2x4x4', 'megacore', 32 * GiB), 'v5e-8': ('v5e:2x4', 'default', 16 * GiB),
+    'v5p-8': ('v5p:2x2x1', 'megacore', 95 * GiB), 'v6e-8': ('v6e:2x4', 'default', 32 * GiB),
+    'tpu7x-8': ('tpu7x:2x2x1', 'default', 96 * GiB),
 }
 
 
@@ -157,7 +128,7 @@ SCHEMA = [
           'eval_path tfds_name data_dir train_split eval_split text_key tokenizer_path cache_dir wandb_project '
           'wandb_entity hf_path hf_name hf_data_files hf_split hf_eval_split'),
     (Annotated[tuple[Off, Off], BeforeValidator(_items)], 'profile_steps'),
-    (Mesh, 'mesh'),
+    (Annotated[tuple[int, ...], BeforeValidator(_items), AfterValidator(_mesh_sizes)], 'mesh'),
     (Names, 'mesh_axes'),
     (Annotated[tuple[AxisRule, ...], BeforeValidator(_items)], 'logical_axis_rules'),
     (Count | Literal['auto'], 'per_device_batch'),
@@ -192,13 +163,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML silently keeps the last of two equal keys; a config that sets a key twice is a mistake."""
 
     def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise ConfigError(f'{node.start_mark.name}: key {key!r} is set twice (line '
-                                  f'{key_node.start_mark.line + 1}); keep one')
-            seen.add(key)
+        keys = [(self.construct_object(k, deep=deep), k.start_mark.line + 1) for k, _ in node.value]
+        for i, (key, line) in enumerate(keys):
+            if key in [k for k, _ in keys[:i]]:
+                raise ConfigError(f'{node.start_mark.name}: key {key!r} is set twice (line {line}); keep one')
         return super().construct_mapping(node, deep)
 
 
@@ -241,60 +209,56 @@ def merge(into, new, path, prefix):
 def schema_error(err, path, raw):
     """pydantic's first complaint as our one line: the key, its value as typed, what it must be."""
     names = [p for p in err['loc'] if isinstance(p, str) and p in {k for key in KEYS for k in key.split('.')}]
-    key, kind, value = '.'.join(names), err['type'], raw
+    key, kind, ctx, value, in_list = '.'.join(names), err['type'], err.get('ctx', {}), raw, len(names) < len(err['loc'])
     for name in names:  # the whole value of the key (err['input'] is only the bad item of a list)
         value = value.get(name) if isinstance(value, dict) else None
     shown = value if isinstance(value, str) else json.dumps(value, default=str)  # as typed, or as YAML wrote it
-    ctx = err.get('ctx', {})
+    ops = {'greater_than': '>', 'greater_than_equal': '>=', 'less_than': '<', 'less_than_equal': '<='}
     if kind == 'extra_forbidden':
         return unknown_key(key, path)
     if key == 'logical_axis_rules':
         return (f'logical_axis_rules={shown}: give a list of [logical axis, mesh axis or list of them or null] '
                 'pairs, e.g. [[batch, [data, fsdp]], [embed, fsdp]]')
-    if kind == 'missing' and not any(isinstance(p, int) for p in err['loc']):
+    if kind == 'missing' and not in_list:
         return f'{path}: key {key} is missing; list base.yml first to take it from there: train.py base.yml {path}'
     if kind == 'literal_error':
         return f'{key}={value!r}: choose one of {ctx["expected"].replace(" or ", ", ")}'
-    if kind == 'value_error':
-        return f'{key}={shown}: {ctx["error"]}'
-    ops = {'greater_than': '>', 'greater_than_equal': '>=', 'less_than': '<', 'less_than_equal': '<='}
     if kind in ops:
         bound = next(iter(ctx.values()))
         return f'{key}={shown}: must be {ops[kind]} {f"{bound:g}" if isinstance(bound, float) else bound}'
     if kind in ('missing', 'too_long'):  # a list of fixed length
         return f'{key}={shown}: expected {len(Config.model_fields[key].annotation.__args__)} entries'
-    expected = {'int': 'an integer', 'float': 'a number', 'bool': 'true or false', 'string': 'text',
-                'model': 'a section of keys', 'dict': 'a section of keys', 'tuple': 'a list', 'list': 'a list',
-                'finite': 'a finite number'}
-    what = next((v for k, v in expected.items() if kind.startswith(k)), kind)
-    return f'{key}={shown}: expected {what}' + (' in each entry' if any(isinstance(p, int) for p in err['loc']) else '')
+    expected = {'int': 'an integer', 'float': 'a number', 'bool': 'true or false', 'string': 'text', 'model': 'a section '
+                'of keys', 'dict': 'a section of keys', 'tuple': 'a list', 'list': 'a list', 'finite': 'a finite number'}
+    what = ctx['error'] if kind == 'value_error' else 'expected ' + next((v for k, v in expected.items()
+                                                                           if kind.startswith(k)), kind)
+    return f'{key}={shown}: {what}' + (' in each entry' if in_list and kind != 'value_error' else '')
 
 
 def load_config(paths, overrides=()):
     """YAML files (base.yml, then any files of your own, later keys winning) + ['key=value', ...] -> Config,
     all checked by the one schema. Raises ConfigError naming the key on any mistake."""
-    raw = {}
-    for path in [paths] if isinstance(paths, str) else paths:
+    raw, paths = {}, [paths] if isinstance(paths, str) else paths
+    for path in paths:
         merge(raw, read_yaml(path), path, '')
-    path, given = paths if isinstance(paths, str) else paths[-1], set()
-    for item in overrides:
-        key, eq, text = item.partition('=')
-        if not eq:
+    given = [item.partition('=')[0] for item in overrides]
+    for item, key in zip(overrides, given):
+        text = item.partition('=')[2]
+        if '=' not in item:
             raise ConfigError(f'argument {item!r} is not key=value')
-        if key in given:
+        if given.count(key) > 1:
             raise ConfigError(f'{key} is given twice on the command line; keep one')
         try:
             text.encode()
         except UnicodeEncodeError:  # Python keeps bytes that are not UTF-8 as surrogates: the tokenizer cannot
             raise ConfigError(f'{key}=: the value is not UTF-8 text; retype it, or set the terminal to UTF-8') from None
         if key not in KEYS:
-            raise ConfigError(unknown_key(key, path))
-        given.add(key)
-        merge(raw, functools.reduce(lambda value, name: {name: value}, reversed(key.split('.')), text), path, '')
+            raise ConfigError(unknown_key(key, paths[-1]))
+        merge(raw, functools.reduce(lambda value, name: {name: value}, reversed(key.split('.')), text), paths[-1], '')
     try:
         return Config.model_validate(raw)
     except pydantic.ValidationError as e:
-        raise ConfigError(schema_error(e.errors()[0], path, raw)) from None
+        raise ConfigError(schema_error(e.errors()[0], paths[-1], raw)) from None
 
 
 def flat(values, prefix=''):
@@ -306,9 +270,8 @@ def flat(values, prefix=''):
 def check(cfg, task):
     """The rules that tie keys together, the task's own, and the paths: each message names the key and the fix."""
     mesh, axes = ','.join(map(str, cfg.mesh)), ','.join(cfg.mesh_axes)
-    unmapped = [(name, a) for name, rule_axes in cfg.logical_axis_rules
-                for a in (rule_axes if isinstance(rule_axes, tuple) else [rule_axes]) if a and a not in cfg.mesh_axes]
-    name, axis = unmapped[0] if unmapped else ('', '')
+    unmapped = [(name, a) for name, to in cfg.logical_axis_rules
+                for a in (to if isinstance(to, tuple) else [to]) if a and a not in cfg.mesh_axes] or [('', '')]
     first, last = cfg.profile_steps
     rules = [
         (cfg.num_heads % cfg.num_kv_heads, f'num_heads={cfg.num_heads} must be a multiple of num_kv_heads='
@@ -318,7 +281,8 @@ def check(cfg, task):
         (model_lib.dims(cfg) % 2, f'head dim {model_lib.dims(cfg)} must be even for RoPE; set head_dim'),
         (len(cfg.mesh) != len(cfg.mesh_axes), f'mesh={mesh} has {len(cfg.mesh)} entries but mesh_axes={axes} names '
                                               f'{len(cfg.mesh_axes)}'),
-        (unmapped, f'logical_axis_rules maps {name!r} to mesh axis {axis!r}, which mesh_axes={axes} does not name'),
+        (unmapped[0][1], f'logical_axis_rules maps {unmapped[0][0]!r} to mesh axis {unmapped[0][1]!r}, which '
+                         f'mesh_axes={axes} does not name'),
         ((first, last) != (0, 0) and not 1 <= first <= last <= cfg.steps,
          f'profile_steps={first},{last}: give two steps a,b with 1 <= a <= b <= steps={cfg.steps} (0,0 = off)'),
         (cfg.vocab_tile not in (0, 'auto') and cfg.vocab_size % cfg.vocab_tile,
@@ -330,9 +294,6 @@ def check(cfg, task):
          f'run_name={cfg.run_name!r}: give a plain directory name (the run goes to output_dir/run_name)'),
         *[('\\' in getattr(cfg, key), f'{key}={getattr(cfg, key)}: the checkpoint library cannot write under a path '
                                       'with a backslash; choose a name without one') for key in ('run_name', 'output_dir')],
-        *[(data.remote(path) and data.URL_MANGLED.search(path), f'{key}={path}: tensorstore reads a gs:// path as a URL '
-           '(it cuts ? and # and decodes %XX), so arrays would land outside it; choose a name without ?, # or %')
-          for key, path in [*data.paths_of(cfg).items(), ('run_name', os.path.join(cfg.output_dir, cfg.run_name))]],
         (cfg.wandb_project and importlib.util.find_spec('wandb') is None,
          f'wandb_project={cfg.wandb_project}: wandb is not installed: pip install wandb==0.31.0 (or set wandb_project=)'),
         (True, task.check(cfg)),
@@ -354,21 +315,19 @@ def resolve(cfg, task, platform, device_kind=''):
     compiler takes the Pallas kernel, v4 on; XLA's on v2 and v3, whose Mosaic refuses its bf16 matmuls;
     cuDNN's on GPU; einsum on CPU), vocab_tile=auto (4096 on TPU, off elsewhere), and the values the task
     decides (the puzzle vocabulary and length). Computed once; config.yml records the result."""
-    fixed = task.fixed(cfg)
+    fixed, old_tpu, chip = task.fixed(cfg), device_kind.startswith(('TPU v2', 'TPU v3')), device_kind or platform
     if cfg.dtype == 'auto':
         bf16 = platform != 'cpu' or cpu_has_bf16()
         fixed['dtype'] = 'bfloat16' if bf16 else 'float32'
         log(f'dtype=auto: {fixed["dtype"]} on {platform}' + ('' if bf16 else ' (a CPU without bf16 instructions)'))
-    old_tpu = device_kind.startswith(('TPU v2', 'TPU v3'))
     if cfg.attention == 'auto':
         fixed['attention'] = {'tpu': 'xla' if old_tpu else 'splash', 'gpu': 'cudnn'}.get(platform, 'einsum')
-        log(f'attention=auto: {fixed["attention"]} on {device_kind or platform}')
+        log(f'attention=auto: {fixed["attention"]} on {chip}')
     if cfg.vocab_tile == 'auto':  # on TPU the memory it frees buys batch; XLA:CPU runs the recompute slower
         fixed['vocab_tile'] = 4096 if platform == 'tpu' and cfg.vocab_size % 4096 == 0 else 0
-    attention, chip = fixed.get('attention', cfg.attention), device_kind or platform
+    attention = fixed.get('attention', cfg.attention)
     if attention == 'splash' and (platform != 'tpu' or old_tpu):
-        raise ConfigError(f'attention=splash: the Pallas kernel compiles for TPU v4 and later, not for {chip}; use '
-                          'attention=auto')
+        raise ConfigError(f'attention=splash: the Pallas kernel runs on TPU v4 and later, not on {chip}; use attention=auto')
     if attention == 'splash' and not model_lib.splash_block(cfg.max_target_length):
         raise ConfigError(f'attention=splash: max_target_length={cfg.max_target_length} is not a multiple of the '
                           'kernel\'s 128-token blocks (nor 512 or less); use a multiple of 128, or attention=xla')
@@ -379,7 +338,7 @@ def resolve(cfg, task, platform, device_kind=''):
 
 # ==================================================================================================
 # Devices, hosts and mesh. Only this file builds the mesh. The hosts of a multi-host run compare what must match
-# through JAX's coordination service (a key-value store, no devices): a collective across hosts that disagree
+# through JAX's coordination service (its key-value store, no devices): a collective across hosts that disagree
 # would hang, or train them apart.
 # ==================================================================================================
 def make_mesh(cfg, devices):
@@ -388,44 +347,38 @@ def make_mesh(cfg, devices):
         known = math.prod(s for s in shape if s != -1)
         shape[shape.index(-1)] = n // known if n % known == 0 else -1
     if math.prod(shape) != n or -1 in shape:
-        axes = ','.join(cfg.mesh_axes)
-        raise ConfigError(f'mesh={",".join(map(str, cfg.mesh))} ({axes}) needs {abs(math.prod(shape))} devices '
-                          f'but JAX sees {n} {devices[0].platform} device(s); use e.g. mesh=1,{n},1 '
-                          f'or mesh=1,-1,1')
+        raise ConfigError(f'mesh={",".join(map(str, cfg.mesh))} ({",".join(cfg.mesh_axes)}) needs {abs(math.prod(shape))}'
+                          f' devices but JAX sees {n} {devices[0].platform} device(s); use e.g. mesh=1,{n},1 or mesh=1,-1,1')
     # Auto axes: the compiler propagates shardings from our annotations (Explicit is make_mesh's default now).
-    return jax.make_mesh(shape, cfg.mesh_axes, devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    return jax.make_mesh(shape, cfg.mesh_axes, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
-def coordination():
-    """The client of JAX's coordination service, which jax.distributed.initialize started (its key-value store)."""
-    from jax._src import distributed
-    return distributed.global_state.client
-
-
-AGREED = itertools.count()  # every process agrees on the same topics in the same order: their keys match
+AGREED = itertools.count()  # every process agrees on the same topics in the same order, so their keys match
 
 
 def agree(mine, timeout_s):
-    """Every process's `mine` (JSON), in process order. Also the point where the hosts wait for each other."""
+    """Every process's `mine` (JSON), in process order, through the coordination service that
+    jax.distributed.initialize started; it is also where the hosts wait for each other."""
     if jax.process_count() == 1:
         return [mine]
-    topic, client = f'train/agree/{next(AGREED)}', coordination()
-    client.key_value_set(f'{topic}/{jax.process_index()}', json.dumps(mine))
-    return [json.loads(client.blocking_key_value_get(f'{topic}/{k}', timeout_s * 1000))
+    from jax._src.distributed import global_state
+    topic = f'train/agree/{next(AGREED)}'
+    global_state.client.key_value_set(f'{topic}/{jax.process_index()}', json.dumps(mine))
+    return [json.loads(global_state.client.blocking_key_value_get(f'{topic}/{k}', timeout_s * 1000))
             for k in range(jax.process_count())]
 
 
 def same_everywhere(values, fix, timeout_s):
     """Stops every host, each with the same one line, when a process's values ({name: value}) differ from
-    process 0's: the first such process and the names that differ, with their values on both."""
+    process 0's: the first such process and the names that differ, with both values."""
     every = agree(values, timeout_s)
     for k, theirs in enumerate(every):
-        differ = [name for name in {**every[0], **theirs} if theirs.get(name) != every[0].get(name)]
-        if differ:
-            shown = ', '.join(f'{name} ({every[0].get(name)} on process 0, {theirs.get(name)} on process {k})'
-                              for name in differ[:4])
+        if differ := [name for name in {**every[0], **theirs} if theirs.get(name) != every[0].get(name)]:
+            shown = ', '.join(f'{n} ({every[0].get(n)} on process 0, {theirs.get(n)} on process {k})' for n in differ[:4])
             raise ConfigError(f'process {k} of {len(every)} was started differently from process 0: {shown}; {fix}')
+
+
+RERUN = 'checkpoints already committed are intact; rerun the command on every host to resume'
 
 
 def quit_now(line, code):
@@ -437,18 +390,17 @@ def quit_now(line, code):
 
 def stop_lost_host(e, seconds=3):
     """A collective failed: a host is gone (its process ended, its network went). The survivors answer a roll call
-    in the coordination service for a few seconds, and whoever did not is named; no answer at all means the
-    coordinator itself, process 0, is gone."""
+    in the coordination service for a few seconds and whoever did not is named; no service at all means its host,
+    process 0, is gone."""
     try:
-        client = coordination()
-        client.key_value_set(f'train/alive/{jax.process_index()}', '')
+        from jax._src.distributed import global_state
+        global_state.client.key_value_set(f'train/alive/{jax.process_index()}', '')
         time.sleep(seconds)
-        alive = {int(key.rsplit('/', 1)[1]) for key, _ in client.key_value_dir_get('train/alive/')}
-        lost = [k for k in range(jax.process_count()) if k not in alive] or ['unknown']
+        alive = {int(key.rsplit('/', 1)[1]) for key, _ in global_state.client.key_value_dir_get('train/alive/')}
+        lost = [str(k) for k in range(jax.process_count()) if k not in alive] or ['unknown']
     except Exception:  # the coordination service went with process 0
-        lost = [0]
-    quit_now(f'error: lost process {", ".join(map(str, lost))} of {jax.process_count()} ({first_line(e)}); '
-             'checkpoints already committed are intact; rerun the command on every host to resume', 74)
+        lost = ['0']
+    quit_now(f'error: lost process {", ".join(lost)} of {jax.process_count()} ({first_line(e)}); {RERUN}', 74)
 
 
 # ==================================================================================================
@@ -458,9 +410,8 @@ def mesh_spec(logical, shape, cfg, mesh):
     """One array's PartitionSpec from its logical axis names (model.dividing_spec: a dimension keeps the
     longest prefix of its mesh axes that divides it, so odd sizes stay replicated instead of failing)."""
     rules = dict(cfg.logical_axis_rules)
-    for name in logical:
-        if name is not None and name not in rules:
-            raise ConfigError(f'logical axis {name!r} has no entry in logical_axis_rules; add [{name}, null]')
+    if missing := [name for name in logical if name is not None and name not in rules]:
+        raise ConfigError(f'logical axis {missing[0]!r} has no entry in logical_axis_rules; add [{missing[0]}, null]')
     return model_lib.dividing_spec(logical, shape, rules, dict(mesh.shape))
 
 
@@ -470,23 +421,18 @@ def shardings_for(logical, abstract, cfg, mesh):
                         logical, abstract, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def sharding_table(params, shardings):
-    rows = [f'{"parameter":52s} {"shape":>20s}  sharding']
-    for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(shardings)):
-        rows.append(f'{jax.tree_util.keystr(path):52s} {str(x.shape):>20s}  {s.spec}')
-    return '\n'.join(rows)
-
-
-def replicated(params_logical, abstract_params, cfg, mesh):
-    """'name dim i (size) whole, not over AXES' for each parameter dimension its rule would shard but whose
-    size does not divide by those mesh axes: printed at start (such a dimension costs memory on every device)."""
-    out = []
-    for (path, spec), x in zip(jax.tree_util.tree_leaves_with_path(
-            params_logical, is_leaf=lambda v: isinstance(v, PartitionSpec)), jax.tree.leaves(abstract_params)):
-        got, want = mesh_spec(spec, x.shape, cfg, mesh), mesh_spec(spec, (0,) * len(x.shape), cfg, mesh)
-        out += [f'{jax.tree_util.keystr(path)} dim {i} ({x.shape[i]}) not over {w}'
-                for i, (g, w) in enumerate(zip(got, want)) if g != w]
-    return out
+def sharding_table(layout, cfg, mesh, whole_only=False):
+    """A row per parameter: its shape and sharding, and the dimensions kept whole because their size does not
+    divide by the mesh axes their rule names (such a dimension costs memory on every device). whole_only: the rows
+    with such a dimension, as printed at start."""
+    rows = []
+    for (path, spec), x in zip(jax.tree_util.tree_leaves_with_path(layout.logical['params'], is_leaf=lambda v: isinstance(
+            v, PartitionSpec)), jax.tree.leaves(layout.abstract['params'])):
+        got, want = mesh_spec(spec, x.shape, cfg, mesh), mesh_spec(spec, (0,) * x.ndim, cfg, mesh)  # 0 divides by all
+        whole = [f'dim {i} not over {w}' for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        if whole or not whole_only:
+            rows.append(f'{jax.tree_util.keystr(path):52s} {str(x.shape):>20s}  {got}  {", ".join(whole)}')
+    return rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,9 +476,8 @@ def make_optimizer(cfg):
         decay_steps=max(cfg.steps - 1, cfg.warmup_steps + 1),  # the last update (count steps - 1) at the end value
         end_value=cfg.learning_rate * cfg.min_lr_ratio)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # no decay on norm scales
-    tx = optax.adamw(schedule, cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, weight_decay=cfg.weight_decay,
-                     mask=decay_mask)
-    return tx, schedule
+    return optax.adamw(schedule, cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, weight_decay=cfg.weight_decay,
+                       mask=decay_mask), schedule
 
 
 class Layout(NamedTuple):
@@ -551,12 +496,11 @@ def state_layout(cfg, task, mesh, tx, rows):
         return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params),
                 **task.state(cfg, params, rows)}
 
-    shapes = jax.eval_shape(init, jax.random.key(cfg.seed))
-    params = model_lib.abstract(cfg)[1]
-    is_spec = lambda x: isinstance(x, PartitionSpec)
+    shapes, params = jax.eval_shape(init, jax.random.key(cfg.seed)), model_lib.abstract(cfg)[1]
     logical = {'step': PartitionSpec(), 'params': params, **task.state_axes(params),
                'opt_state': optax.tree_map_params(tx, lambda _, spec: spec, shapes['opt_state'], params,
-                                                  transform_non_params=lambda _: PartitionSpec(), is_leaf=is_spec)}
+                                                  transform_non_params=lambda _: PartitionSpec(),
+                                                  is_leaf=lambda x: isinstance(x, PartitionSpec))}
     shardings = shardings_for(logical, shapes, cfg, mesh)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
     return Layout(init, shardings, abstract, logical)
@@ -565,8 +509,7 @@ def state_layout(cfg, task, mesh, tx, rows):
 def init_state(cfg, layout, params=None):
     """Build the train state directly in its sharding (no full copy ever sits on one device), from a fresh
     init or from given parameters. Called inside the run's mesh and axis rules."""
-    init = jax.jit(layout.init, out_shardings=layout.shardings)
-    return init(jax.random.key(cfg.seed)) if params is None else init(jax.random.key(cfg.seed), params)
+    return jax.jit(layout.init, out_shardings=layout.shardings)(jax.random.key(cfg.seed), params)
 
 
 # ==================================================================================================
@@ -589,8 +532,7 @@ def make_train_step(cfg, task, graph, tx):
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         # Random draws (TRM's halting exploration) are a function of (seed, step): resume stays exact.
-        A = batch_ABL['inputs'].shape[0]
-        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state['step']), A)
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state['step']), len(batch_ABL['inputs']))
         (grads, loss), (sums_A, carry) = jax.lax.scan(micro, (zeros, 0.0), (batch_ABL, state.get('carry'), keys))
         sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums_A)
         denom = jnp.maximum(sums['weight'], 1.0)  # all real tokens (LM) / examples (TRM) of the step
@@ -609,29 +551,6 @@ def make_train_step(cfg, task, graph, tx):
     return train_step
 
 
-# ==================================================================================================
-# Eval: the task's eval step on fixed batches, its metrics computed on the host.
-# ==================================================================================================
-def evaluator(cfg, task, eval_step, feed):
-    """evaluate(state, ds, n_batches, save_to=None, beat=None): the task's eval metrics of the state's eval weights
-    on n fixed batches of ds (the same every call, so curves compare; None: the whole eval set), and the seconds
-    they took. save_to: a directory for the task's answers (process 0 only); beat: called after every batch."""
-    def evaluate(state, ds, n_batches, save_to=None, beat=lambda: None):
-        if n_batches == 0:
-            return {}
-        t0 = time.perf_counter()
-        batches, outs = ds.eval_batches(feed.rows // jax.process_count(), n_batches), []
-        for i, b in enumerate(batches):
-            outs.append(to_host(eval_step(state[task.eval_weights], global_batch(b, feed.eval_sharding, feed.rows))))
-            beat()
-            if len(batches) > 1 and time.perf_counter() - t0 > 10:  # a search can take minutes: say where it is
-                log(f'eval: {i + 1}/{len(batches)} batches ({time.perf_counter() - t0:.0f}s)')
-        result = task.eval_result(cfg, outs, [to_host(b) for b in batches], ds,
-                                  save_to if jax.process_index() == 0 else None)
-        return {**result, 'seconds': time.perf_counter() - t0}
-    return evaluate
-
-
 class Built(NamedTuple):
     """What build() makes of a config for a set of devices; nothing here holds an array yet."""
     mesh: jax.sharding.Mesh
@@ -647,14 +566,37 @@ def build(cfg, task, devices):
     """The mesh, the batch feed, the model's graph, the optimizer and its schedule, the state's layout, and the
     jitted steps (compiled at their first call, or ahead by compile_step)."""
     mesh = make_mesh(cfg, devices)
-    feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
-    tx, schedule = make_optimizer(cfg)
-    graph, layout = model_lib.abstract(cfg)[0], state_layout(cfg, task, mesh, tx, feed.rows)
+    feed, (tx, schedule) = make_feed(cfg, mesh, cfg.per_device_batch * len(devices)), make_optimizer(cfg)
+    graph = model_lib.abstract(cfg)[0]
+    layout = state_layout(cfg, task, mesh, tx, feed.rows)
     train_step = jax.jit(make_train_step(cfg, task, graph, tx), in_shardings=(layout.shardings, feed.step_sharding),
                          out_shardings=(layout.shardings, None), donate_argnums=0)
     eval_step = jax.jit(functools.partial(task.eval_step, cfg, graph),
                         in_shardings=(layout.shardings['params'], feed.eval_sharding))
     return Built(mesh, feed, graph, schedule, layout, train_step, eval_step)
+
+
+# ==================================================================================================
+# Eval: the task's eval step on fixed batches, its metrics computed on the host.
+# ==================================================================================================
+def evaluator(cfg, task, eval_step, feed):
+    """evaluate(state, ds, n_batches, save_to=None, beat=None): the task's eval metrics of the state's eval weights
+    on n fixed batches of ds (the same every call, so curves compare; None: the whole eval set), and the seconds
+    they took. save_to: a directory for the task's answers (process 0 only); beat: called after every batch."""
+    def evaluate(state, ds, n_batches, save_to=None, beat=lambda *_: None):
+        if n_batches == 0:
+            return {}
+        t0 = time.perf_counter()
+        batches, outs = ds.eval_batches(feed.rows // jax.process_count(), n_batches), []
+        for i, b in enumerate(batches):
+            outs.append(to_host(eval_step(state[task.eval_weights], global_batch(b, feed.eval_sharding, feed.rows))))
+            beat()
+            if len(batches) > 1 and time.perf_counter() - t0 > 10:  # a search can take minutes: say where it is
+                log(f'eval: {i + 1}/{len(batches)} batches ({time.perf_counter() - t0:.0f}s)')
+        result = task.eval_result(cfg, outs, [to_host(b) for b in batches], ds,
+                                  save_to if jax.process_index() == 0 else None)
+        return {**result, 'seconds': time.perf_counter() - t0}
+    return evaluate
 
 
 # ==================================================================================================
@@ -665,7 +607,21 @@ class Preempted(Exception):
     """SIGTERM/SIGINT: the current step finished and a checkpoint was written."""
 
 
+class Damaged(Exception):
+    """A checkpoint step that cannot be read back: truncated, garbled or missing files, bad metadata."""
+
+
+KEPT = 'the ones written before stay as they are'
 DATA_STATE_BYTES = 1024  # room for one row's data-iterator state as JSON (a lane's, or a piece of a stream host's)
+
+
+def wait_for_saves(mngr):
+    """Until the save in flight has committed; one that failed in the background (the disk filled up, the mount or
+    bucket went away) is a WriteError."""
+    try:
+        mngr.wait_until_finished()
+    except Exception as e:
+        raise data.WriteError(f'{mngr.directory}: the last checkpoint could not be written ({first_line(e)}); {KEPT}') from None
 
 
 @contextlib.contextmanager
@@ -690,119 +646,56 @@ def checkpoints(directory, cfg, read_only=False):
             mngr.close()
 
 
-def wait_for_saves(mngr):
-    """Until the save in flight has committed; one that failed in the background (the disk filled up, the mount or
-    bucket went away) is a WriteError."""
-    try:
-        mngr.wait_until_finished()
-    except Exception as e:
-        raise data.WriteError(f'{mngr.directory}: the last checkpoint could not be written ({first_line(e)}); the '
-                              'ones written before stay as they are') from None
-
-
-def data_state_array(lane_states):
-    """Every lane's iterator state (one per row of the global batch) as a uint8 array with a JSON row each. The
-    processes gather their lanes in process order (process p reads rows p * local_rows onward), so each holds the
-    whole array, process 0's copy is the one written, and a run on any process count reads every lane back."""
-    raw = [json.dumps(s).encode() for s in lane_states]
-    assert max(map(len, raw)) <= DATA_STATE_BYTES, 'data iterator state too large to checkpoint'
-    local = np.stack([np.frombuffer(r.ljust(DATA_STATE_BYTES), np.uint8) for r in raw])
-    return np.asarray(multihost_utils.process_allgather(local, tiled=True))
-
-
 def save_checkpoint(mngr, step, state, it):
-    """Step `step`'s train state and data position (with the identity of the data it counts in), saved
-    asynchronously: training goes on while it is written."""
-    data_state = {'lanes': data_state_array(it.state()), 'source': np.frombuffer(it.source.encode(), np.uint8)}
+    """Step `step`'s train state and data position, saved asynchronously: training goes on while it is written.
+    The position is every lane's iterator state (one per row of the global batch) as a uint8 array with a JSON
+    row each, gathered in process order (process p reads rows p * local_rows onward), so every process holds all
+    of it, process 0's copy is written, and a run on any process count reads every lane back; with it, the
+    identity of the data it counts in."""
+    raw = [json.dumps(s).encode().ljust(DATA_STATE_BYTES) for s in it.state()]
+    assert max(map(len, raw)) <= DATA_STATE_BYTES, 'data iterator state too large to checkpoint'
+    lanes = multihost_utils.process_allgather(np.stack([np.frombuffer(r, np.uint8) for r in raw]), tiled=True)
+    data_state = {'lanes': np.asarray(lanes), 'source': np.frombuffer(it.source.encode(), np.uint8)}
     data.check_held(str(mngr.directory))
     try:
         mngr.check_for_errors()  # the save before this one, finished in the background
         mngr.save(step, args=ocp.args.Composite(train_state=ocp.args.PyTreeSave(state),
                                                 data_state=ocp.args.StandardSave(data_state)))
     except Exception as e:
-        raise data.WriteError(f'{mngr.directory}: a checkpoint could not be written ({first_line(e)}); the ones '
-                              'written before stay as they are') from None
-
-
-class Damaged(Exception):
-    """A checkpoint step that cannot be read back: truncated, garbled or missing files, bad metadata."""
-
-
-def check_shapes(mngr, step, abstract, part):
-    """(whether the checkpoint's arrays have this config's shapes, or the first that differs): a checkpoint of
-    another model config is a config mistake, not damage. Metadata that cannot be read (or holds no parameters)
-    is damage."""
-    name = lambda k: str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))  # optax's tuples come back
-    shapes = lambda tree: {tuple(map(name, p)): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
-    try:
-        saved = mngr.item_metadata(step)['train_state']
-        saved = shapes(saved[part] if part else saved)
-    except Exception as e:  # orbax raises ValueError, KeyError, tensorstore errors ... for unreadable metadata
-        raise Damaged(f'its metadata is unreadable: {first_line(e)}')
-    if not any(path[0] == 'params' for path in saved) and not part:
-        raise Damaged('its metadata lists no parameters')
-    want = shapes(abstract)
-    for path in sorted(set(want) | set(saved), key=lambda p: (p[0] != 'params', p)):
-        if saved.get(path) != want.get(path):
-            show = lambda shape: 'none' if shape is None else shape
-            return f'{"/".join(path)} is {show(saved.get(path))} there but {show(want.get(path))} here'
-    return ''
+        raise data.WriteError(f'{mngr.directory}: a checkpoint could not be written ({first_line(e)}); {KEPT}') from None
 
 
 def read_step(mngr, step, abstract, part):
-    """(state or its `part`, every lane's data state) of one step; Damaged if it cannot be read."""
-    restore = lambda item, **kw: ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), **kw)
+    """(state or its `part`, every lane's data state) of one step; Damaged if it cannot be read; and '' or, for a
+    checkpoint of another config (not damage), the first array whose shape differs, found in the metadata before
+    any array is read (orbax would fail deep inside)."""
+    name = lambda k: str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))  # optax's tuples come back
+    shapes = lambda tree: {tuple(map(name, p)): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    target = {part: abstract[part]} if part else abstract
     try:
-        if part:  # another run's optimizer may differ: read the params subtree alone
-            got = mngr.restore(step, args=ocp.args.Composite(
-                train_state=restore({part: abstract[part]}, partial_restore=True)))
-            return got['train_state'][part], None
-        got = mngr.restore(step, args=ocp.args.Composite(train_state=restore(abstract),
-                                                         data_state=ocp.args.StandardRestore()))
-        data_state = got['data_state']
-        if 'lanes' not in data_state or 'source' not in data_state:  # not a position this trainer wrote
-            return got['train_state'], {'lanes': [], 'source': 'a data state without per-row positions'}
-        return got['train_state'], {'lanes': [json.loads(row.tobytes().decode().strip()) for row in data_state['lanes']],
-                                    'source': data_state['source'].tobytes().decode()}
+        saved, want = shapes(mngr.item_metadata(step)['train_state']), shapes(target)
+    except Exception as e:  # orbax raises ValueError, KeyError, tensorstore errors ... for unreadable metadata
+        raise Damaged(f'its metadata is unreadable: {first_line(e)}')
+    if not any(path[0] == 'params' for path in saved):
+        raise Damaged('its metadata lists no parameters')
+    for path in sorted(set(want) | (set(saved) if not part else set()), key=lambda p: (p[0] != 'params', p)):
+        if saved.get(path) != want.get(path):
+            return None, None, f'{"/".join(path)} is {saved.get(path, "none")} there but {want.get(path, "none")} here'
+    items = {'train_state': (ocp.PyTreeCheckpointHandler, ocp.args.PyTreeRestore(  # another run's optimizer may
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=bool(part)))}
+    items.update({} if part else {'data_state': (ocp.StandardCheckpointHandler, ocp.args.StandardRestore())})  # differ
+    try:  # item by item: mngr.restore ends waiting for every host, and a host that failed would never come
+        got = {name: handler().restore(data.stored(mngr.directory) / str(step) / name, args=args)
+               for name, (handler, args) in items.items()}
     except Exception as e:  # orbax/tensorstore raise bare Exception for unreadable data
         raise Damaged(first_line(e)) from None
-
-
-def restore_checkpoint(mngr, abstract, cfg, steps=None, part=None, move_aside=False):
-    """Newest checkpoint every host can read -> (step, state or its `part` ('params', 'ema'), every lane's data
-    state), or None. The hosts decide together, step by step: a step any of them cannot read is damaged for all,
-    reported in one line and skipped for the one before it (with move_aside, the run's own checkpoints, renamed
-    STEP.damaged-TIME once a readable one is found, never deleted, so the next save of that step has room). A
-    checkpoint of another config is not damage: it stops the run with what differs."""
-    damaged = []
-    for step in sorted(steps or mngr.all_steps(), reverse=True):
-        mismatch = why = ''
-        try:
-            mismatch = check_shapes(mngr, step, abstract[part] if part else abstract, part)
-            found = None if mismatch else read_step(mngr, step, abstract, part)
-        except Damaged as e:
-            why = str(e)
-        if mismatch:
-            changed = config_changes(os.path.dirname(mngr.directory), cfg)
-            raise ConfigError(f'checkpoint {mngr.directory}/{step} was written by another config: {mismatch}'
-                              + (f'; changed since: {", ".join(changed[:6])}' if changed else '')
-                              + '; use the keys of the run that wrote it, or a new run_name / resume=false')
-        reasons = agree(why, cfg.host_timeout)
-        if any(reasons):
-            k, why = next((k, r) for k, r in enumerate(reasons) if r)
-            log(f'WARNING: checkpoint {mngr.directory}/{step} is damaged ({f"on process {k}: " if k else ""}{why}); '
-                'trying the one before it')
-            damaged.append(step)
-            continue
-        if move_aside and damaged:
-            if jax.process_index() == 0:
-                moved = [data.set_aside(os.path.join(mngr.directory, str(bad)), 'damaged') for bad in damaged]
-                log(f'moved the damaged step(s) aside: {", ".join(moved)}')
-            agree('', cfg.host_timeout)  # the others wait for the renames
-            mngr.reload()
-        return (step, *found)
-    return None
+    if part:
+        return got['train_state'][part], None, ''
+    lanes, source = got['data_state'].get('lanes'), got['data_state'].get('source')
+    if lanes is None or source is None:  # not a position this trainer wrote
+        return got['train_state'], {'lanes': [], 'source': 'a data state without per-row positions'}, ''
+    return got['train_state'], {'lanes': [json.loads(row.tobytes().decode().strip()) for row in lanes],
+                                'source': source.tobytes().decode()}, ''
 
 
 def config_changes(run_dir, cfg):
@@ -815,54 +708,62 @@ def config_changes(run_dir, cfg):
     return [f'{k} ({old[k]} -> {new[k]})' for k in new if k in old and old[k] != new[k]]
 
 
-def load_params(path, abstract, cfg, part='params'):
-    """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
-    (step, the state entry `part` of its newest readable checkpoint)."""
-    path, steps = data.checkpoint_steps(path)
-    with checkpoints(path, cfg, read_only=True) as mngr:
-        found = restore_checkpoint(mngr, abstract, cfg, steps, part=part)
-    if not found:
-        raise ConfigError(f'load_params={path}: no readable checkpoint there (see the warnings); give a run '
-                          'directory or its checkpoints/STEP directory')
-    log(f'loaded {part} from {path}/{found[0]}')
-    return found[:2]
-
-
-def load_hf(path, abstract_params, cfg):
-    """load_hf=DIR: a Hugging Face Llama checkpoint -> our params in the run's shardings (fine-tuning)."""
-    params = model_lib.load_hf(cfg, path)
-
-    def place(keypath, a):
-        w = params[tuple(k.key for k in keypath)]
-        if w.size != a.size:
-            raise data.DataError(f'load_hf={path}: model.safetensors disagrees with its config.json: '
-                              f'{"/".join(k.key for k in keypath)} holds {w.shape} values where the config makes {a.shape}')
-        return jax.device_put(w.reshape(a.shape).astype(a.dtype), a.sharding)
-    params = jax.tree_util.tree_map_with_path(place, abstract_params)
-    log(f'loaded Hugging Face checkpoint {path}')
-    return params
+def restore_checkpoint(mngr, abstract, cfg, steps=None, part=None, move_aside=False):
+    """Newest checkpoint every host can read -> (step, state or its `part` ('params', 'ema'), every lane's data
+    state), or None. The hosts decide together, step by step: a step any of them cannot read is damaged for all,
+    reported in one line and skipped for the one before it (with move_aside, the run's own checkpoints, renamed
+    STEP.damaged-TIME once a readable one is found, never deleted, so the next save of that step has room). A
+    checkpoint of another config is not damage: it stops the run with what differs."""
+    damaged = []
+    for step in sorted(steps or mngr.all_steps(), reverse=True):
+        try:
+            state, data_state, mismatch = read_step(mngr, step, abstract, part)
+            why = ''
+        except Damaged as e:
+            mismatch, why = '', str(e)
+        if mismatch:
+            changed = config_changes(os.path.dirname(mngr.directory), cfg)
+            raise ConfigError(f'checkpoint {mngr.directory}/{step} was written by another config: {mismatch}'
+                              + (f'; changed since: {", ".join(changed[:6])}' if changed else '')
+                              + '; use the keys of the run that wrote it, or a new run_name / resume=false')
+        if any(reasons := agree(why, cfg.host_timeout)):
+            k, why = next((k, r) for k, r in enumerate(reasons) if r)
+            where = f'on process {k}: ' if k else ''
+            log(f'WARNING: checkpoint {mngr.directory}/{step} is damaged ({where}{why}); trying the one before it')
+            damaged.append(step)
+            continue
+        if move_aside and damaged:
+            moved = [data.set_aside(os.path.join(mngr.directory, str(bad)), 'damaged') for bad in damaged if data.MAIN]
+            log(f'moved the damaged step(s) aside: {", ".join(moved)}')
+            agree('', cfg.host_timeout)  # the others wait for the renames
+            mngr.reload()
+        return step, state, data_state
+    return None
 
 
 def restore_or_init(cfg, task, mngr, layout):
     """The train state: the newest readable checkpoint of this run (resume), else a fresh state, from
-    load_params / load_hf weights if given. Returns (state, every lane's data state or None, whether the
+    load_params (another run's newest readable checkpoint: its params for training, what the task evaluates for
+    the other modes) or load_hf weights if given. Returns (state, every lane's data state or None, whether the
     state holds trained parameters)."""
     if cfg.resume and mngr.all_steps():
-        restored = restore_checkpoint(mngr, layout.abstract, cfg, move_aside=True)
-        if not restored:
+        if not (restored := restore_checkpoint(mngr, layout.abstract, cfg, move_aside=True)):
             raise ConfigError(f'no readable checkpoint in {mngr.directory} (steps {", ".join(map(str, mngr.all_steps()))} '
                               'are damaged, see the warnings): move them away to start over, or set resume=false')
         log(f'resuming from checkpoint {mngr.directory}/{restored[0]}')
         return restored[1], restored[2], True
-    if cfg.load_params:  # training starts from another run's params; eval and generate read what the task evaluates
-        part = 'params' if cfg.mode == 'train' else task.eval_weights
-        step, params = load_params(cfg.load_params, layout.abstract, cfg, part)
-        state = init_state(cfg, layout, params)
-        if cfg.mode != 'train':  # reported with the eval: which training step this is
-            state['step'] = jnp.int32(step)
-        return state, None, True
+    if cfg.load_params:
+        part, (path, steps) = 'params' if cfg.mode == 'train' else task.eval_weights, data.checkpoint_steps(cfg.load_params)
+        with checkpoints(path, cfg, read_only=True) as source:
+            if not (found := restore_checkpoint(source, layout.abstract, cfg, steps, part=part)):
+                raise ConfigError(f'load_params={path}: no readable checkpoint there (see the warnings)')
+        log(f'loaded {part} from {path}/{found[0]}')
+        state = init_state(cfg, layout, found[1])
+        return {**state, 'step': jnp.int32(found[0])} if cfg.mode != 'train' else state, None, True  # eval: its step
     if cfg.load_hf:
-        return init_state(cfg, layout, load_hf(cfg.load_hf, layout.abstract['params'], cfg)), None, True
+        params = jax.device_put(model_lib.load_hf(cfg, cfg.load_hf, layout.abstract['params']), layout.shardings['params'])
+        log(f'loaded Hugging Face checkpoint {cfg.load_hf}')
+        return init_state(cfg, layout, params), None, True
     return init_state(cfg, layout), None, False
 
 
@@ -938,195 +839,81 @@ def short_line(m, steps, shown):
     return '  '.join(parts + [fmt.format(m[k]) for k, fmt in shown if k in m])
 
 
-def open_wandb(cfg, run_dir):
-    """The run's W&B run, the same one across resumes (its id is kept in RUN_DIR/wandb_id), with the resolved
-    config. WANDB_MODE=offline writes it under RUN_DIR/wandb for `wandb sync` later (a bucket's run: under the
-    system's temporary directory, since wandb writes only to a local disk)."""
-    import wandb
-    path = os.path.join(run_dir, 'wandb_id')
-    try:
-        run_id = data.stored(path).read_text().strip() if data.stored(path).exists() else os.urandom(6).hex()
-    except UnicodeDecodeError:
-        run_id = ''
-    if not re.fullmatch(r'[a-z0-9]{1,64}', run_id):
-        raise ConfigError(f'{path}: not a W&B run id (a run writes 12 hex digits there); restore it to keep logging '
-                          'to the same W&B run, or delete it to start a new one')
-    data.write(path, run_id + '\n')
-    local = os.path.join(tempfile.gettempdir(), 'wandb', cfg.run_name) if data.remote(run_dir) else run_dir
-    os.makedirs(local, exist_ok=True)
-    # wandb's core keeps its logs in its cache directory (~/.cache/wandb) and, where it cannot make that (a home
-    # that is not writable), prints them on stderr instead, line after line: then the cache goes beside the run.
-    cache = os.environ.get('WANDB_CACHE_DIR') or os.path.join(
-        os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'wandb')
-    with contextlib.suppress(OSError):
-        os.makedirs(cache, exist_ok=True)
-    if not os.access(cache, os.W_OK):
-        os.environ['WANDB_CACHE_DIR'] = os.path.join(local, 'wandb-cache')
-    try:
-        return wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity or None, id=run_id, resume='allow',
-                          name=cfg.run_name, dir=local, config=cfg.model_dump(mode='json'),
-                          settings=wandb.Settings(silent=True, console='off'))
-    except Exception as e:  # not logged in, no network, a project the entity cannot write to
-        raise ConfigError(f'wandb_project={cfg.wandb_project}: W&B refused the run ({first_line(e)}): log in with '
-                          '`wandb login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline, or set '
-                          'wandb_project=') from None
-
-
-class MetricsWriter:
-    """One row of metrics to stdout, and on process 0 to metrics.jsonl, TensorBoard event files (tensorboardX
-    writes them without TensorFlow: tensorboard --logdir RUN_DIR) and Weights & Biases (wandb_project).
-    Rows reach the run directory at flush(): after every row on a local disk, before each checkpoint on a bucket
-    (each flush uploads only its new rows: metrics.jsonl grows by compose, TensorBoard gets one event file per
-    flush, named by its steps). A resumed run first drops the rows past its checkpoint, so every step appears
-    once; W&B's history cannot drop rows, so it gets a row once a checkpoint holds its step."""
-
-    def __init__(self, cfg, run_dir, start_step, shown=()):
-        self.main, self.run_dir, self.shown = jax.process_index() == 0, run_dir, shown
-        self.path, self.rows, self.unsent, self.tb, self.wandb = os.path.join(run_dir, 'metrics.jsonl'), [], [], None, None
-        if self.main:
-            self.wandb = open_wandb(cfg, run_dir) if cfg.wandb_project else None
-            data.write(self.path, ''.join(data.kept_rows(self.path, start_step, log)) if start_step else '')
-            self.tb_dir = tempfile.mkdtemp(prefix='tensorboard-') if data.remote(run_dir) else run_dir
-            for f in data.stored(run_dir).glob('events.out.tfevents.steps-*') if data.remote(run_dir) else ():
-                if int(f.name.split('-')[1]) > start_step:  # written past the checkpoint resumed from
-                    f.unlink()
-            self.tb = SummaryWriter(self.tb_dir)
-
-    def write(self, m, steps):
-        log(short_line(m, steps, self.shown))
-        if self.main:
-            for k, v in m.items():  # a NaN (a metric not measured) would make TensorBoard warn on stderr
-                if k != 'step' and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, m['step'])
-            self.rows.append(m)
-            self.unsent.append(m)
-            if not data.remote(self.run_dir):
-                self.flush()
-
-    def flush(self):
-        """The rows since the last flush into the run directory; on a bucket a closed event file goes up once,
-        whole, and the next rows start a new one."""
-        rows, self.rows = self.rows, []  # taken first: rows a failed write could not land are not tried again
-        if not (self.main and rows):
-            return
-        data.append(self.path, ''.join(json.dumps(m) + '\n' for m in rows))
-        if not data.remote(self.run_dir):
-            return self.tb.flush()
-        self.tb.close()
-        name = f'events.out.tfevents.steps-{rows[0]["step"]:010d}-{rows[-1]["step"]:010d}'
-        for f in glob.glob(os.path.join(self.tb_dir, 'events.out.tfevents.*')):
-            with open(f, 'rb') as local:
-                data.write(os.path.join(self.run_dir, name), local.read())
-            os.remove(f)
-        self.tb = SummaryWriter(self.tb_dir)
-
-    def checkpointed(self, step):
-        """A checkpoint holds `step`: the rows up to it go to W&B (a resume starts after them)."""
-        for m in self.unsent if self.wandb else ():
-            self.wandb.log({k: v for k, v in m.items() if k != 'step'}, step=m['step'])
-        self.unsent = []
-
-    def close(self):
-        if self.main:
-            self.flush()
-            self.tb.close()
-            if self.tb_dir != self.run_dir:  # a bucket run's local staging for event files
-                shutil.rmtree(self.tb_dir, ignore_errors=True)
-            if self.wandb:
-                self.wandb.finish()
-
-
 # ==================================================================================================
 # The loop: dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps.
 # ==================================================================================================
-class Window:
-    """The steps since the last metrics row: their losses, the task's metrics, tokens and time, and how long
-    the data kept the loop waiting (`waited`: the iterator's running total)."""
+class NonFinite(Exception):
+    """A step whose loss or gradient norm is NaN or inf: (step, what was non-finite)."""
 
-    def __init__(self, waited):
-        self.waited, self.losses, self.extras, self.tokens, self.timed = waited, [], [], 0.0, 0
-        self.restart_clock()
 
-    def restart_clock(self):
+class Meter:
+    """Dispatched steps read back oldest first (one in flight lets the host dispatch step n + 1 while n runs; a log
+    line, eval or checkpoint reads them all first, so none sees an unchecked loss), and the window since the last
+    row: losses, task metrics, tokens, time, data wait. Keeps step times for the benchmark; `beat`: the watchdog."""
+
+    def __init__(self, waited, beat):
+        self.waited, self.beat, self.pending, self.step_times = waited, beat, [], []
+        self.t_done = self.first_step_seconds = self.last = None
+        self.new_window()
+
+    def new_window(self):
+        self.losses, self.extras, self.tokens, self.timed = [], [], 0.0, 0
         self.t0, self.wait0 = time.perf_counter(), self.waited()
 
-    def add(self, out, timed):
-        self.losses.append(float(out['loss']))
-        self.extras.append({k: float(v) for k, v in out.items()  # the task's metrics; NaN = not measured
-                            if k not in ('loss', 'grad_norm', 'tokens') and np.isfinite(v)})
-        self.tokens += float(out['tokens']) if timed else 0.0
-        self.timed += timed
+    def read(self, keep=0):  # finished steps until `keep` remain in flight; returns the newest outputs read
+        while len(self.pending) > keep:
+            step, t0, out = self.pending.pop(0)
+            out, now, timed = jax.device_get(out), time.perf_counter(), self.t_done is not None
+            if timed:
+                self.step_times.append(now - max(self.t_done, t0))  # from the last step's end or this dispatch
+            else:  # the first step warms up (the program was compiled before): not timed
+                self.first_step_seconds = now - t0
+                log(f'first step: {now - t0:.1f}s')
+                self.t0, self.wait0 = now, self.waited()
+            self.t_done, self.last = now, out
+            self.beat(step, now - t0)
+            for name, key in (('loss', 'loss'), ('gradient norm', 'grad_norm')):
+                if not np.isfinite(out[key]):
+                    raise NonFinite(step, f'{name} is {out[key]}' + (f' (loss {out["loss"]:.4f})' if key != 'loss' else ''))
+            self.losses.append(float(out['loss']))
+            self.extras.append({k: float(v) for k, v in out.items()  # the task's metrics; NaN = not measured
+                                if k not in ('loss', 'grad_norm', 'tokens') and np.isfinite(v)})
+            self.tokens += float(out['tokens']) if timed else 0.0
+            self.timed += timed
+        return self.last
 
-    def row(self, step, out, learning_rate, flops):
-        """The window's metrics row; `out`: the newest step's outputs."""
-        dt = max(time.perf_counter() - self.t0, 1e-9)
+    def row(self, step, learning_rate, flops):  # the window's metrics row, every step read first
+        out, dt = self.read(), max(time.perf_counter() - self.t0, 1e-9)
         m = {'step': step, 'loss': float(np.mean(self.losses)) if self.losses else float('nan'),
              'learning_rate': learning_rate, 'grad_norm': float(out['grad_norm'])}
         if self.tokens:  # a window holding only the compiling first step has no rate to report
             m.update(rates(flops, self.tokens / dt), step_seconds=dt / max(self.timed, 1))
         m.update(tokens_per_step=float(out['tokens']), data_wait_fraction=(self.waited() - self.wait0) / dt,
                  host_rss_gb=host_rss_gb())
-        m.update({k: float(np.mean([e[k] for e in self.extras if k in e]))
-                  for k in dict.fromkeys(k for e in self.extras for k in e)})
+        m.update({k: float(np.mean([e[k] for e in self.extras if k in e])) for k in dict.fromkeys(k for e in self.extras for k in e)})
         if (mem := device_peak_memory_gb(jax.local_devices()[0])) is not None:
             m['device_peak_memory_gb'] = mem
+        self.new_window()
         return m
 
 
-class NonFinite(Exception):
-    """A step whose loss or gradient norm is NaN or inf: (step, what was non-finite)."""
-
-
-class InFlight:
-    """Dispatched steps' outputs, read back oldest first: one step in flight lets the host dispatch step n+1
-    while step n runs, and every log line, eval and checkpoint reads them all first (drain), so none of them
-    sees a step whose loss was not checked. Keeps each timed step's seconds for the benchmark; `beat` hears of
-    every step read back (the watchdog)."""
-
-    def __init__(self, beat):
-        self.beat, self.pending, self.step_times = beat, [], []
-        self.t_done = self.first_step_seconds = self.last = None
-
-    def drain(self, window, keep=0):
-        """Read finished steps into `window` until `keep` remain in flight; returns the newest outputs read."""
-        while len(self.pending) > keep:
-            step, t0, out = self.pending.pop(0)
-            out = self.last = jax.device_get(out)
-            now, timed = time.perf_counter(), self.first_step_seconds is not None
-            if timed:
-                self.step_times.append(now - max(self.t_done, t0))  # from the last step's end or this dispatch
-            else:  # the first step warms up (the program was compiled before): not timed
-                self.first_step_seconds = now - t0
-                log(f'first step: {now - t0:.1f}s')
-                window.restart_clock()
-            self.t_done = now
-            self.beat(step, self.step_times[-1] if timed else now - t0)
-            if not np.isfinite(out['loss']):
-                raise NonFinite(step, f'loss is {out["loss"]}')
-            if not np.isfinite(out['grad_norm']):
-                raise NonFinite(step, f'gradient norm is {out["grad_norm"]} (loss {out["loss"]:.4f})')
-            window.add(out, timed)
-        return self.last
-
-
-def benchmark(flight, flops, tokens_per_step, note):
+def benchmark(meter, flops, tokens_per_step, note):
     """Medians over every timed step (the first, compiling, excluded), for the summary and one line."""
-    if not flight.step_times:
+    if not meter.step_times:
         return {}
-    med = float(np.median(flight.step_times))
+    med = float(np.median(meter.step_times))
     r = rates(flops, tokens_per_step / med)
-    log(f'benchmark: {len(flight.step_times)} timed steps, median {med:.3f} s/step = {r["tokens_per_sec"]:,.0f} '
-        f'tokens/s, {r["tflops_per_device"]:.3f} TFLOP/s per device, MFU {r["mfu"]:.1%} of '
-        f'{flops["peak_per_device"] / 1e12:.3f} TFLOP/s ({flops["peak_source"]}); {note}')
+    log(f'benchmark: {len(meter.step_times)} timed steps, median {med:.3f} s/step = {r["tokens_per_sec"]:,.0f} tokens/s, '
+        f'{r["tflops_per_device"]:.3f} TFLOP/s per device, MFU {r["mfu"]:.1%} of {flops["peak_per_device"] / 1e12:.3f} '
+        f'TFLOP/s ({flops["peak_source"]}); {note}')
     return {'median_step_seconds': med, 'median_tokens_per_sec': r['tokens_per_sec'], 'median_mfu': r['mfu']}
 
 
 @dataclasses.dataclass
 class Signals:
-    """The SIGTERM / SIGINT names a run has noted, and `wakeup`: a pipe that hears of every signal at once, even
-    while the main thread waits inside a step (where no Python handler runs): what the watchdog reads. Until
-    `saving` is set (the loop is about to take its first step) there is nothing new to save, and a signal stops
-    the run at once, where it is."""
+    """The SIGTERM / SIGINT names a run has noted; until `saving` is set (the loop is about to take its first step)
+    there is nothing new to save, and a signal stops the run at once. `wakeup`: a pipe that hears of every signal
+    at once, even while the main thread waits inside a step, where no Python handler runs (the watchdog reads it)."""
     names: list = dataclasses.field(default_factory=list)
     saving: bool = False
     wakeup: int = None
@@ -1135,51 +922,47 @@ class Signals:
 @contextlib.contextmanager
 def preemption_signals():
     """SIGTERM (preemption, schedulers) and SIGINT, from the start of the run to its last committed save. Before
-    the loop a signal raises Preempted at once (nothing new to save); in the loop it is noted, not obeyed: the
-    loop finishes the step, checkpoints and exits, and a repeated signal during that save is noted too. With
-    several processes a signal reaching one host must stop them all at the same step: JAX's preemption sync
-    point listens for SIGTERM, so SIGINT is passed on to it as one (and SIGUSR1, the supervisor's word that a
-    SIGTERM came, only wakes the watchdog)."""
-    caught = Signals()
+    the loop a signal raises Preempted at once; in the loop it is noted, not obeyed: the loop finishes the step,
+    checkpoints and exits, and a repeated signal during that save is noted too. With several processes a signal
+    reaching one host must stop them all at the same step: JAX's preemption sync point listens for SIGTERM, so
+    SIGINT is passed on to it as one (and SIGUSR1, the supervisor's word that a SIGTERM came, only wakes)."""
+    caught, main_thread = Signals(), threading.current_thread() is threading.main_thread()
 
     def note(signum, _):
-        name = signal.Signals(signum).name
         if not caught.saving:
-            raise Preempted(f'{name} before the first step: nothing new to save; rerun the same command to go on')
-        caught.names.append(name)
+            raise Preempted(f'{signal.Signals(signum).name} before the first step: nothing new to save; rerun the '
+                            'same command to go on')
+        caught.names.append(signal.Signals(signum).name)
     to_sync_point = lambda signum, _: os.kill(os.getpid(), signal.SIGTERM)
     wanted = ({signal.SIGINT: to_sync_point, signal.SIGUSR1: lambda *_: None} if jax.process_count() > 1
-              else {signal.SIGTERM: note, signal.SIGINT: note})
-    main_thread = threading.current_thread() is threading.main_thread()
-    handlers = {sig: signal.signal(sig, handler) for sig, handler in wanted.items()} if main_thread else {}
-    if main_thread:
-        caught.wakeup, write_end = os.pipe()
-        os.set_blocking(caught.wakeup, False), os.set_blocking(write_end, False)
-        old_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+              else {signal.SIGTERM: note, signal.SIGINT: note}) if main_thread else {}
+    old = {sig: signal.signal(sig, handler) for sig, handler in wanted.items()}
+    caught.wakeup, write_end = os.pipe()
+    for fd in (caught.wakeup, write_end):
+        os.set_blocking(fd, False)
+    old_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False) if main_thread else None
     try:
         yield caught
     finally:
-        for sig, handler in handlers.items():
+        for sig, handler in old.items():
             signal.signal(sig, handler)
         if main_thread:
             signal.set_wakeup_fd(old_wakeup)
-            os.close(caught.wakeup), os.close(write_end)
+        os.close(caught.wakeup), os.close(write_end)
 
 
 class Watchdog(threading.Thread):
     """Ends a run that stopped moving. The loop beats for every step it reads back (and every eval batch and
-    checkpoint). No beat for stall_seconds (auto: 10 minutes + 10 x (the compile + a typical step)), or none within
-    a few steps of a signal (its Python handler cannot run while the main thread waits in a hung collective): every
-    thread's stack goes into RUN_DIR/stacks-pK.txt, one line names the step and the file, and the process exits 74."""
+    checkpoint); no beat for stall_seconds (auto: 10 minutes + 10 x (the compile + a typical step)), or none
+    within a few steps of a signal (its handler cannot run while the main thread waits in a hung collective):
+    every thread's stack goes into RUN_DIR/stacks-pK.txt, one line names the step and the file, exit 74."""
 
-    def __init__(self, cfg, run_dir, caught, compile_seconds):
+    def __init__(self, cfg, run_dir, wakeup, compile_seconds):
         super().__init__(daemon=True)
         local = tempfile.gettempdir() if data.remote(run_dir) else run_dir  # the stacks go to a local file
-        self.path = os.path.join(local, f'stacks-p{jax.process_index()}.txt')
-        self.bound = lambda: (600 + 10 * (compile_seconds + self.typical) if cfg.stall_seconds == 'auto'
-                              else cfg.stall_seconds)
-        self.wakeup, self.done, self.signalled = caught.wakeup, threading.Event(), None
-        self.step, self.at, self.typical = 0, time.monotonic(), 0.0
+        self.path, self.wakeup, self.done = os.path.join(local, f'stacks-p{jax.process_index()}.txt'), wakeup, threading.Event()
+        self.fixed, self.compile_seconds = cfg.stall_seconds, compile_seconds
+        self.step, self.at, self.typical, self.signalled = 0, time.monotonic(), 0.0, None
 
     def beat(self, step=None, seconds=None):
         self.at, self.step = time.monotonic(), self.step if step is None else step
@@ -1188,23 +971,22 @@ class Watchdog(threading.Thread):
     def run(self):
         while not self.done.wait(1):
             with contextlib.suppress(BlockingIOError):
-                if self.wakeup is not None and os.read(self.wakeup, 64):
-                    self.signalled = self.signalled or time.monotonic()
+                self.signalled = self.signalled or (os.read(self.wakeup, 64) and time.monotonic())
+            bound = 600 + 10 * (self.compile_seconds + self.typical) if self.fixed == 'auto' else self.fixed
             quiet, grace = time.monotonic() - self.at, max(10.0, 3 * self.typical)  # a signal waits for the step
-            if quiet > self.bound():
-                self.fire(f'no step finished in {quiet:.0f}s (stall_seconds={self.bound():.0f})')
+            if quiet > bound:
+                self.fire(f'no step finished in {quiet:.0f}s (stall_seconds={bound:.0f})')
             if self.signalled and time.monotonic() - max(self.signalled, self.at) > grace:
                 self.fire(f'a signal went unanswered for {grace:.0f}s')
 
     def fire(self, why):
         with open(self.path, 'w') as f:
             faulthandler.dump_traceback(f, all_threads=True)
-        quit_now(f'error: stalled after step {self.step}: {why}; every thread\'s stack is in {self.path}; '
-                 'checkpoints already committed are intact', 74)
+        quit_now(f'error: stalled after step {self.step}: {why}; every thread\'s stack is in {self.path}; {RERUN}', 74)
 
 
 @dataclasses.dataclass
-class Run:
+class Job:
     """What the loop works with: the run directory and its checkpoints, the built step and the evaluator, the
     signals it answers and the FLOPs its rates need; the writer and watchdog once training starts."""
     dir: str
@@ -1213,7 +995,7 @@ class Run:
     evaluate: Callable
     caught: Signals
     flops: dict = None
-    writer: MetricsWriter = None
+    writer: Any = None
     watchdog: Watchdog = None
 
 
@@ -1221,39 +1003,6 @@ def next_batch(feed, it):
     """The next grad_accum microbatches as one global [A, B, L] batch."""
     mbs = [next(it) for _ in range(feed.accum)]
     return global_batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, feed.step_sharding, feed.rows)
-
-
-def train_loop(cfg, state, it, ds, run):
-    """Dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps. Returns the last
-    metrics row and the steps' timings; a signal (noted in run.caught) ends it with a checkpoint and Preempted."""
-    step = int(state['step'])
-    flight, window, last, feed = InFlight(run.watchdog.beat), Window(lambda: it.wait_seconds), {}, run.built.feed
-    while step < cfg.steps:
-        profile(cfg, step, run.dir, lambda: flight.drain(window))
-        t0 = time.perf_counter()
-        state, out = run.built.train_step(state, next_batch(feed, it))
-        step += 1
-        flight.pending.append((step, t0, out))
-        flight.drain(window, keep=1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            last = window.row(step, flight.drain(window), float(run.built.schedule(step - 1)), run.flops)
-            if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                evaluated = run.evaluate(state, ds, cfg.eval_batches, beat=run.watchdog.beat)
-                last.update({f'eval_{k}': v for k, v in evaluated.items()})
-            run.writer.write(last, cfg.steps)
-            window = Window(window.waited)  # after the eval: its time counts in no window
-        preempted = run.caught.names or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
-        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
-            flight.drain(window)  # a checkpoint holds only checked steps
-            run.writer.flush()  # before the save: a resume drops rows past the checkpoint, never misses one
-            save_checkpoint(run.mngr, step, state, it)  # async: training goes on while it writes
-            run.writer.checkpointed(step)
-            run.watchdog.beat()
-        if preempted:
-            raise Preempted(f'{run.caught.names[0] if run.caught.names else "preemption notice"}: saved checkpoint at '
-                            f'step {step} in {run.mngr.directory}; rerun the same command to resume')
-    profile(cfg, step, run.dir, lambda: flight.drain(window))
-    return last, flight
 
 
 def profile(cfg, step, run_dir, drain):
@@ -1266,27 +1015,58 @@ def profile(cfg, step, run_dir, drain):
     if step == cfg.profile_steps[1] and step:
         drain()
         jax.profiler.stop_trace()
-        for f in glob.glob(os.path.join(local, 'profile', '**', '*'), recursive=True) if local != run_dir else ():
-            if os.path.isfile(f):  # the profiler writes local files only: copied up to the bucket's run directory
-                with open(f, 'rb') as trace:
-                    data.write(os.path.join(run_dir, os.path.relpath(f, local)), trace.read())
+        if local != run_dir:  # the profiler writes local files only
+            data.move_up(local, 'profile/**/*', run_dir)
         log(f'profile of steps {cfg.profile_steps[0]}-{step}: {run_dir}/profile')
 
 
-def host_available_bytes():
-    """MemAvailable of /proc/meminfo (Linux): what this host can still give without swapping; None elsewhere."""
-    with contextlib.suppress(OSError, StopIteration, ValueError):
-        with open('/proc/meminfo') as f:
-            return int(next(line for line in f if line.startswith('MemAvailable:')).split()[1]) * 1024
-    return None
+def train_loop(cfg, task, state, it, ds, job):
+    """Dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps. Returns the last
+    metrics row and the Meter (its timings); a signal (noted in job.caught) ends it with a checkpoint and Preempted."""
+    step, last, meter = int(state['step']), {}, Meter(lambda: it.wait_seconds, job.watchdog.beat)
+    while step < cfg.steps:
+        profile(cfg, step, job.dir, meter.read)
+        t0 = time.perf_counter()
+        state, out = job.built.train_step(state, next_batch(job.built.feed, it))
+        step += 1
+        meter.pending.append((step, t0, out))
+        meter.read(keep=1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            last = meter.row(step, float(job.built.schedule(step - 1)), job.flops)
+            if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+                evaluated = job.evaluate(state, ds, cfg.eval_batches, beat=job.watchdog.beat)
+                last.update({f'eval_{k}': v for k, v in evaluated.items()})
+            log(short_line(last, cfg.steps, task.shown))
+            job.writer.write(last)
+            meter.new_window()  # after the eval: its time counts in no window
+        preempted = job.caught.names or (jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step))
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or preempted:
+            meter.read()  # a checkpoint holds only checked steps
+            job.writer.flush()  # before the save: a resume drops rows past the checkpoint, never misses one
+            save_checkpoint(job.mngr, step, state, it)  # async: training goes on while it writes
+            job.writer.flush(saved=True)
+            job.watchdog.beat()
+        if preempted:
+            raise Preempted(f'{job.caught.names[0] if job.caught.names else "preemption notice"}: saved checkpoint at '
+                            f'step {step} in {job.mngr.directory}; rerun the same command to resume')
+    profile(cfg, step, job.dir, meter.read)
+    return last, meter
 
 
 def fits_host(need, what):
     """On CPU the devices' memory is the host's. Past what the host has, XLA:CPU either waits without a word or dies
     in an out-of-memory traceback: a run that cannot fit stops before it allocates, saying what to lower."""
-    if (avail := host_available_bytes()) is not None and need > avail:
-        raise ConfigError(f'{what} needs {gb(need)} of host memory on CPU and {gb(avail)} is available: lower '
-                          'per_device_batch or max_target_length, set remat=full, or train a smaller model')
+    with open('/proc/meminfo') if os.path.exists('/proc/meminfo') else contextlib.nullcontext([]) as f:
+        avail = next((int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:')), None)
+    if avail is not None and need > avail:
+        raise ConfigError(f'{what} needs {gb(need)} of host memory, {gb(avail)} is free: lower per_device_batch, remat=full')
+
+
+def abstract_batch(feed):
+    """The step's [A, B, L] batch as shapes only: to compile ahead of time, nothing read."""
+    shape = (feed.accum, feed.rows, feed.length)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == 'loss_mask' else jnp.int32, sharding=feed.step_sharding)
+            for k in ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')}
 
 
 def compile_step(train_step, state, feed):
@@ -1296,13 +1076,6 @@ def compile_step(train_step, state, feed):
     t0 = time.perf_counter()
     m = train_step.lower(state, abstract_batch(feed)).compile()
     return time.perf_counter() - t0, m.memory_analysis()
-
-
-def abstract_batch(feed):
-    """The step's [A, B, L] batch as shapes only: to compile ahead of time, nothing read."""
-    shape = (feed.accum, feed.rows, feed.length)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == 'loss_mask' else jnp.int32, sharding=feed.step_sharding)
-            for k in ('inputs', 'targets', 'positions', 'segment_ids', 'loss_mask')}
 
 
 def compiled_line(m):
@@ -1315,15 +1088,14 @@ def compiled_line(m):
 
 
 def stop_nonfinite(e, mngr, cfg):
-    """A non-finite step k: the parameters of step k - 1 produced it, so the newest checkpoint to go on from is
-    one before k - 1; a checkpoint of k - 1 is set aside (renamed, never deleted) so that a rerun resumes from there."""
+    """A non-finite step k: the parameters of step k - 1 produced it, so the checkpoint to go on from comes before
+    k - 1, and one of k - 1 is set aside (renamed, never deleted) so that a rerun resumes from there."""
     step, what = e.args
     wait_for_saves(mngr)
     bad = [s for s in mngr.all_steps() if s >= step - 1]
-    if bad and jax.process_index() == 0:
-        for s in bad:
-            data.set_aside(os.path.join(mngr.directory, str(s)), 'nonfinite')
-    agree('', cfg.host_timeout)
+    for s in bad if jax.process_index() == 0 else ():
+        data.set_aside(os.path.join(mngr.directory, str(s)), 'nonfinite')
+    agree('', cfg.host_timeout)  # the others wait for the renames
     good = [s for s in mngr.all_steps() if s < step - 1]
     where = (f'the newest checkpoint before it is step {good[-1]}' + (f' (step {bad[0]} set aside)' if bad else '')
              if good else 'no checkpoint comes before it')
@@ -1331,75 +1103,70 @@ def stop_nonfinite(e, mngr, cfg):
                               f'and rerun to {"resume from there" if good else "start over"}')
 
 
-def train(cfg, task, state, it, ds, run):
+def train(cfg, task, state, it, ds, job):
     """mode=train: from state['step'] to cfg.steps; returns the last metrics row with the benchmark's medians."""
-    start = int(state['step'])
-    if start >= cfg.steps:
-        log(f'{run.dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise steps= to go on)')
-        return {'step': start, 'run_dir': run.dir}
-    run.writer = MetricsWriter(cfg, run.dir, start, task.shown)  # before the compile: a W&B problem shows at once
+    if (start := int(state['step'])) >= cfg.steps:
+        log(f'{job.dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise steps= to go on)')
+        return {'step': start, 'run_dir': job.dir}
+    job.writer = data.MetricsWriter(cfg, job.dir, start, log)  # before the compile: a W&B problem shows at once
     try:
-        t_xla, m = compile_step(run.built.train_step, state, run.built.feed)
+        t_xla, m = compile_step(job.built.train_step, state, job.built.feed)
         line, compiled = compiled_line(m) if m else ('', None)
         log(f'step compiled in {t_xla:.1f}s; {line}')
         if compiled and jax.local_devices()[0].platform == 'cpu':
             fits_host(compiled * jax.local_device_count(), 'the compiled step')
-        run.caught.saving = True  # from here a signal is noted and answered with a checkpoint
-        run.watchdog = Watchdog(cfg, run.dir, run.caught, t_xla)
-        if cfg.stall_seconds != 0:
-            run.watchdog.start()
+        job.caught.saving = True  # from here a signal is noted and answered with a checkpoint
+        job.watchdog = Watchdog(cfg, job.dir, job.caught.wakeup, t_xla)
+        job.watchdog.start() if cfg.stall_seconds != 0 else None
         try:
-            summary, flight = train_loop(cfg, state, it, ds, run)
+            summary, meter = train_loop(cfg, task, state, it, ds, job)
         except jax.errors.JaxRuntimeError as e:  # here, before the cleanup below waits for a lost host
-            if jax.process_count() > 1:
-                stop_lost_host(e)
+            stop_lost_host(e) if jax.process_count() > 1 else None
             raise
         except NonFinite as e:
-            raise stop_nonfinite(e, run.mngr, cfg) from None
+            raise stop_nonfinite(e, job.mngr, cfg) from None
         finally:
-            run.watchdog.done.set()
-            if run.watchdog.is_alive():
-                run.watchdog.join()
+            job.watchdog.done.set()
+            job.watchdog.join() if job.watchdog.is_alive() else None  # before its pipe closes
     finally:
         it.close()
-        run.writer.close()
-        wait_for_saves(run.mngr)  # still under the handlers: a repeated SIGTERM cannot cut the last save short
-    summary.update(run_dir=run.dir, compile_seconds=t_xla + (flight.first_step_seconds or 0))
+        job.writer.close()
+        wait_for_saves(job.mngr)  # still under the handlers: a repeated SIGTERM cannot cut the last save short
     mem = device_peak_memory_gb(jax.local_devices()[0])
-    summary.update(benchmark(flight, run.flops, summary.get('tokens_per_step', 0.0), (
+    summary.update(run_dir=job.dir, compile_seconds=t_xla + (meter.first_step_seconds or 0))
+    summary.update(benchmark(meter, job.flops, summary.get('tokens_per_step', 0.0), (
         f'compile + first step {summary["compile_seconds"]:.1f}s; host RSS {host_rss_gb():.2f} GiB'
-        + (f', device peak {mem:.2f} GiB' if mem is not None else '')
-        + (f', compiled step {gb(compiled)}' if compiled else ''))))
-    log('done: ' + json.dumps({k: summary.get(k) for k in ('step', 'loss', 'eval_loss', 'tokens_per_sec', 'mfu',
-                                                           'compile_seconds', 'run_dir')}))
-    log(f'checkpoints: {run.mngr.directory}; metrics: {run.dir}/metrics.jsonl (TensorBoard: tensorboard --logdir '
-        f'{run.dir})')
+        + (f', device peak {mem:.2f} GiB' if mem is not None else '') + (f', compiled step {gb(compiled)}' if compiled else ''))))
+    done = ('step', 'loss', 'eval_loss', 'tokens_per_sec', 'mfu', 'compile_seconds', 'run_dir')
+    log('done: ' + json.dumps({k: summary.get(k) for k in done}))
+    log(f'checkpoints: {job.mngr.directory}; metrics: {job.dir}/metrics.jsonl (tensorboard --logdir {job.dir})')
     return summary
 
 
 # ==================================================================================================
-# The other modes: eval, generation, Hugging Face export (import is load_hf above).
+# The other modes: eval, generation, Hugging Face export (import is in restore_or_init), each (cfg, task, state,
+# ds, run) -> a summary.
 # ==================================================================================================
-def eval_mode(cfg, task, state, ds, run):
+def eval_mode(cfg, task, state, ds, job):
     """mode=eval: the loaded parameters on the eval set (eval_batches, or all of it where the task says so),
     printed as one JSON line and written to eval.json (and any answers the task writes beside it)."""
     n_batches = None if task.eval_all else cfg.eval_batches
-    result = {'step': int(state['step']), **run.evaluate(state, ds, n_batches, save_to=run.dir)}
-    data.write(os.path.join(run.dir, 'eval.json'), json.dumps(result))
+    result = {'step': int(state['step']), **job.evaluate(state, ds, n_batches, save_to=job.dir)}
+    data.write(os.path.join(job.dir, 'eval.json'), json.dumps(result))
     log(json.dumps(result))
     return result
 
 
-def generate_mode(cfg, task, params, ds, run):
+def generate_mode(cfg, task, state, ds, job):
     """mode=generate: the task's generation from prompt=, printed and written to RUN_DIR/generation.txt."""
-    summary, shown, text = task.generate(cfg, run.built.graph, params, ds, run.built.mesh.size)
+    summary, shown, text = task.generate(cfg, job.built.graph, state[task.eval_weights], ds, job.built.mesh.size)
     log(shown)
-    data.write(os.path.join(run.dir, 'generation.txt'), text)
-    return {**summary, 'run_dir': run.dir}
+    data.write(os.path.join(job.dir, 'generation.txt'), text)
+    return {**summary, 'run_dir': job.dir}
 
 
 def export_hf(cfg, params, ds, out_dir):
-    """mode=export: config.json, model.safetensors (weight dtype), tokenizer.model (+ tokenizer_config.json)."""
+    """config.json, model.safetensors (weight dtype), tokenizer.model (+ tokenizer_config.json) into out_dir."""
     ids = {'bos_token_id': ds.bos_id, 'eos_token_id': ds.eos_id} if ds.tokenizer else {}
     host = multihost_utils.process_allgather(params, tiled=True)  # whole arrays on every process
     try:
@@ -1408,9 +1175,14 @@ def export_hf(cfg, params, ds, out_dir):
     except (data.WriteError, *data.STORAGE_ERRORS) as e:
         reason = e if isinstance(e, data.WriteError) else data.storage_reason(e)
         raise ConfigError(f'export_dir={out_dir}: cannot write there ({reason}); choose a writable directory') from None
-    log(f'exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face Llama checkpoint to {out_dir}'
-        + ('' if ds.tokenizer else ' (no tokenizer: dataset=synthetic has none)'))
+    log(f'exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face Llama checkpoint to {out_dir}')
     return tensors
+
+
+def export_mode(cfg, task, state, ds, job):
+    """mode=export: the parameters as a Hugging Face Llama checkpoint in export_dir (default RUN_DIR/hf)."""
+    export_hf(cfg, state['params'], ds, out_dir := cfg.export_dir or os.path.join(job.dir, 'hf'))
+    return {'export_dir': out_dir}
 
 
 # ==================================================================================================
@@ -1462,8 +1234,7 @@ def fit_check(cfg, task, devices):
     fits = need is not None and need <= hbm
     log(f'{line} of {gb(hbm)} HBM: {"fits" if fits else "does not fit"}')
     if not fits:
-        log('to fit: per_device_batch=auto finds the largest batch that does; or remat=full, more fsdp (mesh=1,-1,1), '
-            'a smaller model or a larger slice')
+        log('to fit: per_device_batch=auto finds the largest batch that does; or remat=full, more fsdp, a larger slice')
     return {'fits': fits, 'bytes_per_device': need, 'hbm_bytes': hbm, 'memory': memory}
 
 
@@ -1478,8 +1249,7 @@ def fit_search(cfg, task, devices):
         need = fit_memory(cfg.model_copy(update={'per_device_batch': b, 'grad_accum': total // b, 'remat': remat}),
                           task, devices)[0]
         ok = need is not None and need <= 0.9 * hbm
-        log(f'  per_device_batch={b} grad_accum={total // b} remat={remat}: '
-            f'{"over the HBM" if need is None else gb(need)} -> {"fits" if ok else "no"}')
+        log(f'  per_device_batch={b} grad_accum={total // b} remat={remat}: {gb(need) if need else "over"} -> {"fits" if ok else "no"}')
         return ok
     sizes = [b for b in range(1, total + 1) if total % b == 0]
     lo, hi = 0, len(sizes) - 1  # sizes[:lo] fit with remat=full (the least memory); find the last that does
@@ -1501,29 +1271,29 @@ def fit_search(cfg, task, devices):
 # ==================================================================================================
 # run: everything above, in the order the data flows.
 # ==================================================================================================
-def describe(cfg, devices, built):
-    """The batch arithmetic, and the parameter dimensions left whole, printed at start (the arithmetic is kept in
-    config.yml too)."""
-    log(f'devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), {jax.process_count()} '
-        f'process(es); mesh {dict(built.mesh.shape)}')
-    rows = built.feed.rows
-    batch = (f'batch: {cfg.per_device_batch}/device x {len(devices)} devices x {cfg.grad_accum} accum = '
-             f'{rows * cfg.grad_accum} examples = {rows * cfg.grad_accum * cfg.max_target_length} tokens per step')
-    log(batch)
-    whole = replicated(built.layout.logical['params'], built.layout.abstract['params'], cfg, built.mesh)
-    if whole:
-        log(f'replicated, not dividing by their mesh axes: {"; ".join(whole[:8])}' + (' ...' if len(whole) > 8 else ''))
-    return batch
+def hold(run_dir, cfg):
+    """Process 0 takes the run directory's lock (data.own); every host then checks that it reads back what process 0
+    wrote there: a run directory on each host's own disk would split the run's checkpoints between them."""
+    lock, holder = data.own(run_dir, log)
+    if holder := agree(holder, cfg.host_timeout)[0]:
+        raise ConfigError(f'{run_dir} is in use by {holder}: wait for that run to end, or choose another run_name')
+    if jax.process_count() > 1:  # what process 0 writes there, every host must read back
+        data.write(marker := os.path.join(run_dir, '.hosts'), data.holder_line())
+        agree('', cfg.host_timeout)  # written before anyone reads it
+        same_everywhere({marker: data.stored(marker).read_text() if data.stored(marker).exists() else 'no such file'},
+                        'give every host one shared output_dir (a shared disk, or a gs:// bucket)', cfg.host_timeout)
+    return lock
 
 
 @contextlib.contextmanager
 def run_directory(cfg):
     """output_dir/run_name (a local path or gs://) for the block: made, checked writable and shared by every host,
-    and in mode=train owned by this run (one run trains in a run directory at a time). resume=false moves an
-    earlier run's checkpoints and metrics aside (renamed, never deleted) so the new run starts clean."""
+    and in mode=train owned by this run (one run trains in a run directory at a time; data.prepare_training moves
+    an earlier run's checkpoints and metrics aside under resume=false)."""
     run_dir = os.path.join(cfg.output_dir, cfg.run_name)
     data.make_run_dir(cfg, run_dir, log)
-    lock, key = hold(run_dir, cfg) if cfg.mode == 'train' else None, run_dir if data.remote(run_dir) else os.path.abspath(run_dir)
+    lock = hold(run_dir, cfg) if cfg.mode == 'train' else None
+    key = run_dir if data.remote(run_dir) else os.path.abspath(run_dir)
     try:
         if cfg.mode == 'train':
             data.prepare_training(cfg, run_dir, log)
@@ -1533,56 +1303,6 @@ def run_directory(cfg):
         data.HELD.pop(key, None)
         if lock:
             lock.close()
-
-
-def hold(run_dir, cfg):
-    """Process 0 takes the run directory's lock (data.own); every host then checks that it sees the file process 0
-    wrote there: a run directory on each host's own disk would split the run's checkpoints between them."""
-    lock, holder = data.own(run_dir, log)
-    if holder := agree(holder, cfg.host_timeout)[0]:
-        raise ConfigError(f'{run_dir} is in use by {holder}: wait for that run to end, or choose another run_name')
-    if jax.process_count() > 1:
-        marker = os.path.join(run_dir, '.hosts')
-        data.write(marker, f'{data.holder_line()}: every host of the run must see this file\n')
-        text = agree(data.stored(marker).read_text() if data.MAIN else '', cfg.host_timeout)[0]
-        sees = agree(data.stored(marker).exists() and data.stored(marker).read_text() == text, cfg.host_timeout)
-        if not all(sees):
-            raise ConfigError(f'output_dir={cfg.output_dir}: process {sees.index(False)} does not see the run '
-                              f'directory {run_dir} process 0 made: give every host one shared output_dir (a shared '
-                              'disk or a gs:// bucket)')
-    return lock
-
-
-TOKENIZER_KEYS = ('tokenizer_path', 'vocab_size', 'dataset', 'dataset_path', 'tfds_name', 'train_split', 'hf_path',
-                  'hf_name', 'hf_data_files', 'hf_split', 'text_key')
-
-
-def keep_tokenizer(cfg, ds, run_dir, resumed):
-    """What a checkpoint's token ids mean is part of it: a run keeps its tokenizer as RUN_DIR/tokenizer.model, and
-    a resume whose tokenizer differs (other files, vocab_size, tokenizer_path) stops, naming what changed."""
-    path, model = os.path.join(run_dir, 'tokenizer.model'), ds.tokenizer.serialized_model_proto()
-    if not (resumed and data.stored(path).exists()):
-        return data.write(path, model)
-    if data.stored(path).read_bytes() != model:
-        changed = [c for c in config_changes(run_dir, cfg) if c.split()[0] in TOKENIZER_KEYS] or [
-            'the training text (its files changed, so the tokenizer trained on them did)']
-        raise ConfigError(f'{path}: this run\'s tokenizer would change with {", ".join(changed)}: the checkpoint\'s '
-                          'token ids would mean other text; undo the change, set tokenizer_path=' + path + ' to keep '
-                          'its tokenizer, or start a new run_name (load_params= takes the weights)')
-
-
-def write_config(cfg, run_dir, derived):
-    """The resolved config, the derived figures as a comment on top (config.MODE.yml for the other modes,
-    so the training record stays)."""
-    name = 'config.yml' if cfg.mode == 'train' else f'config.{cfg.mode}.yml'
-    data.write(os.path.join(run_dir, name), f'# {derived}\n' + yaml.safe_dump(cfg.model_dump(mode='json'), sort_keys=False))
-
-
-def state_bytes(abstract):
-    """The bytes of a state laid out as `abstract` that this host's devices hold."""
-    shard = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize * len(
-        x.sharding.addressable_devices)
-    return sum(shard(x) for x in jax.tree.leaves(abstract))
 
 
 def run(cfg, devices=None, caught=None):
@@ -1595,73 +1315,55 @@ def run(cfg, devices=None, caught=None):
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
     devices = tpu_slice(cfg) if cfg.compile_topology else devices or jax.devices()
     cfg = resolve(cfg, task, devices[0].platform, devices[0].device_kind)
-    local = ('cache_dir', 'data_dir', 'compile_cache_dir')  # may name each host's own disk
+    local = ('cache_dir', 'data_dir', 'compile_cache_dir')  # these may name each host's own disk
     same_everywhere({k: v for k, v in flat(cfg.model_dump(mode='json')).items() if k not in local},
                     'start every host with the same command', cfg.host_timeout)
     if cfg.compile_topology:
         return (fit_search if cfg.per_device_batch == 'auto' else fit_check)(cfg, task, devices)
-    built = build(cfg, task, devices)
-    batch = describe(cfg, devices, built)
+    built, rows = build(cfg, task, devices), cfg.per_device_batch * len(devices) * cfg.grad_accum
+    batch = (f'batch: {cfg.per_device_batch}/device x {len(devices)} devices x {cfg.grad_accum} accum = {rows} '
+             f'examples = {rows * cfg.max_target_length} tokens per step')
+    log(f'devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), {jax.process_count()} '
+        f'process(es); mesh {dict(built.mesh.shape)}\n{batch}')
+    if whole := sharding_table(built.layout, cfg, built.mesh, whole_only=True):
+        log('parameters kept whole where their size does not divide by their mesh axes:\n' + '\n'.join(whole))
     ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log, task.dataset)
     same_everywhere({'data': ds.identity}, 'give every host the same data', cfg.host_timeout)
     if ds.vocab_size != cfg.vocab_size:
-        raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; '
-                          f'set vocab_size={ds.vocab_size}')
-    if devices[0].platform == 'cpu':
-        fits_host(state_bytes(built.layout.abstract), 'the train state (parameters and optimizer)')
+        raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; set vocab_size={ds.vocab_size}')
+    if devices[0].platform == 'cpu':  # the state's shards on this host's devices
+        fits_host(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize * len(x.sharding.addressable_devices)
+                      for x in jax.tree.leaves(built.layout.abstract)), 'the train state (parameters and optimizer)')
     flops = step_flops(cfg, task, devices) if cfg.mode == 'train' else None  # its probe runs outside the mesh
     with run_directory(cfg) as run_dir, jax.set_mesh(built.mesh), nnx.logical_axis_rules(cfg.logical_axis_rules), \
             checkpoints(os.path.join(run_dir, 'checkpoints'), cfg) as mngr:
         state, data_state, trained = restore_or_init(cfg, task, mngr, built.layout)
         if cfg.mode == 'train' and ds.tokenizer:
-            keep_tokenizer(cfg, ds, run_dir, resumed=int(state['step']) > 0)
-        write_config(cfg, run_dir, batch)
+            data.keep_tokenizer(ds, run_dir, int(state['step']) > 0, config_changes(run_dir, cfg))
+        data.write(os.path.join(run_dir, 'config.yml' if cfg.mode == 'train' else f'config.{cfg.mode}.yml'),
+                   f'# {batch}\n' + yaml.safe_dump(cfg.model_dump(mode='json'), sort_keys=False))  # train's record stays
         log(f'model: {sum(x.size for x in jax.tree.leaves(state["params"])) / 1e6:.2f}M parameters, '
             f'{task.flops_per_token(cfg) / 1e6:.1f} MFLOPs per token (train)')
         if cfg.print_sharding:
-            log(sharding_table(state['params'], built.layout.shardings['params']))
+            log('\n'.join(sharding_table(built.layout, cfg, built.mesh)))
         if cfg.mode != 'train' and not trained:
             raise ConfigError(f'mode={cfg.mode} needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, or '
                               f'run_name= a run with checkpoints (none in {run_dir}/checkpoints)')
-        this = Run(run_dir, mngr, built, evaluator(cfg, task, built.eval_step, built.feed), caught or Signals(), flops)
-        if cfg.mode == 'export':
-            export_hf(cfg, state['params'], ds, cfg.export_dir or os.path.join(run_dir, 'hf'))
-            return {'export_dir': cfg.export_dir or os.path.join(run_dir, 'hf')}
-        if cfg.mode == 'generate':
-            return generate_mode(cfg, task, state[task.eval_weights], ds, this)
-        if cfg.mode == 'eval':
-            return eval_mode(cfg, task, state, ds, this)
-        return train(cfg, task, state, ds.train_iter(built.feed.rows // jax.process_count(), state=data_state), ds, this)
+        job = Job(run_dir, mngr, built, evaluator(cfg, task, built.eval_step, built.feed), caught or Signals(), flops)
+        if cfg.mode == 'train':
+            return train(cfg, task, state, ds.train_iter(built.feed.rows // jax.process_count(), state=data_state), ds,
+                         job)
+        return {'export': export_mode, 'generate': generate_mode, 'eval': eval_mode}[cfg.mode](cfg, task, state, ds, job)
 
 
 # ==================================================================================================
 # The command line, and the process plumbing it needs: which platforms to start, joining a multi-process
 # system (bounded, and watched by a parent process), and keeping library noise off stderr.
 # ==================================================================================================
-def quiet_libraries():
-    """Library noise off stderr, for what the trainer reports in one line: orbax and tfds narrate through
-    absl warnings (a local build as a download, our per-glob builder config); reading a damaged checkpoint,
-    the tensorstore reads orbax left in flight fail later, each logged by asyncio and raised once more from
-    its abandoned coroutine or into a closed event loop; a refused write leaves orbax's write coroutines
-    unawaited, which Python reports at exit."""
-    logging.getLogger('absl').setLevel(logging.CRITICAL)  # orbax logs a failed save it raises to us as well
-    for name in ('gcsfs', 'fsspec', 'google.auth', 'wandb'):  # retries and fallbacks: what matters, we say once
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    warnings.filterwarnings('ignore', r"coroutine '.*' was never awaited", RuntimeWarning)
-    logging.getLogger('asyncio').setLevel(logging.CRITICAL)
-    hook = sys.unraisablehook
-    orbax_read = lambda u: 'orbax' in getattr(getattr(u.object, 'cr_code', None), 'co_filename', '')
-    sys.unraisablehook = lambda u: None if str(u.exc_value) == 'Event loop is closed' or orbax_read(u) else hook(u)
-
-
 def pci_vendors():
     """The PCI vendor ids of this host's devices (Linux sysfs): what accelerators it has, without starting
     any of them. Google 0x1ae0 = TPU chips, NVIDIA 0x10de, AMD 0x1002."""
-    vendors = set()
-    for path in glob.glob('/sys/bus/pci/devices/*/vendor'):
-        with open(path) as f:
-            vendors.add(f.read().strip())
-    return vendors
+    return {open(path).read().strip() for path in glob.glob('/sys/bus/pci/devices/*/vendor')}
 
 
 def start_platforms():
@@ -1684,9 +1386,8 @@ def check_backends():
     try:
         jax.devices()
     except (RuntimeError, AssertionError, ValueError) as e:
-        raise ConfigError(f'JAX_PLATFORMS={jax.config.jax_platforms}: JAX cannot start it on this host'
-                          + (f' ({first_line(e)})' if str(e) else '') + '; name platforms this host has (cpu, gpu '
-                          'with jax[cuda], tpu on a TPU VM), or unset JAX_PLATFORMS') from None
+        raise ConfigError(f'JAX_PLATFORMS={jax.config.jax_platforms}: JAX cannot start it on this host ({first_line(e)}); '
+                          'name platforms this host has (cpu, gpu with jax[cuda], tpu on a TPU VM), or unset it') from None
 
 
 DISTRIBUTED = ('JAX_COORDINATOR_ADDRESS', 'JAX_PROCESS_COUNT', 'JAX_PROCESS_INDEX')
@@ -1701,29 +1402,21 @@ def several_processes():
 
 def init_distributed(cfg):
     """Join a multi-process JAX system before any device is touched, every host waiting host_timeout seconds for the
-    others (to join, and later for a silent peer's heartbeat). Explicit JAX_* variables win, checked first (JAX
+    others (to join, and later for a silent host's heartbeat). Explicit JAX_* variables win, checked first (JAX
     answers a bad one with a traceback, or waits for a coordinator that never comes)."""
     given = [n for n in DISTRIBUTED if os.environ.get(n)]
     if given and len(given) < len(DISTRIBUTED):
         missing = ', '.join(n for n in DISTRIBUTED if n not in given)
         raise ConfigError(f'{", ".join(given)} set but {missing} not: set all three for a multi-process run, or none')
-    if not several_processes():
-        return
-    args = {}
-    if given:
-        try:
-            count, index = int(os.environ['JAX_PROCESS_COUNT']), int(os.environ['JAX_PROCESS_INDEX'])
-        except ValueError:
-            raise ConfigError('JAX_PROCESS_COUNT and JAX_PROCESS_INDEX must be integers') from None
-        address = os.environ['JAX_COORDINATOR_ADDRESS']
-        if not 0 <= index < count:
-            raise ConfigError(f'JAX_PROCESS_INDEX={index}: must be 0..{count - 1} (JAX_PROCESS_COUNT={count})')
-        if not address.rpartition(':')[2].isdigit():
-            raise ConfigError(f'JAX_COORDINATOR_ADDRESS={address}: give host:port of process 0 (e.g. 10.0.0.1:8476)')
-        args = {'coordinator_address': address, 'num_processes': count, 'process_id': index}
-    jax.distributed.initialize(**args, initialization_timeout=cfg.host_timeout,
-                               heartbeat_timeout_seconds=cfg.host_timeout)
-    data.MAIN = jax.process_index() == 0
+    address, count, index = (os.environ.get(n, '') for n in DISTRIBUTED)
+    if given and not (count.isdigit() and index.isdigit() and int(index) < int(count)):
+        raise ConfigError(f'JAX_PROCESS_INDEX={index}: must be 0..N-1 for JAX_PROCESS_COUNT={count}')
+    if given and not address.rpartition(':')[2].isdigit():
+        raise ConfigError(f'JAX_COORDINATOR_ADDRESS={address}: give host:port of process 0 (e.g. 10.0.0.1:8476)')
+    if several_processes():
+        jax.distributed.initialize(*(address, int(count), int(index)) if given else (), heartbeat_timeout_seconds=
+                                   cfg.host_timeout, initialization_timeout=cfg.host_timeout)
+        data.MAIN = jax.process_index() == 0
 
 
 NATIVE_LOG = 'TRAIN_NATIVE_LOG'  # set by the supervisor for its child: where C++ libraries' stderr goes
@@ -1731,43 +1424,33 @@ NATIVE_LOG = 'TRAIN_NATIVE_LOG'  # set by the supervisor for its child: where C+
 
 def supervise(argv):
     """A process of a multi-host run trains in a child process. When a host is lost, or the hosts never all join,
-    JAX's distributed runtime (C++) ends the others with an abort and a page of log; the parent turns such an end
-    into one line naming the cause (exit 74), keeps C++ log lines off the terminal (they go to a file it names),
-    and passes SIGTERM / SIGINT on (SIGTERM with a SIGUSR1 beside it: the child's watchdog hears of it at once)."""
+    JAX's distributed runtime (C++) ends the others with an abort and a page of log; this parent turns such an end
+    into one line naming the cause (exit 74), keeps C++ log lines off the terminal (in a file it names), and passes
+    SIGTERM and SIGINT on (SIGTERM with a SIGUSR1 beside it: the child's watchdog hears of it at once)."""
     path = os.path.join(tempfile.gettempdir(), f'train-{os.getpid()}.log')
-    die_with_parent = lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # Linux PR_SET_PDEATHSIG: a kill -9 ends both
-    child = subprocess.Popen([sys.executable, *argv], env={**os.environ, NATIVE_LOG: path},
-                             preexec_fn=die_with_parent if sys.platform == 'linux' else None)
+    child = subprocess.Popen([sys.executable, *argv], env={**os.environ, NATIVE_LOG: path},  # and a kill -9 of this
+                             preexec_fn=(lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL))  # process ends the child
+                             if sys.platform == 'linux' else None)  # (Linux's PR_SET_PDEATHSIG)
 
     def forward(signum, _):
-        child.send_signal(signum)
-        if signum == signal.SIGTERM:
-            child.send_signal(signal.SIGUSR1)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-    code = child.wait()
-    if code >= 0:
+        for sig in (signum, signal.SIGUSR1) if signum == signal.SIGTERM else (signum,):
+            child.send_signal(sig)
+    signal.signal(signal.SIGTERM, forward), signal.signal(signal.SIGINT, forward)
+    if (code := child.wait()) >= 0:
         return code
     if -code in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # passed on before the child listened for it
-        print(f'stopped: {signal.Signals(-code).name} before the first step: nothing new to save; rerun the same '
-              'command to go on', file=sys.stderr, flush=True)
+        print(f'stopped: {signal.Signals(-code).name} before the first step: nothing new to save', file=sys.stderr)
         return 75
     with open(path, errors='replace') as f:
         native = f.read()
-    lost = re.search(r'tasks are unhealthy \(stopped sending heartbeats\):\s*([\d\s,]+)', native)
+    lost = re.search(r'unhealthy \(stopped sending heartbeats\):\s*([\d, ]*\d)', native)
     address, count = os.environ.get('JAX_COORDINATOR_ADDRESS', 'the coordinator'), os.environ.get('JAX_PROCESS_COUNT', '?')
-    if 'RegisterTask' in native:
-        cause = (f'the {count} processes did not all join at {address} within host_timeout: start the command on '
-                 f'every host, each with its own JAX_PROCESS_INDEX 0..{int(count) - 1 if count.isdigit() else "N-1"}'
-                 + (' (two processes gave the same index)' if 'from the same task' in native else ''))
-    elif lost:
-        cause = f'lost process {", ".join(lost.group(1).split())} of {count} (no heartbeat within host_timeout)'
-    elif 'PollForError' in native or 'Socket closed' in native:
-        cause = f'lost process 0 of {count}, the coordinator at {address}'
-    else:
-        cause = f'the trainer process ended by {signal.Signals(-code).name}'
-    print(f'error: {cause}; checkpoints already committed are intact; rerun the command on every host to resume '
-          f'(JAX\'s log: {path})', file=sys.stderr, flush=True)
+    causes = [('RegisterTask' in native, f'the {count} processes did not all join at {address} within host_timeout '
+                                         '(a host missing or the coordinator unreachable, or two with one JAX_PROCESS_INDEX)'),
+              (lost, f'lost process {lost and lost.group(1)} of {count} (no heartbeat within host_timeout)'),
+              ('PollForError' in native, f'lost process 0 of {count}, the coordinator at {address}')]
+    cause = next((says for seen, says in causes if seen), f'ended by {signal.Signals(-code).name}')
+    print(f'error: {cause}; {RERUN} (JAX\'s log: {path})', file=sys.stderr, flush=True)
     return 74
 
 
@@ -1782,7 +1465,7 @@ def main(argv):
     try:
         files = 1 + sum(1 for _ in itertools.takewhile(lambda a: a.endswith(('.yml', '.yaml')) and '=' not in a, argv[2:]))
         cfg = load_config(argv[1:1 + files], argv[1 + files:])  # config files first (base.yml, then yours), then keys
-        quiet_libraries()
+        data.quiet_libraries()
         start_platforms()
         init_distributed(cfg)
         check_backends()
@@ -1790,8 +1473,7 @@ def main(argv):
             return DOES_NOT_FIT if run(cfg, caught=caught).get('fits') is False else 0
     except data.STORAGE_ERRORS as e:  # a disk or bucket failing where no message above names the key: still one line
         where = f' at {e.filename}' if getattr(e, 'filename', None) else ''
-        print(f'error: storage failed{where}: {data.storage_reason(e)}; checkpoints already committed are intact',
-              file=sys.stderr)
+        print(f'error: storage failed{where}: {data.storage_reason(e)}; {KEPT}', file=sys.stderr)
         return 74
     except (ConfigError, data.DataError, FloatingPointError, data.WriteError, Preempted) as e:  # one line
         print(f'{"stopped" if isinstance(e, Preempted) else "error"}: {e}', file=sys.stderr, flush=True)

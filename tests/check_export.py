@@ -24,7 +24,9 @@ def main(run, hf, *keys):
                             ['dtype=float32', 'mesh=1,1,1', *keys])
     mesh = train.make_mesh(cfg, jax.devices()[:1])
     abstract = train.state_layout(cfg, model.TASKS['lm'], mesh, train.make_optimizer(cfg)[0], 1).abstract
-    params = train.load_params(run, abstract, cfg)[1]
+    path, steps = train.data.checkpoint_steps(run)
+    with train.checkpoints(path, cfg, read_only=True) as mngr:
+        params = train.restore_checkpoint(mngr, abstract, cfg, steps, part='params')[1]
     sp = spm.SentencePieceProcessor(model_file=os.path.join(hf, 'tokenizer.model'))
     text = open(train.__file__).read()  # any text: the trainer's own source
     ids = np.array([[sp.bos_id()] + sp.encode(text)[:cfg.max_target_length - 1]], np.int32)

@@ -38,7 +38,7 @@ ENV = {**os.environ, 'JAX_PLATFORMS': 'cpu'}  # for trainer subprocesses: CPU on
 
 import train  # noqa: E402  (after sys.path)
 
-train.quiet_libraries()  # what main() does before a run: the tests that call run() check its stderr too
+train.data.quiet_libraries()  # what main() does before a run: the tests that call run() check its stderr too
 
 VOCAB = 320  # smallest comfortable byte-fallback BPE for write_corpus's text (256 bytes + chars + merges)
 

@@ -472,7 +472,7 @@ def test_a_resume_whose_tokenizer_would_change_stops_naming_it(tmp_path):
     assert train.run(config(tmp_path, 'steps=3', *keys, preset=TEXT), jax.devices()[:1])['step'] == 3
     assert (tmp_path / 'default' / 'tokenizer.model').is_file()
     write_corpus(tmp_path / 'corpus', 6, 'other', 1)
-    with pytest.raises(train.ConfigError, match=r'tokenizer would change with the training text .*start a new run_name'):
+    with pytest.raises(train.data.DataError, match=r'tokenizer would change with the training text .*start a new run_name'):
         train.run(config(tmp_path, 'steps=4', *keys, preset=TEXT), jax.devices()[:1])
 
 

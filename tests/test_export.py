@@ -67,7 +67,7 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
     assert conf['tie_word_embeddings'] == (tie == 'true')
 
     # Round trip: the same parameters in the same placement, so the same logits.
-    back = train.load_hf(hf, layout.abstract['params'], cfg)
+    back = jax.device_put(model_lib.load_hf(cfg, hf, layout.abstract['params']), layout.shardings['params'])
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), ours, back)
     assert jax.tree.map(lambda a: a.sharding.spec, ours) == jax.tree.map(lambda a: a.sharding.spec, back)
     tokens = np.random.default_rng(0).integers(0, V, (2, 32)).astype(np.int32)
@@ -78,9 +78,9 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
 
     # A config that disagrees with the checkpoint is one line naming the key; so is a missing directory.
     with pytest.raises(train.data.DataError, match='hidden_size=64 but d_model=32; set d_model=64'):
-        train.load_hf(hf, layout.abstract['params'], config(tmp_path, *keys, 'd_model=32'))
+        model_lib.load_hf(config(tmp_path, *keys, 'd_model=32'), hf, layout.abstract['params'])
     with pytest.raises(train.data.DataError, match='cannot read .*config.json'):
-        train.load_hf(str(tmp_path / 'nope'), layout.abstract['params'], cfg)
+        model_lib.load_hf(cfg, str(tmp_path / 'nope'), layout.abstract['params'])
     # Tensors that disagree with their own config.json (a hand-edited or half-converted checkpoint).
     import safetensors.numpy
     tensors = safetensors.numpy.load_file(os.path.join(hf, 'model.safetensors'))
@@ -88,7 +88,7 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
     safetensors.numpy.save_file(tensors, os.path.join(hf, 'model.safetensors'))
     with pytest.raises(train.data.DataError, match=r'disagrees with its config.json: final_norm/scale holds \(63,\) values '
                                                 r'where the config makes \(64,\)'):
-        train.load_hf(hf, layout.abstract['params'], cfg)
+        model_lib.load_hf(cfg, hf, layout.abstract['params'])
 
 
 @pytest.mark.parametrize('scan', ['true', 'false'])

@@ -385,14 +385,24 @@ def test_gqa_shares_kv_heads(tmp_path):
 # ---- mesh and sharding ----------------------------------------------------------------------------
 def test_big_parameters_are_sharded_on_4_4_2(tmp_path):
     cfg = config(tmp_path, 'mesh=4,4,2', 'd_model=128', 'mlp_dim=256', 'vocab_size=256', 'scan_layers=true')
-    _, layout, state, _ = train_state(cfg, jax.devices())
-    shardings = layout.shardings
+    mesh, layout, state, _ = train_state(cfg, jax.devices())
     for path, x in jax.tree_util.tree_leaves_with_path(state):
         if x.size >= 4096:
             assert not x.sharding.is_fully_replicated, jax.tree_util.keystr(path)
             assert x.addressable_shards[0].data.size < x.size
-    table = train.sharding_table(state['params'], shardings['params'])
+    table = '\n'.join(train.sharding_table(layout, cfg, mesh))
     assert "['embed']" in table and 'fsdp' in table and 'tensor' in table
+
+
+def test_dimensions_kept_whole_are_printed_at_start(tmp_path, capsys):
+    """vocab_size=131 divides by no mesh axis: the embedding and LM head keep their vocabulary dimension whole on
+    every device, which the start of the run says (a dividing size shards and is not listed)."""
+    train.run(config(tmp_path, 'mesh=1,2,2', 'vocab_size=131', 'steps=1'), jax.devices()[:4])
+    out = capsys.readouterr().out
+    whole = out.split('parameters kept whole where their size does not divide by their mesh axes:\n')[1].split('\nmodel:')[0]
+    assert re.search(r"^\['embed'\] +\(131, 64\) .* dim 0 not over tensor$", whole, re.M), out
+    assert re.search(r"^\['lm_head'\] +\(64, 131\) .* dim 1 not over tensor$", whole, re.M), out
+    assert "['trunk']" not in whole, out
 
 
 def test_odd_sizes_keep_a_dividing_prefix_or_replicate(tmp_path):
