@@ -1053,13 +1053,13 @@ def train_loop(cfg, task, state, it, ds, job):
     return last, meter
 
 
-def fits_host(need, what):
+def fits_host(need, what, fix):
     """On CPU the devices' memory is the host's. Past what the host has, XLA:CPU either waits without a word or dies
     in an out-of-memory traceback: a run that cannot fit stops before it allocates, saying what to lower."""
     with open('/proc/meminfo') if os.path.exists('/proc/meminfo') else contextlib.nullcontext([]) as f:
         avail = next((int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:')), None)
     if avail is not None and need > avail:
-        raise ConfigError(f'{what} needs {gb(need)} of host memory, {gb(avail)} is free: lower per_device_batch, remat=full')
+        raise ConfigError(f'{what} needs {gb(need)} of host memory on CPU and {gb(avail)} is free: {fix}')
 
 
 def abstract_batch(feed):
@@ -1114,7 +1114,7 @@ def train(cfg, task, state, it, ds, job):
         line, compiled = compiled_line(m) if m else ('', None)
         log(f'step compiled in {t_xla:.1f}s; {line}')
         if compiled and jax.local_devices()[0].platform == 'cpu':
-            fits_host(compiled * jax.local_device_count(), 'the compiled step')
+            fits_host(compiled * jax.local_device_count(), 'the step', 'lower per_device_batch, or remat=full')
         job.caught.saving = True  # from here a signal is noted and answered with a checkpoint
         job.watchdog = Watchdog(cfg, job.dir, job.caught.wakeup, t_xla)
         job.watchdog.start() if cfg.stall_seconds != 0 else None
@@ -1198,7 +1198,9 @@ def tpu_slice(cfg):
         raise ConfigError(f'compile_topology={cfg.compile_topology}: TPU7x needs the current JAX and libtpu 0.0.51 '
                           f'(Python 3.12: pip install -r requirements.txt -r tests/requirements.txt there); the '
                           f'libtpu of jax {jax.__version__} aborts compiling its programs')
-    os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')  # a compile needs no chip: two checks may run at once
+    for name, value in (('ALLOW_MULTIPLE_LIBTPU_LOAD', '1'), ('TPU_WORKER_HOSTNAMES', 'localhost'),
+                        ('TPU_ACCELERATOR_TYPE', cfg.compile_topology.replace('v5e', 'v5litepod'))):
+        os.environ.setdefault(name, value)  # no chip to find: two checks may run at once, and libtpu says nothing
     try:
         from jax.experimental import topologies
         devices = topologies.get_topology_desc(topology_name=topology, platform='tpu',
@@ -1333,7 +1335,7 @@ def run(cfg, devices=None, caught=None):
         raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; set vocab_size={ds.vocab_size}')
     if devices[0].platform == 'cpu':  # the state's shards on this host's devices
         fits_host(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize * len(x.sharding.addressable_devices)
-                      for x in jax.tree.leaves(built.layout.abstract)), 'the train state (parameters and optimizer)')
+                      for x in jax.tree.leaves(built.layout.abstract)), 'the train state', 'train a smaller model')
     flops = step_flops(cfg, task, devices) if cfg.mode == 'train' else None  # its probe runs outside the mesh
     with run_directory(cfg) as run_dir, jax.set_mesh(built.mesh), nnx.logical_axis_rules(cfg.logical_axis_rules), \
             checkpoints(os.path.join(run_dir, 'checkpoints'), cfg) as mngr:

@@ -95,9 +95,13 @@ def train_step(cfg, mesh, tx):
 
 
 def read_checkpoint(run_dir, step):
-    """Checkpoint `step` of a run as orbax restores it (no target: plain arrays)."""
+    """Checkpoint `step` of a run as host numpy arrays (said so to orbax: no placement to guess)."""
+    import numpy as np
+    import orbax.checkpoint as ocp
     with train.checkpoints(os.path.join(run_dir, 'checkpoints'), train.load_config(BASE), read_only=True) as mngr:
-        return mngr.restore(step)
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), mngr.item_metadata(step)['train_state'])
+        return mngr.restore(step, args=ocp.args.Composite(train_state=ocp.args.PyTreeRestore(restore_args=as_numpy),
+                                                          data_state=ocp.args.StandardRestore()))
 
 
 def metrics(run_dir):

@@ -1,6 +1,7 @@
 """Bad input, as a user meets it: every case below runs through the command line and must exit non-zero
 with one line on stderr (file descriptor 2, so C++ libraries count too) and no traceback."""
 import gzip
+import re
 import subprocess
 import sys
 
@@ -83,6 +84,9 @@ CASES = [
     (['base.yml', '{tmp}/scalar.yml'], 'error: {tmp}/scalar.yml: trm is a section of keys, not a value'),
     (['base.yml', '{tmp}/typo.yml'], "error: {tmp}/typo.yml: unknown key 'stepz'; did you mean steps?"),
     (['seed=99999999999'], 'error: seed=99999999999: must be <= 2147483647'),
+    (['learning_rate=1e39'], 'error: learning_rate=1e39: must be <= 3.40282e+38'),  # inf in float32
+    (['output_dir=gs://bucket/exp#3'], 'error: output_dir=gs://bucket/exp#3: tensorstore reads a gs:// path as a URL '
+     '(it cuts ? and # and decodes %XX), so arrays would land outside it; choose a name without ?, # or %'),
     # Paths that exist but hold the wrong thing.
     ([*TEXT, 'dataset_path={tmp}/corpus/*.txt', 'tokenizer_path={tmp}/text.model'],
      "error: tokenizer_path={tmp}/text.model: not a sentencepiece model (INTERNAL: could not parse ModelProto from "
@@ -218,3 +222,19 @@ def test_splash_attention_needs_lengths_its_blocks_divide(tmp_path, length, ok):
     else:
         with pytest.raises(train.ConfigError, match='max_target_length=700 is not a multiple of the kernel'):
             resolve()
+
+
+@pytest.mark.parametrize('keys, what', [
+    (['d_model=8192', 'num_layers=64', 'num_heads=64', 'num_kv_heads=64', 'mlp_dim=32768'], 'the train state'),
+    (['per_device_batch=32768', 'max_target_length=4096', 'remat=none', 'scan_layers=false'], 'the step')])
+def test_a_run_past_the_hosts_memory_stops_before_it_allocates(tmp_path, capsys, monkeypatch, keys, what):
+    """On CPU the devices' memory is the host's: a 68B-parameter model's state, or a step whose compiled figures pass
+    what the host has free, is one line naming it and what to lower (before: a silent hang after the parameter count,
+    or a 40-line RESOURCE_EXHAUSTED traceback)."""
+    one = jax.devices()[:1]
+    monkeypatch.setattr(jax, 'devices', lambda *_: one)
+    assert train.main(['train.py', BASE, *args(tmp_path, *keys, 'steps=1', 'dataset=synthetic')]) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and re.fullmatch(rf'error: {what} needs [\d.]+ GiB of host memory on CPU and [\d.]+ GiB '
+                                                  r'is free: (train a smaller model|lower per_device_batch, or remat=full)\n',
+                                                  err), err

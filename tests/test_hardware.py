@@ -455,3 +455,16 @@ def test_a_stalled_host_is_named_with_its_stacks_and_a_sigterm_ends_a_stall(tmp_
         assert code == 74 and re.fullmatch(rf'error: stalled after step \d+: {why}; every thread\'s stack is in '
                                            rf'{tmp_path}/default/stacks-p0.txt; .*', one_line(err)), err
         assert 'Thread 0x' in (tmp_path / 'default' / 'stacks-p0.txt').read_text()
+
+
+def test_two_fit_checks_at_once_on_one_machine_both_run_and_print_no_libtpu_noise():
+    """An AOT compile needs no TPU chip: two fit checks at once both compile (libtpu's lock on the chips of the host
+    is not theirs to take: before, the second failed on it), and libtpu's warnings about a host without chips stay
+    off stderr."""
+    pytest.importorskip('libtpu', reason='libtpu is not installed: pip install -r tests/requirements.txt')
+    cmd = [sys.executable, 'train.py', 'base.yml', 'compile_topology=v5e-8', 'mesh=1,8,1', 'd_model=64', 'num_layers=1',
+           'num_heads=4', 'num_kv_heads=2', 'mlp_dim=128', 'vocab_size=256', 'max_target_length=128']
+    got = ended([subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+                 for _ in range(2)], timeout=300)
+    for code, err, out in got:
+        assert code == 0 and err == '' and out.rstrip().endswith('HBM: fits'), (code, err[-2000:], out[-2000:])

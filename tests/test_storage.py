@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import train
-from conftest import BASE, HF, ROOT, SUDOKU, TEXT, args, write_corpus, write_parquet
+from conftest import BASE, HF, ROOT, SUDOKU, TEXT, args, read_checkpoint, write_corpus, write_parquet
 
 # A run slow enough to be interrupted at a chosen point: each step sleeps 0.15 s first (the math is untouched), and
 # the 0-based steps listed in GATES wait until a file of that name exists in GATE_DIR.
@@ -163,6 +163,11 @@ def test_bucket_lease_expires_and_is_taken_over_once(gcs):
     assert json.loads(gs().cat_file(path))['pid'] == os.getpid()
     winner.close()
     assert not gs().exists(path)
+    gs().pipe_file(path, b'{"holder": "a run cut off mid-write')  # not the JSON a run writes: taken over, said once
+    said_once = []
+    assert train.data.BucketLease(path, log=said_once.append).acquire() == ''
+    assert said_once == ['took over the lock of an unreadable lease object (its lease ran out, its process is gone, or '
+                         'it was unreadable)'], said_once
     dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
     gs().pipe_file(path, json.dumps({**other, 'pid': int(dead.stdout), 'host': socket.gethostname()}).encode())
     assert train.data.BucketLease(path).acquire() == ''
@@ -205,8 +210,7 @@ def test_storage_going_away_mid_run_ends_in_one_line_and_keeps_checkpoints(gcs, 
     assert 'intact' in err or 'the ones written before stay as they are' in err, err
     assert took < 60, took
     print(f'storage gone: exit {code} after {took:.0f} s: {err.strip()}')
-    with train.checkpoints(f'{bucket}/runs/default/checkpoints', train.load_config(BASE), read_only=True) as mngr:
-        assert 4 in mngr.all_steps() and mngr.restore(4)['train_state']['step'] == 4
+    assert read_checkpoint(f'{bucket}/runs/default', 4)['train_state']['step'] == 4
 
 
 def test_every_input_and_output_path_on_a_bucket(gcs, tmp_path):
