@@ -26,6 +26,7 @@ import csv
 import fcntl
 import glob
 import hashlib
+import importlib.util
 import io
 import itertools
 import json
@@ -313,10 +314,16 @@ def paths_of(cfg):
 def check_paths(cfg):
     """Every path the user typed must exist, whatever else the run does (a resumable run directory would
     otherwise hide a mistyped load_params). Data paths may be globs; any of them may be on gs://."""
-    for key, path in {**paths_of(cfg), 'run_name': cfg.run_name}.items():
+    for key, path in {**paths_of(cfg), 'run_name': cfg.run_name}.items():  # names orbax cannot write as given
+        if '\\' in path and key in ('run_name', 'output_dir'):  # into a JSON spec, unescaped
+            raise DataError(f'{key}={path}: the checkpoint library cannot write under a path with a backslash; choose a '
+                            'name without one')
         if remote(cfg.output_dir if key == 'run_name' else path) and URL_MANGLED.search(path):
             raise DataError(f'{key}={path}: tensorstore reads a gs:// path as a URL (it cuts ? and # and decodes %XX), '
                             'so arrays would land outside it; choose a name without ?, # or %')
+    if cfg.wandb_project and importlib.util.find_spec('wandb') is None:
+        raise DataError(f'wandb_project={cfg.wandb_project}: wandb is not installed: pip install wandb==0.31.0 (or set '
+                        'wandb_project=)')
     check_credentials(paths_of(cfg))
     for key in ('data_dir', 'cache_dir'):  # array_record's own file layer (no TensorFlow) and flock: local only
         if remote(getattr(cfg, key)):

@@ -9,7 +9,7 @@ config -> devices, hosts and mesh -> sharding -> state -> the step -> eval -> ch
 What is trained, the language model or the puzzle heads, is a model.Task picked once in run(); the data pipelines
 and the storage layer (local or gs:// paths, the run directory's lock, W&B) are in data.py. Shape letters: model.py.
 """
-import contextlib, ctypes, dataclasses, difflib, faulthandler, functools, glob, importlib.util, itertools, json, math
+import contextlib, ctypes, dataclasses, difflib, faulthandler, functools, glob, itertools, json, math
 import os, pkgutil, re, resource, signal, subprocess, sys, tempfile, threading, time
 from typing import Annotated, Any, Callable, Literal, NamedTuple
 
@@ -292,10 +292,6 @@ def check(cfg, task):
         (cfg.load_params and cfg.load_hf, 'load_params and load_hf are both set; keep one'),
         (not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in ('.', '..'),
          f'run_name={cfg.run_name!r}: give a plain directory name (the run goes to output_dir/run_name)'),
-        *[('\\' in getattr(cfg, key), f'{key}={getattr(cfg, key)}: the checkpoint library cannot write under a path '
-                                      'with a backslash; choose a name without one') for key in ('run_name', 'output_dir')],
-        (cfg.wandb_project and importlib.util.find_spec('wandb') is None,
-         f'wandb_project={cfg.wandb_project}: wandb is not installed: pip install wandb==0.31.0 (or set wandb_project=)'),
         (True, task.check(cfg)),
     ]
     if message := next((says for bad, says in rules if bad and says), None):
@@ -621,7 +617,7 @@ def wait_for_saves(mngr):
     try:
         mngr.wait_until_finished()
     except Exception as e:
-        raise data.WriteError(f'{mngr.directory}: the last checkpoint could not be written ({first_line(e)}); {KEPT}') from None
+        raise data.WriteError(f'{mngr.directory}: the last checkpoint failed ({first_line(e)}); {KEPT}') from None
 
 
 @contextlib.contextmanager
@@ -662,7 +658,7 @@ def save_checkpoint(mngr, step, state, it):
         mngr.save(step, args=ocp.args.Composite(train_state=ocp.args.PyTreeSave(state),
                                                 data_state=ocp.args.StandardSave(data_state)))
     except Exception as e:
-        raise data.WriteError(f'{mngr.directory}: a checkpoint could not be written ({first_line(e)}); {KEPT}') from None
+        raise data.WriteError(f'{mngr.directory}: a checkpoint failed ({first_line(e)}); {KEPT}') from None
 
 
 def read_step(mngr, step, abstract, part):
@@ -681,12 +677,14 @@ def read_step(mngr, step, abstract, part):
     for path in sorted(set(want) | (set(saved) if not part else set()), key=lambda p: (p[0] != 'params', p)):
         if saved.get(path) != want.get(path):
             return None, None, f'{"/".join(path)} is {saved.get(path, "none")} there but {want.get(path, "none")} here'
-    items = {'train_state': (ocp.PyTreeCheckpointHandler, ocp.args.PyTreeRestore(  # another run's optimizer may
+    # With `part`, that subtree alone: another run's optimizer may differ.
+    reads = {'train_state': (ocp.PyTreeCheckpointHandler, ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=bool(part)))}
-    items.update({} if part else {'data_state': (ocp.StandardCheckpointHandler, ocp.args.StandardRestore())})  # differ
-    try:  # item by item: mngr.restore ends waiting for every host, and a host that failed would never come
-        got = {name: handler().restore(data.stored(mngr.directory) / str(step) / name, args=args)
-               for name, (handler, args) in items.items()}
+    if not part:
+        reads['data_state'] = (ocp.StandardCheckpointHandler, ocp.args.StandardRestore())
+    try:  # item by item, not mngr.restore: that ends waiting for every host, and a host that failed would never come
+        got = {item: handler().restore(data.stored(mngr.directory) / str(step) / item, args=args)
+               for item, (handler, args) in reads.items()}
     except Exception as e:  # orbax/tensorstore raise bare Exception for unreadable data
         raise Damaged(first_line(e)) from None
     if part:
@@ -890,7 +888,7 @@ class Meter:
             m.update(rates(flops, self.tokens / dt), step_seconds=dt / max(self.timed, 1))
         m.update(tokens_per_step=float(out['tokens']), data_wait_fraction=(self.waited() - self.wait0) / dt,
                  host_rss_gb=host_rss_gb())
-        m.update({k: float(np.mean([e[k] for e in self.extras if k in e])) for k in dict.fromkeys(k for e in self.extras for k in e)})
+        m.update({k: float(np.mean([e[k] for e in self.extras if k in e])) for k in {k for e in self.extras for k in e}})
         if (mem := device_peak_memory_gb(jax.local_devices()[0])) is not None:
             m['device_peak_memory_gb'] = mem
         self.new_window()
@@ -912,43 +910,34 @@ def benchmark(meter, flops, tokens_per_step, note):
 @dataclasses.dataclass
 class Signals:
     """The SIGTERM / SIGINT names a run has noted; until `saving` is set (the loop is about to take its first step)
-    there is nothing new to save, and a signal stops the run at once. `wakeup`: a pipe that hears of every signal
-    at once, even while the main thread waits inside a step, where no Python handler runs (the watchdog reads it)."""
+    there is nothing new to save, and a signal stops the run at once."""
     names: list = dataclasses.field(default_factory=list)
     saving: bool = False
-    wakeup: int = None
 
 
 @contextlib.contextmanager
 def preemption_signals():
     """SIGTERM (preemption, schedulers) and SIGINT, from the start of the run to its last committed save. Before
-    the loop a signal raises Preempted at once; in the loop it is noted, not obeyed: the loop finishes the step,
+    the loop a signal ends the run at once; in the loop it is noted, not obeyed: the loop finishes the step,
     checkpoints and exits, and a repeated signal during that save is noted too. With several processes a signal
     reaching one host must stop them all at the same step: JAX's preemption sync point listens for SIGTERM, so
     SIGINT is passed on to it as one (and SIGUSR1, the supervisor's word that a SIGTERM came, only wakes)."""
-    caught, main_thread = Signals(), threading.current_thread() is threading.main_thread()
+    caught = Signals()
 
-    def note(signum, _):
+    def note(signum, _):  # before the loop nothing is new: it ends now, whatever it was in (no exception to unwind)
         if not caught.saving:
-            raise Preempted(f'{signal.Signals(signum).name} before the first step: nothing new to save; rerun the '
-                            'same command to go on')
+            quit_now(f'stopped: {signal.Signals(signum).name} before the first step: nothing new to save; rerun the same '
+                     'command to go on', 75)
         caught.names.append(signal.Signals(signum).name)
     to_sync_point = lambda signum, _: os.kill(os.getpid(), signal.SIGTERM)
     wanted = ({signal.SIGINT: to_sync_point, signal.SIGUSR1: lambda *_: None} if jax.process_count() > 1
-              else {signal.SIGTERM: note, signal.SIGINT: note}) if main_thread else {}
+              else {signal.SIGTERM: note, signal.SIGINT: note})
     old = {sig: signal.signal(sig, handler) for sig, handler in wanted.items()}
-    caught.wakeup, write_end = os.pipe()
-    for fd in (caught.wakeup, write_end):
-        os.set_blocking(fd, False)
-    old_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False) if main_thread else None
     try:
         yield caught
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        if main_thread:
-            signal.set_wakeup_fd(old_wakeup)
-        os.close(caught.wakeup), os.close(write_end)
 
 
 class Watchdog(threading.Thread):
@@ -957,10 +946,15 @@ class Watchdog(threading.Thread):
     within a few steps of a signal (its handler cannot run while the main thread waits in a hung collective):
     every thread's stack goes into RUN_DIR/stacks-pK.txt, one line names the step and the file, exit 74."""
 
-    def __init__(self, cfg, run_dir, wakeup, compile_seconds):
+    def __init__(self, cfg, run_dir, compile_seconds):
         super().__init__(daemon=True)
         local = tempfile.gettempdir() if data.remote(run_dir) else run_dir  # the stacks go to a local file
-        self.path, self.wakeup, self.done = os.path.join(local, f'stacks-p{jax.process_index()}.txt'), wakeup, threading.Event()
+        self.path, self.done = os.path.join(local, f'stacks-p{jax.process_index()}.txt'), threading.Event()
+        # A pipe the signal machinery writes a byte to at once, even while the main thread waits inside a step, where
+        # no Python handler runs (set from the main thread).
+        self.wakeup, self.write_end = os.pipe()
+        os.set_blocking(self.wakeup, False), os.set_blocking(self.write_end, False)
+        self.old_wakeup = signal.set_wakeup_fd(self.write_end, warn_on_full_buffer=False)
         self.fixed, self.compile_seconds = cfg.stall_seconds, compile_seconds
         self.step, self.at, self.typical, self.signalled = 0, time.monotonic(), 0.0, None
 
@@ -978,6 +972,11 @@ class Watchdog(threading.Thread):
                 self.fire(f'no step finished in {quiet:.0f}s (stall_seconds={bound:.0f})')
             if self.signalled and time.monotonic() - max(self.signalled, self.at) > grace:
                 self.fire(f'a signal went unanswered for {grace:.0f}s')
+
+    def stop(self):
+        self.done.set()
+        self.join() if self.is_alive() else None
+        signal.set_wakeup_fd(self.old_wakeup), os.close(self.wakeup), os.close(self.write_end)
 
     def fire(self, why):
         with open(self.path, 'w') as f:
@@ -1116,7 +1115,7 @@ def train(cfg, task, state, it, ds, job):
         if compiled and jax.local_devices()[0].platform == 'cpu':
             fits_host(compiled * jax.local_device_count(), 'the step', 'lower per_device_batch, or remat=full')
         job.caught.saving = True  # from here a signal is noted and answered with a checkpoint
-        job.watchdog = Watchdog(cfg, job.dir, job.caught.wakeup, t_xla)
+        job.watchdog = Watchdog(cfg, job.dir, t_xla)
         job.watchdog.start() if cfg.stall_seconds != 0 else None
         try:
             summary, meter = train_loop(cfg, task, state, it, ds, job)
@@ -1126,8 +1125,7 @@ def train(cfg, task, state, it, ds, job):
         except NonFinite as e:
             raise stop_nonfinite(e, job.mngr, cfg) from None
         finally:
-            job.watchdog.done.set()
-            job.watchdog.join() if job.watchdog.is_alive() else None  # before its pipe closes
+            job.watchdog.stop()
     finally:
         it.close()
         job.writer.close()
@@ -1136,7 +1134,7 @@ def train(cfg, task, state, it, ds, job):
     summary.update(run_dir=job.dir, compile_seconds=t_xla + (meter.first_step_seconds or 0))
     summary.update(benchmark(meter, job.flops, summary.get('tokens_per_step', 0.0), (
         f'compile + first step {summary["compile_seconds"]:.1f}s; host RSS {host_rss_gb():.2f} GiB'
-        + (f', device peak {mem:.2f} GiB' if mem is not None else '') + (f', compiled step {gb(compiled)}' if compiled else ''))))
+        + (f', device peak {mem:.2f} GiB' if mem is not None else '') + f', compiled step {gb(compiled or 0)}')))
     done = ('step', 'loss', 'eval_loss', 'tokens_per_sec', 'mfu', 'compile_seconds', 'run_dir')
     log('done: ' + json.dumps({k: summary.get(k) for k in done}))
     log(f'checkpoints: {job.mngr.directory}; metrics: {job.dir}/metrics.jsonl (tensorboard --logdir {job.dir})')
@@ -1251,7 +1249,8 @@ def fit_search(cfg, task, devices):
         need = fit_memory(cfg.model_copy(update={'per_device_batch': b, 'grad_accum': total // b, 'remat': remat}),
                           task, devices)[0]
         ok = need is not None and need <= 0.9 * hbm
-        log(f'  per_device_batch={b} grad_accum={total // b} remat={remat}: {gb(need) if need else "over"} -> {"fits" if ok else "no"}')
+        log(f'  per_device_batch={b} grad_accum={total // b} remat={remat}: {gb(need) if need else "over the HBM"} -> '
+            f'{"fits" if ok else "no"}')
         return ok
     sizes = [b for b in range(1, total + 1) if total % b == 0]
     lo, hi = 0, len(sizes) - 1  # sizes[:lo] fit with remat=full (the least memory); find the last that does
@@ -1332,7 +1331,7 @@ def run(cfg, devices=None, caught=None):
     ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log, task.dataset)
     same_everywhere({'data': ds.identity}, 'give every host the same data', cfg.host_timeout)
     if ds.vocab_size != cfg.vocab_size:
-        raise ConfigError(f'vocab_size={cfg.vocab_size} but the data has {ds.vocab_size} tokens; set vocab_size={ds.vocab_size}')
+        raise ConfigError(f'vocab_size={cfg.vocab_size}: the data has {ds.vocab_size} tokens; set vocab_size={ds.vocab_size}')
     if devices[0].platform == 'cpu':  # the state's shards on this host's devices
         fits_host(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize * len(x.sharding.addressable_devices)
                       for x in jax.tree.leaves(built.layout.abstract)), 'the train state', 'train a smaller model')
