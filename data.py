@@ -471,12 +471,13 @@ class _Data:
     """What make_dataset returns. Subclasses define _order (the examples in their seeded order: lane r of
     `rows` reads positions r, r + rows, ...) or their own _lane (one row's pipeline), eval_batches, and
     identity: a name of the records read, so a checkpoint's position is applied only to the data it counts;
-    and vocab_size, length (of a row) and tokenizer (None: the data is token ids already)."""
+    and vocab_size, length (of a row) and tokenizer (None: the data is token ids already). `log` (a print
+    function, or None for silence) hears about the slow one-time preparations."""
     tokenizer = None
-    log = staticmethod(lambda msg: None)
 
-    def __init__(self, cfg, process_index, process_count):
+    def __init__(self, cfg, process_index, process_count, log=None):
         self.cfg, self.process_index, self.process_count = cfg, process_index, process_count
+        self.log = log or (lambda msg: None)
 
     def _lane(self, row, rows):
         return self._order[row::rows].to_iter_dataset(_READ)
@@ -534,8 +535,8 @@ def _announced(log, what):
 class SyntheticData(_Data):
     """Uniform random tokens, row r of step s a pure function of (seed, s, r): no files, no tokenizer."""
 
-    def __init__(self, cfg, process_index, process_count):
-        super().__init__(cfg, process_index, process_count)
+    def __init__(self, cfg, process_index, process_count, log=None):
+        super().__init__(cfg, process_index, process_count, log)
         self.vocab_size, self.length, self.identity = cfg.vocab_size, cfg.max_target_length, 'synthetic'
 
     def _row(self, stream, step, row):
@@ -925,20 +926,24 @@ def _pack(docs, length):
 
 
 class TextData(_Data):
-    """Documents from a random-access text source, tokenized on the fly and packed into rows. `sources`:
-    (train texts, eval texts, identity), as the *_sources functions make them."""
+    """Documents from a random-access text source, tokenized on the fly and packed into rows."""
 
-    def __init__(self, cfg, sources, process_index, process_count, log=None):
-        super().__init__(cfg, process_index, process_count)
-        self.train_texts, self.eval_texts, self.identity = sources
+    def __init__(self, cfg, process_index, process_count, log=None):
+        super().__init__(cfg, process_index, process_count, log)
+        self.train_texts, self.eval_texts, self.identity = self._sources()
         # The eval records this process reads: disjoint between processes, all of them together. A process
         # left without any (fewer records than processes) reads padding, which weighs nothing.
         self.eval_records = np.arange(process_index, len(self.eval_texts), process_count)
-        self.tokenizer = _tokenizer(cfg, self.train_texts, self.identity, log)
+        self.tokenizer = _tokenizer(cfg, self.train_texts, self.identity, self.log)
         self.vocab_size, self.length = self.tokenizer.get_piece_size(), cfg.max_target_length
         self.eos_id = self.tokenizer.eos_id()
         self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
         self._order = self.train_texts.shuffle(seed=cfg.seed).repeat().map(self.encode)
+
+    def _sources(self):
+        """(train texts, eval texts, identity) of cfg.dataset, as the *_sources functions make them."""
+        sources = {'tfds': _tfds_sources, 'hf': _hf_sources}.get(self.cfg.dataset)
+        return sources(self.cfg) if sources else _file_sources(self.cfg, self.log)
 
     def tokenizer_files(self):
         """The tokenizer as Hugging Face reads a Llama one: {file name: contents} of tokenizer.model and
@@ -972,7 +977,8 @@ class StreamData(TextData):
     every document once. The tokenizer trains on the stream's first ~5 MB; eval reads the head of
     hf_eval_split."""
 
-    def __init__(self, cfg, process_index, process_count, log=None):
+    def _sources(self):
+        cfg = self.cfg
         if not cfg.hf_eval_split and cfg.eval_batches:
             raise DataError('hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. validation), '
                             'or eval_batches=0')
@@ -983,8 +989,7 @@ class StreamData(TextData):
             if chars >= _TOKENIZER_SAMPLE_CHARS:
                 break
         evals = list(itertools.islice(_hf_split(cfg, 'hf_eval_split'), _EVAL_HEAD_DOCS)) if cfg.hf_eval_split else []
-        sources = _texts(head, cfg.text_key), _texts(evals, cfg.text_key), _hf_identity(cfg, 'stream')
-        super().__init__(cfg, sources, process_index, process_count, log)
+        return _texts(head, cfg.text_key), _texts(evals, cfg.text_key), _hf_identity(cfg, 'stream')
 
     def train_iter(self, local_rows, state=None):
         from datasets.distributed import split_dataset_by_node
@@ -1249,7 +1254,7 @@ class SudokuData(_Data):
     vocab_size, length = SUDOKU_VOCAB, SUDOKU_LEN
 
     def __init__(self, cfg, process_index, process_count, log=None):
-        super().__init__(cfg, process_index, process_count)
+        super().__init__(cfg, process_index, process_count, log)
         self.train_q, self.train_a = _puzzles(cfg, 'train', log)
         self.eval_q, self.eval_a = _puzzles(cfg, 'eval', log)
         if not cfg.eval_path:  # a separate seed stream makes overlap unlikely; this makes it impossible
@@ -1283,23 +1288,17 @@ class SudokuData(_Data):
 def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     """The dataset this process reads: its share of the records, in a seed-determined order. `log` (a print
     function, or None for silence) hears about the slow one-time preparations. `source`: a task's own data
-    (model.Task.dataset), in place of the text pipelines."""
+    (model.Task.dataset), in place of the text pipelines; every kind is made as source(cfg, process_index,
+    process_count, log)."""
     try:
         os.makedirs(cfg.cache_dir, exist_ok=True)
     except OSError as e:
         raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable '
                         'cache_dir') from None
-    if source:
-        ds = source(cfg, process_index, process_count, log)
-    elif cfg.dataset == 'synthetic':
-        ds = SyntheticData(cfg, process_index, process_count)
-    elif cfg.dataset == 'hf' and cfg.hf_streaming:
-        ds = StreamData(cfg, process_index, process_count, log)
-    else:
-        sources = {'tfds': _tfds_sources, 'hf': _hf_sources}.get(cfg.dataset, lambda cfg: _file_sources(cfg, log))(cfg)
-        ds = TextData(cfg, sources, process_index, process_count, log)
-    ds.log = log or ds.log
-    return ds
+    if not source:
+        text = StreamData if cfg.dataset == 'hf' and cfg.hf_streaming else TextData
+        source = SyntheticData if cfg.dataset == 'synthetic' else text
+    return source(cfg, process_index, process_count, log)
 
 
 def main(argv):
