@@ -727,11 +727,10 @@ def _hf_split(cfg, key):
     files = [f.strip() for f in cfg.hf_data_files.split(',')] if cfg.hf_data_files else None
     try:
         with _locked(cfg.cache_dir):
-            found = datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=getattr(cfg, key),
-                                          streaming=cfg.hf_streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
+            return datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=getattr(cfg, key),
+                                         streaming=cfg.hf_streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
     except Exception as e:
         raise _hf_error(cfg, e, key) from None
-    return _HFRecords(cfg, found, key) if cfg.hf_streaming else found
 
 
 def _hf_error(cfg, e, key):
@@ -746,21 +745,14 @@ def _hf_error(cfg, e, key):
     return DataError(f'{where}={getattr(cfg, where)}: {type(e).__name__}: {text}')
 
 
-class _HFRecords:
-    """A streamed split whose records come with the same one-line errors as loading it: a stream only reads
-    (and fails on) its files as it is iterated. The rest of the stream's interface passes through."""
-
-    def __init__(self, cfg, stream, key):
-        self.cfg, self.stream, self.key = cfg, stream, key
-
-    def __iter__(self):
-        try:
-            yield from self.stream
-        except Exception as e:
-            raise _hf_error(self.cfg, e, self.key) from None
-
-    def __getattr__(self, name):  # set_epoch, state_dict, load_state_dict, n_shards, ...
-        return getattr(self.stream, name)
+def _records(cfg, key, stream=None):
+    """The records of the streamed split cfg.<key> (or of `stream`, a share of it) with the same one-line errors
+    as loading it: a stream only reads (and fails on) its files as it is iterated."""
+    stream = _hf_split(cfg, key) if stream is None else stream
+    try:
+        yield from stream
+    except Exception as e:
+        raise _hf_error(cfg, e, key) from None
 
 
 def _hf_identity(cfg, *parts):
@@ -786,13 +778,13 @@ def _hf_sources(cfg):
 
 
 class _Stream(grain.IterDataset):
-    """One host's share of a streaming dataset=hf split as documents (token arrays), in the stream's order,
-    epoch after epoch. Its state is the stream's own (datasets' state_dict): a resume goes on with the next
-    document, none read twice and none skipped."""
+    """One host's share of a streaming dataset=hf split (its records), in the stream's order, epoch after epoch.
+    Its state is the stream's own (datasets' state_dict): a resume goes on with the next record, none read twice
+    and none skipped."""
 
-    def __init__(self, stream, encode, key):
+    def __init__(self, cfg, stream):
         super().__init__()
-        self.stream, self.encode, self.key = stream, encode, key
+        self.cfg, self.stream = cfg, stream
 
     def __iter__(self):
         return _StreamIterator(self)
@@ -801,16 +793,16 @@ class _Stream(grain.IterDataset):
 class _StreamIterator(grain.DatasetIterator):
     def __init__(self, ds):
         super().__init__()
-        self.ds, self.epoch, self.it = ds, 0, iter(ds.stream)
+        self.ds, self.epoch, self.it = ds, 0, _records(ds.cfg, 'hf_split', ds.stream)
 
     def __next__(self):
         for _ in range(2):  # the end of an epoch: the next one
             try:
-                return self.ds.encode(_text(next(self.it), self.ds.key))
+                return next(self.it)
             except StopIteration:
                 self.epoch += 1
                 self.ds.stream.set_epoch(self.epoch)
-                self.it = iter(self.ds.stream)
+                self.it = _records(self.ds.cfg, 'hf_split', self.ds.stream)
         raise DataError('hf_split: this process\'s share of the stream is empty: fewer files than processes?')
 
     def get_state(self):
@@ -820,7 +812,7 @@ class _StreamIterator(grain.DatasetIterator):
         self.epoch = state['epoch']
         self.ds.stream.set_epoch(self.epoch)
         self.ds.stream.load_state_dict(state['stream'])
-        self.it = iter(self.ds.stream)
+        self.it = _records(self.ds.cfg, 'hf_split', self.ds.stream)
 
 
 # ---- text: tokenizer --------------------------------------------------------------------------
@@ -983,19 +975,19 @@ class StreamData(TextData):
             raise DataError('hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. validation), '
                             'or eval_batches=0')
         head, chars = [], 0
-        for record in _hf_split(cfg, 'hf_split'):
+        for record in _records(cfg, 'hf_split'):
             head.append(record)
             chars += len(_text(record, cfg.text_key))
             if chars >= _TOKENIZER_SAMPLE_CHARS:
                 break
-        evals = list(itertools.islice(_hf_split(cfg, 'hf_eval_split'), _EVAL_HEAD_DOCS)) if cfg.hf_eval_split else []
+        evals = list(itertools.islice(_records(cfg, 'hf_eval_split'), _EVAL_HEAD_DOCS)) if cfg.hf_eval_split else []
         return _texts(head, cfg.text_key), _texts(evals, cfg.text_key), _hf_identity(cfg, 'stream')
 
     def train_iter(self, local_rows, state=None):
         from datasets.distributed import split_dataset_by_node
         host = (self.process_index, self.process_count)
-        share = split_dataset_by_node(_hf_split(self.cfg, 'hf_split').stream, *host)
-        docs = _Stream(_HFRecords(self.cfg, share, 'hf_split'), self.encode, self.cfg.text_key)
+        share = split_dataset_by_node(_hf_split(self.cfg, 'hf_split'), *host)
+        docs = _Stream(self.cfg, share).map(lambda record: self.encode(_text(record, self.cfg.text_key)))
         batches = _pack(docs, self.length).batch(local_rows, drop_remainder=True)
         return _StreamBatches(batches, self.cfg.prefetch, host, local_rows, self._resumable(state, local_rows),
                               self.identity)
