@@ -640,12 +640,10 @@ def _file_sources(cfg, log=None):
     builder over the files, one record (document) per file."""
     import tensorflow_datasets as tfds
     train_files, eval_files = _split_files(cfg)
-    h = hashlib.sha1()  # names the prepared dataset by its files (and sizes, mtimes): another glob, another dataset
-    for split, files in (('train', train_files), ('eval', eval_files)):
-        for f in files:
-            size, mtime = _stat(f)
-            h.update(f'{split}\t{f if "://" in f else os.path.abspath(f)}\t{size}\t{mtime}\n'.encode())
-    name = 'files_' + h.hexdigest()[:16]
+    # The prepared dataset is named by its files (and sizes, mtimes): another glob, another dataset.
+    listing = ''.join('{}\t{}\t{}\t{}\n'.format(split, f if '://' in f else os.path.abspath(f), *_stat(f))
+                      for split, files in (('train', train_files), ('eval', eval_files)) for f in files)
+    name = 'files_' + hashlib.sha1(listing.encode()).hexdigest()[:16]
 
     # skip_registration: the class is made per call and must not clash in tfds' global registry.
     class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
