@@ -1048,9 +1048,8 @@ def _search(grid, limit):
                 return None, 0  # the givens already clash
             used[r], used[c], used[b] = used[r] | bit, used[c] | bit, used[b] | bit
     empty = [i for i in range(81) if not g[i]]
-    found = []
 
-    def recurse():  # True = stop, `limit` solutions found
+    def solutions():  # in search order, found as they are read: reading stops after `limit`
         best, best_count, best_mask = -1, 10, 0
         for i in empty:
             if not g[i]:
@@ -1062,22 +1061,19 @@ def _search(grid, limit):
                     if count <= 1:
                         break
         if best < 0:
-            found.append(list(g))
-            return len(found) >= limit
+            yield list(g)
+            return
         r, c, b = _CELL_UNITS[best]
         while best_mask:
             bit = best_mask & -best_mask
             best_mask ^= bit
             g[best] = bit.bit_length() - 1
             used[r], used[c], used[b] = used[r] | bit, used[c] | bit, used[b] | bit
-            stop = recurse()
+            yield from solutions()
             used[r], used[c], used[b] = used[r] ^ bit, used[c] ^ bit, used[b] ^ bit
             g[best] = 0
-            if stop:
-                return True
-        return False
 
-    recurse()
+    found = list(itertools.islice(solutions(), limit))
     return (found[0] if found else None), len(found)
 
 
@@ -1103,14 +1099,12 @@ def generate_sudoku(n, blanks, seed, stream='train'):
             for k, d in enumerate(rng.sample(range(1, 10), 9)):
                 seed_grid[(3 * b + k // 3) * 9 + 3 * b + k % 3] = d
         a[i] = solution = _search(seed_grid, limit=1)[0]
-        puzzle, removed = list(solution), 0
+        puzzle = list(solution)
         for cell in rng.sample(range(81), 81):
-            if removed == blanks[i % len(blanks)]:
+            if puzzle.count(0) == blanks[i % len(blanks)]:
                 break
             puzzle[cell] = 0
-            if _search(puzzle, limit=2)[1] == 1:
-                removed += 1
-            else:
+            if _search(puzzle, limit=2)[1] > 1:
                 puzzle[cell] = solution[cell]  # that blank would allow a second solution
         q[i] = puzzle
     return q, a
