@@ -1126,20 +1126,6 @@ def augment(q, a, rng):
 
 # ---- Sudoku: CSV files (public sudoku-extreme layout: source,q,a,rating) -------------------------
 
-def _csv_columns(path, first):
-    """(puzzle column, solution column, whether `first` is a data row). A header names its columns with
-    one of the spellings in use; without one, columns are read by position as the TRM reference does: the public
-    layout source,question,answer,rating (or a bare puzzle,solution pair)."""
-    names = [c.strip().lower() for c in first]
-    for q, a in (('q', 'a'), ('question', 'answer'), ('puzzle', 'solution')):
-        if q in names and a in names:
-            return names.index(q), names.index(a), False
-    if not any(len(c.strip()) == 81 for c in first):
-        raise DataError(f'{path}:1: the header names no puzzle and solution columns (use q,a or question,answer; '
-                        'public layout: source,question,answer,rating)')
-    return (1, 2, True) if len(first) >= 3 else (0, 1, True)
-
-
 def read_sudoku_csv(path, key='dataset_path'):
     """(puzzles uint8[N, 81], solutions uint8[N, 81]) from a CSV, with or without a header, '.' or '0' for
     blanks; any bad row is a DataError naming its line."""
@@ -1169,11 +1155,19 @@ def read_sudoku_csv(path, key='dataset_path'):
 
 
 def _csv_grids(path, reader):
-    """(puzzle strings, solution strings, their line numbers) of a CSV reader's rows, each row checked."""
+    """(puzzle strings, solution strings, their line numbers) of a CSV reader's rows, each row checked. A header
+    names its columns with one of the spellings in use; without one, columns are read by position as the TRM
+    reference does: the public layout source,question,answer,rating (or a bare puzzle,solution pair)."""
     puzzles, solutions, lines = [], [], []
     first = next(reader, [])
-    iq, ia, first_is_data = _csv_columns(path, first) if first else (0, 1, False)
-    for row in itertools.chain([first] if first_is_data else [], reader):
+    names = [c.strip().lower() for c in first]
+    named = [(names.index(q), names.index(a)) for q, a in (('q', 'a'), ('question', 'answer'), ('puzzle', 'solution'))
+             if q in names and a in names]
+    if first and not named and not any(len(c.strip()) == 81 for c in first):
+        raise DataError(f'{path}:1: the header names no puzzle and solution columns (use q,a or question,answer; '
+                        'public layout: source,question,answer,rating)')
+    iq, ia = named[0] if named else (1, 2) if len(first) >= 3 else (0, 1)  # the first row is data without a header
+    for row in itertools.chain([] if named else [first], reader):
         if not row:
             continue
         where = f'{path}:{reader.line_num}'
@@ -1183,8 +1177,7 @@ def _csv_grids(path, reader):
         for name, text, allowed in (('q', q, '.0123456789'), ('a', a, '123456789')):
             if len(text) != 81:
                 raise DataError(f'{where}: {name} has {len(text)} characters, expected 81')
-            illegal = set(text) - set(allowed)
-            if illegal:
+            if illegal := set(text) - set(allowed):
                 raise DataError(f'{where}: {name} has illegal character {min(illegal)!r} (allowed: {allowed})')
         puzzles.append(q.replace('.', '0'))
         solutions.append(a)
