@@ -762,14 +762,13 @@ def _hf_identity(cfg, *parts):
 
 def _hf_sources(cfg):
     """(train texts, eval texts, identity) of a random-access dataset=hf: the split's records, and eval from
-    hf_eval_split or else a fixed ~3% of the records (by a hash of their index) held out of training."""
+    hf_eval_split or else every 32nd record (~3%, the same every time) held out of training."""
     train = _hf_split(cfg, 'hf_split')
     if cfg.hf_eval_split:
         eval_ = _hf_split(cfg, 'hf_eval_split')
-    else:
+    else:  # spread over the whole split, so it samples the same mix of records as training
         ids = np.arange(len(train))
-        held = (ids * 2654435761 % 2 ** 32) % 32 == 0
-        train, eval_ = train.select(ids[~held]), train.select(ids[held])
+        train, eval_ = train.select(ids[ids % 32 > 0]), train.select(ids[::32])
     if not len(train):
         raise DataError(f'hf_split={cfg.hf_split}: no records')
     return _texts(train, cfg.text_key), _texts(eval_, cfg.text_key), _hf_identity(cfg, len(train))
@@ -858,9 +857,8 @@ def _train_tokenizer(sentences, vocab_size, path):
             allow_whitespace_only_pieces=True, split_digits=False, max_sentence_length=_MAX_SENTENCE_CHARS,
             pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, num_threads=os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as e:  # e.g. too little text for this many pieces; spm says which size would fit
-        reason = str(e).split('] ')[-1]
         raise DataError(f'vocab_size={vocab_size}: cannot train a tokenizer of that size on this text '
-                        f'({reason})') from None
+                        f'({str(e).split("] ")[-1]})') from None
     _save(path, lambda f: f.write(model.getvalue()))
 
 
