@@ -1270,10 +1270,8 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     except OSError as e:
         raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable '
                         'cache_dir') from None
-    if not source:
-        text = StreamData if cfg.dataset == 'hf' and cfg.hf_streaming else TextData
-        source = SyntheticData if cfg.dataset == 'synthetic' else text
-    return source(cfg, process_index, process_count, log)
+    kinds = {'synthetic': SyntheticData, 'hf': StreamData if cfg.hf_streaming else TextData}  # else files, stdlib, tfds
+    return (source or kinds.get(cfg.dataset, TextData))(cfg, process_index, process_count, log)
 
 
 def main(argv):
