@@ -657,8 +657,7 @@ def _file_sources(cfg, log=None):
             return {'train': self._generate_examples(train_files), 'eval': self._generate_examples(eval_files)}
 
         def _generate_examples(self, files):
-            for path in files:
-                yield path, {'text': epath.Path(path).read_bytes().decode('utf-8', 'replace')}
+            return ((path, {'text': epath.Path(path).read_bytes().decode('utf-8', 'replace')}) for path in files)
 
     with _locked(cfg.cache_dir):  # the builder reads what is prepared when made: after another process built it
         builder = TextFiles(config=tfds.core.BuilderConfig(name=name), data_dir=cfg.cache_dir,
@@ -888,8 +887,7 @@ def _tokenizer(cfg, train_texts, identity, log=None):
     except (OSError, RuntimeError) as e:
         raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({first_line(e, typed=False, limit=120)}); '
                         "give a .model file, or '' to train one") from None
-    size = sp.get_piece_size()
-    if size != cfg.vocab_size:
+    if (size := sp.get_piece_size()) != cfg.vocab_size:
         raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: set vocab_size={size}')
     if sp.eos_id() < 0:
         raise DataError(f'tokenizer {path} has no eos piece, which ends every document: retrain it with eos_id set')
