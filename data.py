@@ -471,13 +471,13 @@ class _Data:
     """What make_dataset returns. Subclasses define _order (the examples in their seeded order: lane r of
     `rows` reads positions r, r + rows, ...) or their own _lane (one row's pipeline), eval_batches, and
     identity: a name of the records read, so a checkpoint's position is applied only to the data it counts;
-    and vocab_size, length (of a row) and tokenizer (None: the data is token ids already). `log` (a print
-    function, or None for silence) hears about the slow one-time preparations."""
+    and tokenizer (None: the data is token ids already). vocab_size and length (of a row) are cfg's unless the
+    data fixes them. `log` (a print function, or None for silence) hears about the slow one-time preparations."""
     tokenizer = None
 
     def __init__(self, cfg, process_index, process_count, log=None):
         self.cfg, self.process_index, self.process_count = cfg, process_index, process_count
-        self.log = log or (lambda msg: None)
+        self.vocab_size, self.length, self.log = cfg.vocab_size, cfg.max_target_length, log or (lambda msg: None)
 
     def _lane(self, row, rows):
         return self._order[row::rows].to_iter_dataset(_READ)
@@ -534,10 +534,7 @@ def _announced(log, what):
 
 class SyntheticData(_Data):
     """Uniform random tokens, row r of step s a pure function of (seed, s, r): no files, no tokenizer."""
-
-    def __init__(self, cfg, process_index, process_count, log=None):
-        super().__init__(cfg, process_index, process_count, log)
-        self.vocab_size, self.length, self.identity = cfg.vocab_size, cfg.max_target_length, 'synthetic'
+    identity = 'synthetic'
 
     def _row(self, stream, step, row):
         rng = np.random.default_rng([self.cfg.seed, stream, step, row])
@@ -920,8 +917,7 @@ class TextData(_Data):
         # The eval records this process reads: disjoint between processes, all of them together. A process
         # left without any (fewer records than processes) reads padding, which weighs nothing.
         self.eval_records = np.arange(process_index, len(self.eval_texts), process_count)
-        self.tokenizer = _tokenizer(cfg, self.train_texts, self.identity, self.log)
-        self.vocab_size, self.length = self.tokenizer.get_piece_size(), cfg.max_target_length
+        self.tokenizer = _tokenizer(cfg, self.train_texts, self.identity, self.log)  # of cfg.vocab_size pieces
         self.eos_id = self.tokenizer.eos_id()
         self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
         self._order = self.train_texts.shuffle(seed=cfg.seed).repeat().map(self.encode)
@@ -1224,10 +1220,10 @@ def _sudoku_batch(q, a, rows):
 
 class SudokuData(_Data):
     """Puzzle -> solution pairs, from CSV files or the built-in generator."""
-    vocab_size, length = SUDOKU_VOCAB, SUDOKU_LEN
 
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count, log)
+        self.vocab_size, self.length = SUDOKU_VOCAB, SUDOKU_LEN
         self.train_q, self.train_a = _puzzles(cfg, 'train', log)
         self.eval_q, self.eval_a = _puzzles(cfg, 'eval', log)
         if not cfg.eval_path:  # a separate seed stream makes overlap unlikely; this makes it impossible
