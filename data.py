@@ -586,8 +586,7 @@ def _stat(path):
 
 
 def _glob(pattern, key):
-    files = expand(pattern)
-    if not files:
+    if not (files := expand(pattern)):
         raise DataError(f'{key}={pattern!r} matches no files: set it to a glob of text files, '
                         "e.g. 'corpus/**/*.txt' (quote it on the command line)")
     return files
@@ -674,13 +673,12 @@ def _tfds_sources(cfg):
     import tensorflow_datasets as tfds
     if not cfg.tfds_name:
         raise DataError("dataset=tfds needs tfds_name=NAME (a dataset prepared with file_format='array_record')")
-    try:
-        builder = tfds.builder(cfg.tfds_name, data_dir=cfg.data_dir or None)
-    except tfds.core.registered.DatasetNotFoundError:
-        raise DataError(f'tfds_name={cfg.tfds_name!r}: no such tfds dataset (see `tfds.list_builders()`)') from None
     splits = [cfg.train_split, cfg.eval_split]
     try:
+        builder = tfds.builder(cfg.tfds_name, data_dir=cfg.data_dir or None)
         sources = [builder.as_data_source(split=s) for s in splits]
+    except tfds.core.registered.DatasetNotFoundError:
+        raise DataError(f'tfds_name={cfg.tfds_name!r}: no such tfds dataset (see `tfds.list_builders()`)') from None
     except NotImplementedError:  # stored as tfrecord only, or not prepared at all
         if not builder.is_prepared():
             raise DataError(f'tfds_name={cfg.tfds_name!r} is not prepared in {builder.data_dir} (there is no '
@@ -868,16 +866,15 @@ def _save(path, write):
 
 def _tokenizer(cfg, train_texts, identity, log=None):
     import sentencepiece as spm
-    path = cfg.tokenizer_path
-    if path and not epath.Path(path).is_file():
-        raise DataError(f'tokenizer_path={path!r}: file not found (set it to a sentencepiece .model, '
-                        "or '' to train one)")
-    if not path:
-        path = os.path.join(cfg.cache_dir, f'tokenizer_{identity}_bpe{cfg.vocab_size}.model')
+    path = cfg.tokenizer_path or os.path.join(cfg.cache_dir, f'tokenizer_{identity}_bpe{cfg.vocab_size}.model')
+    if not cfg.tokenizer_path:  # trained once into cache_dir
         with _locked(cfg.cache_dir):
             if not os.path.exists(path):
                 with _announced(log, f'training a {cfg.vocab_size}-piece BPE tokenizer on the training text'):
                     _train_tokenizer(_sentences(train_texts, cfg), cfg.vocab_size, path)
+    elif not epath.Path(path).is_file():
+        raise DataError(f'tokenizer_path={path!r}: file not found (set it to a sentencepiece .model, '
+                        "or '' to train one)")
     try:
         sp = (spm.SentencePieceProcessor(model_proto=epath.Path(path).read_bytes()) if '://' in path  # gs://
               else spm.SentencePieceProcessor(model_file=path))
