@@ -1044,8 +1044,7 @@ def _search(grid, limit):
             if not g[i]:
                 r, c, b = _CELL_UNITS[i]
                 mask = _ALL_DIGITS & ~(used[r] | used[c] | used[b])
-                count = mask.bit_count()
-                if count < best_count:
+                if (count := mask.bit_count()) < best_count:
                     best, best_count, best_mask = i, count, mask
                     if count <= 1:
                         break
@@ -1106,9 +1105,8 @@ def augment(q, a, rng):
     each stack, and transposes half the time. rng is a numpy Generator.
     """
     digits = np.concatenate([[0], rng.permutation(9) + 1]).astype(np.uint8)  # blank stays blank
-    rows = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
-    cols = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
-    index_99 = rows[:, None] * 9 + cols[None, :]
+    order = lambda: (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
+    index_99 = order()[:, None] * 9 + order()[None, :]  # the rows' order drawn first, then the columns'
     index = (index_99.T if rng.random() < 0.5 else index_99).reshape(81)
     return digits[np.asarray(q)[index]], digits[np.asarray(a)[index]]
 
@@ -1137,9 +1135,8 @@ def read_sudoku_csv(path, key='dataset_path'):
     bad = clash | ~np.concatenate([solved(a[i:i + 65536]) for i in range(0, len(a), 65536)])  # bounded memory
     if bad.any():
         i = int(bad.argmax())
-        what = ('solution a disagrees with a given digit of q' if clash[i]
-                else 'solution a is not a valid Sudoku grid (a row, column or box repeats a digit)')
-        raise DataError(f'{path}:{lines[i]}: {what}')
+        raise DataError(f'{path}:{lines[i]}: solution a ' + ('disagrees with a given digit of q' if clash[i] else
+                        'is not a valid Sudoku grid (a row, column or box repeats a digit)'))
     return q, a
 
 
