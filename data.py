@@ -452,10 +452,9 @@ class _StreamBatches(Batches):
         self.source, self.host, self.rows, self.wait_seconds = source, list(host), rows, 0.0
         self._it = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
         if rows_state:
-            try:
+            state = {'host': None}  # what rows holding pieces of several processes' positions (no JSON) read as
+            with contextlib.suppress(json.JSONDecodeError):
                 state = json.loads(''.join(rows_state))
-            except json.JSONDecodeError:  # the rows hold pieces of several processes' positions
-                state = {'host': None}
             if state['host'] != self.host:
                 raise DataError(f'a streaming run resumes on the process count that wrote it (this run has '
                                 f'{host[1]} processes; the checkpoint\'s position is not theirs)')
