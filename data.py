@@ -768,9 +768,9 @@ def _hf_sources(cfg):
 
 
 class _Stream(grain.IterDataset):
-    """One host's share of a streaming dataset=hf split (its records), in the stream's order, epoch after epoch.
-    Its state is the stream's own (datasets' state_dict): a resume goes on with the next record, none read twice
-    and none skipped."""
+    """One host's share of a streaming dataset=hf split (its records' texts), in the stream's order, epoch after
+    epoch. Its state is the stream's own (datasets' state_dict): a resume goes on with the next record, none read
+    twice and none skipped."""
 
     def __init__(self, cfg, stream):
         super().__init__()
@@ -788,7 +788,7 @@ class _StreamIterator(grain.DatasetIterator):
     def __next__(self):
         for _ in range(2):  # the end of an epoch: the next one
             try:
-                return next(self.it)
+                return _text(next(self.it), self.ds.cfg.text_key)
             except StopIteration:
                 self.epoch += 1
                 self.ds.stream.set_epoch(self.epoch)
@@ -973,8 +973,7 @@ class StreamData(TextData):
         from datasets.distributed import split_dataset_by_node
         host = (self.process_index, self.process_count)
         share = split_dataset_by_node(_hf_split(self.cfg, 'hf_split'), *host)
-        docs = _Stream(self.cfg, share).map(lambda record: self.encode(_text(record, self.cfg.text_key)))
-        batches = _pack(docs, self.length).batch(local_rows, drop_remainder=True)
+        batches = _pack(_Stream(self.cfg, share).map(self.encode), self.length).batch(local_rows, drop_remainder=True)
         return _StreamBatches(batches, self.cfg.prefetch, host, local_rows, self._resumable(state, local_rows),
                               self.identity)
 
