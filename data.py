@@ -1080,11 +1080,10 @@ def generate_sudoku(n, blanks, seed, stream='train'):
     for i in range(n):
         rng = random.Random(f'sudoku/{stream}/{seed}/{i}')
         # The three diagonal boxes share no row or column, so any filling of them completes to a grid.
-        seed_grid = [0] * 81
+        boxes = np.zeros((9, 9), np.int64)
         for b in range(3):
-            for k, d in enumerate(rng.sample(range(1, 10), 9)):
-                seed_grid[(3 * b + k // 3) * 9 + 3 * b + k % 3] = d
-        a[i] = solution = _search(seed_grid, limit=1)[0]
+            boxes[3 * b:3 * b + 3, 3 * b:3 * b + 3] = np.reshape(rng.sample(range(1, 10), 9), (3, 3))
+        a[i] = solution = _search(boxes.ravel().tolist(), limit=1)[0]
         puzzle = list(solution)
         for cell in rng.sample(range(81), 81):
             if puzzle.count(0) == blanks[i % len(blanks)]:
@@ -1151,9 +1150,7 @@ def _csv_grids(path, reader):
         raise DataError(f'{path}:1: the header names no puzzle and solution columns (use q,a or question,answer; '
                         'public layout: source,question,answer,rating)')
     iq, ia = named[0] if named else (1, 2) if len(first) >= 3 else (0, 1)  # the first row is data without a header
-    for row in itertools.chain([] if named else [first], reader):
-        if not row:
-            continue
+    for row in filter(None, itertools.chain([] if named else [first], reader)):  # a blank line is no row
         where = f'{path}:{reader.line_num}'
         if len(row) <= max(iq, ia):
             raise DataError(f'{where}: {len(row)} columns, expected at least {max(iq, ia) + 1}')
