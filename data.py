@@ -768,13 +768,14 @@ def _hf_sources(cfg):
 
 
 class _Stream(grain.IterDataset):
-    """One host's share of a streaming dataset=hf split (its records' texts), in the stream's order, epoch after
-    epoch. Its state is the stream's own (datasets' state_dict): a resume goes on with the next record, none read
-    twice and none skipped."""
+    """One host's share of a streaming dataset=hf split (its records' texts; host = (process index, count), as
+    datasets.distributed.split_dataset_by_node takes it), in the stream's order, epoch after epoch. Its state is the
+    stream's own (datasets' state_dict): a resume goes on with the next record, none read twice and none skipped."""
 
-    def __init__(self, cfg, stream):
+    def __init__(self, cfg, host):
+        from datasets.distributed import split_dataset_by_node
         super().__init__()
-        self.cfg, self.stream = cfg, stream
+        self.cfg, self.stream = cfg, split_dataset_by_node(_hf_split(cfg, 'hf_split'), *host)
 
     def __iter__(self):
         return _StreamIterator(self)
@@ -970,10 +971,8 @@ class StreamData(TextData):
         return _texts(head, cfg.text_key), _texts(evals, cfg.text_key), _hf_identity(cfg, 'stream')
 
     def train_iter(self, local_rows, state=None):
-        from datasets.distributed import split_dataset_by_node
         host = (self.process_index, self.process_count)
-        share = split_dataset_by_node(_hf_split(self.cfg, 'hf_split'), *host)
-        batches = _pack(_Stream(self.cfg, share).map(self.encode), self.length).batch(local_rows, drop_remainder=True)
+        batches = _pack(_Stream(self.cfg, host).map(self.encode), self.length).batch(local_rows, drop_remainder=True)
         return _StreamBatches(batches, self.cfg.prefetch, host, local_rows, self._resumable(state, local_rows),
                               self.identity)
 
