@@ -1176,11 +1176,10 @@ def parse_grid(text):
 
 def write_sudoku_csv(path, q, a):
     """Writes puzzles and solutions (digit grids) in the public layout; blanks become '.'."""
+    rows = (['generated', ''.join(map(str, puzzle)).replace('0', '.'), ''.join(map(str, solution)), 0]  # 0: unrated
+            for puzzle, solution in zip(np.asarray(q), np.asarray(a)))
     with open(path, 'w', newline='') as f:
-        writer = csv.writer(f)
-        writer.writerow(['source', 'q', 'a', 'rating'])
-        writer.writerows(['generated', ''.join(map(str, puzzle)).replace('0', '.'), ''.join(map(str, solution)), 0]
-                         for puzzle, solution in zip(np.asarray(q), np.asarray(a)))  # rating 0 = unrated
+        csv.writer(f).writerows(itertools.chain([['source', 'q', 'a', 'rating']], rows))
 
 
 def _puzzles(cfg, split, log=None):
