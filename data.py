@@ -593,8 +593,7 @@ def _glob(pattern, key):
 
 def _stdlib_files():
     """Python's own library source: ships with every Python, so the default run needs no network."""
-    root = sysconfig.get_paths()['stdlib']
-    files = []
+    root, files = sysconfig.get_paths()['stdlib'], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP)
         files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith('.py')]
