@@ -452,7 +452,7 @@ class _StreamBatches(Batches):
         self.source, self.host, self.rows, self.wait_seconds = source, list(host), rows, 0.0
         self._it = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
         if rows_state:
-            state = {'host': None}  # what rows holding pieces of several processes' positions (no JSON) read as
+            state = {'host': None}  # rows holding pieces of several processes' positions are no JSON: no host's
             with contextlib.suppress(json.JSONDecodeError):
                 state = json.loads(''.join(rows_state))
             if state['host'] != self.host:
@@ -956,6 +956,7 @@ class StreamData(TextData):
     hf_eval_split."""
 
     def _sources(self):
+        """The stream's head (~5 MB, what the tokenizer trains on), the head of hf_eval_split, and the identity."""
         cfg = self.cfg
         if not cfg.hf_eval_split and cfg.eval_batches:
             raise DataError('hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. validation), '
