@@ -606,10 +606,9 @@ class _StreamBatches(Batches):
         self.source, self.host, self.rows, self.wait_seconds = source, list(host), rows, 0.0
         self._it = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
         if rows_state:
-            try:
+            state = {'host': None}  # rows holding pieces of several processes' positions are no JSON: no host's
+            with contextlib.suppress(json.JSONDecodeError):
                 state = json.loads(''.join(rows_state))
-            except json.JSONDecodeError:  # the rows hold pieces of several processes' positions
-                state = {'host': None}
             if state['host'] != self.host:
                 raise DataError(f'a streaming run resumes on the process count that wrote it (this run has '
                                 f'{host[1]} processes; the checkpoint\'s position is not theirs)')
@@ -625,12 +624,13 @@ class _Data:
     """What make_dataset returns. Subclasses define _order (the examples in their seeded order: lane r of
     `rows` reads positions r, r + rows, ...) or their own _lane (one row's pipeline), eval_batches, and
     identity: a name of the records read, so a checkpoint's position is applied only to the data it counts;
-    and vocab_size, length (of a row) and tokenizer (None: the data is token ids already)."""
+    and tokenizer (None: the data is token ids already). vocab_size and length (of a row) are cfg's unless the
+    data fixes them. `log` (a print function, or None for silence) hears about the slow one-time preparations."""
     tokenizer = None
-    log = staticmethod(lambda msg: None)
 
-    def __init__(self, cfg, process_index, process_count):
+    def __init__(self, cfg, process_index, process_count, log=None):
         self.cfg, self.process_index, self.process_count = cfg, process_index, process_count
+        self.vocab_size, self.length, self.log = cfg.vocab_size, cfg.max_target_length, log or (lambda msg: None)
 
     def _lane(self, row, rows):
         return self._order[row::rows].to_iter_dataset(_READ)
@@ -687,10 +687,7 @@ def _announced(log, what):
 
 class SyntheticData(_Data):
     """Uniform random tokens, row r of step s a pure function of (seed, s, r): no files, no tokenizer."""
-
-    def __init__(self, cfg, process_index, process_count):
-        super().__init__(cfg, process_index, process_count)
-        self.vocab_size, self.length, self.identity = cfg.vocab_size, cfg.max_target_length, 'synthetic'
+    identity = 'synthetic'
 
     def _row(self, stream, step, row):
         rng = np.random.default_rng([self.cfg.seed, stream, step, row])
@@ -742,8 +739,7 @@ def _stat(path):
 
 
 def _glob(pattern, key):
-    files = expand(pattern)
-    if not files:
+    if not (files := expand(pattern)):
         raise DataError(f'{key}={pattern!r} matches no files: set it to a glob of text files, '
                         "e.g. 'corpus/**/*.txt' (quote it on the command line)")
     return files
@@ -751,8 +747,7 @@ def _glob(pattern, key):
 
 def _stdlib_files():
     """Python's own library source: ships with every Python, so the default run needs no network."""
-    root = sysconfig.get_paths()['stdlib']
-    files = []
+    root, files = sysconfig.get_paths()['stdlib'], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP)
         files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith('.py')]
@@ -793,12 +788,10 @@ def _file_sources(cfg, log=None):
     builder over the files, one record (document) per file."""
     import tensorflow_datasets as tfds
     train_files, eval_files = _split_files(cfg)
-    h = hashlib.sha1()  # names the prepared dataset by its files (and sizes, mtimes): another glob, another dataset
-    for split, files in (('train', train_files), ('eval', eval_files)):
-        for f in files:
-            size, mtime = _stat(f)
-            h.update(f'{split}\t{f if "://" in f else os.path.abspath(f)}\t{size}\t{mtime}\n'.encode())
-    name = 'files_' + h.hexdigest()[:16]
+    # The prepared dataset is named by its files (and sizes, mtimes): another glob, another dataset.
+    listing = ''.join('{}\t{}\t{}\t{}\n'.format(split, f if '://' in f else os.path.abspath(f), *_stat(f))
+                      for split, files in (('train', train_files), ('eval', eval_files)) for f in files)
+    name = 'files_' + hashlib.sha1(listing.encode()).hexdigest()[:16]
 
     # skip_registration: the class is made per call and must not clash in tfds' global registry.
     class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -812,8 +805,7 @@ def _file_sources(cfg, log=None):
             return {'train': self._generate_examples(train_files), 'eval': self._generate_examples(eval_files)}
 
         def _generate_examples(self, files):
-            for path in files:
-                yield path, {'text': epath.Path(path).read_bytes().decode('utf-8', 'replace')}
+            return ((path, {'text': epath.Path(path).read_bytes().decode('utf-8', 'replace')}) for path in files)
 
     with _locked(cfg.cache_dir):  # the builder reads what is prepared when made: after another process built it
         builder = TextFiles(config=tfds.core.BuilderConfig(name=name), data_dir=cfg.cache_dir,
@@ -833,13 +825,12 @@ def _tfds_sources(cfg):
     import tensorflow_datasets as tfds
     if not cfg.tfds_name:
         raise DataError("dataset=tfds needs tfds_name=NAME (a dataset prepared with file_format='array_record')")
-    try:
-        builder = tfds.builder(cfg.tfds_name, data_dir=cfg.data_dir or None)
-    except tfds.core.registered.DatasetNotFoundError:
-        raise DataError(f'tfds_name={cfg.tfds_name!r}: no such tfds dataset (see `tfds.list_builders()`)') from None
     splits = [cfg.train_split, cfg.eval_split]
     try:
+        builder = tfds.builder(cfg.tfds_name, data_dir=cfg.data_dir or None)
         sources = [builder.as_data_source(split=s) for s in splits]
+    except tfds.core.registered.DatasetNotFoundError:
+        raise DataError(f'tfds_name={cfg.tfds_name!r}: no such tfds dataset (see `tfds.list_builders()`)') from None
     except NotImplementedError:  # stored as tfrecord only, or not prepared at all
         if not builder.is_prepared():
             raise DataError(f'tfds_name={cfg.tfds_name!r} is not prepared in {builder.data_dir} (there is no '
@@ -880,11 +871,10 @@ def _hf_split(cfg, key):
     files = [f.strip() for f in cfg.hf_data_files.split(',')] if cfg.hf_data_files else None
     try:
         with _locked(cfg.cache_dir):
-            found = datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=getattr(cfg, key),
-                                          streaming=cfg.hf_streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
+            return datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=getattr(cfg, key),
+                                         streaming=cfg.hf_streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
     except Exception as e:
         raise _hf_error(cfg, e, key) from None
-    return _HFRecords(cfg, found, key) if cfg.hf_streaming else found
 
 
 def _hf_error(cfg, e, key):
@@ -899,21 +889,14 @@ def _hf_error(cfg, e, key):
     return DataError(f'{where}={getattr(cfg, where)}: {type(e).__name__}: {text}')
 
 
-class _HFRecords:
-    """A streamed split whose records come with the same one-line errors as loading it: a stream only reads
-    (and fails on) its files as it is iterated. The rest of the stream's interface passes through."""
-
-    def __init__(self, cfg, stream, key):
-        self.cfg, self.stream, self.key = cfg, stream, key
-
-    def __iter__(self):
-        try:
-            yield from self.stream
-        except Exception as e:
-            raise _hf_error(self.cfg, e, self.key) from None
-
-    def __getattr__(self, name):  # set_epoch, state_dict, load_state_dict, n_shards, ...
-        return getattr(self.stream, name)
+def _records(cfg, key, stream=None):
+    """The records of the streamed split cfg.<key> (or of `stream`, a share of it) with the same one-line errors
+    as loading it: a stream only reads (and fails on) its files as it is iterated."""
+    stream = _hf_split(cfg, key) if stream is None else stream
+    try:
+        yield from stream
+    except Exception as e:
+        raise _hf_error(cfg, e, key) from None
 
 
 def _hf_identity(cfg, *parts):
@@ -925,27 +908,27 @@ def _hf_identity(cfg, *parts):
 
 def _hf_sources(cfg):
     """(train texts, eval texts, identity) of a random-access dataset=hf: the split's records, and eval from
-    hf_eval_split or else a fixed ~3% of the records (by a hash of their index) held out of training."""
+    hf_eval_split or else every 32nd record (~3%, the same every time) held out of training."""
     train = _hf_split(cfg, 'hf_split')
     if cfg.hf_eval_split:
         eval_ = _hf_split(cfg, 'hf_eval_split')
-    else:
+    else:  # spread over the whole split, so it samples the same mix of records as training
         ids = np.arange(len(train))
-        held = (ids * 2654435761 % 2 ** 32) % 32 == 0
-        train, eval_ = train.select(ids[~held]), train.select(ids[held])
+        train, eval_ = train.select(ids[ids % 32 > 0]), train.select(ids[::32])
     if not len(train):
         raise DataError(f'hf_split={cfg.hf_split}: no records')
     return _texts(train, cfg.text_key), _texts(eval_, cfg.text_key), _hf_identity(cfg, len(train))
 
 
 class _Stream(grain.IterDataset):
-    """One host's share of a streaming dataset=hf split as documents (token arrays), in the stream's order,
-    epoch after epoch. Its state is the stream's own (datasets' state_dict): a resume goes on with the next
-    document, none read twice and none skipped."""
+    """One host's share of a streaming dataset=hf split (its records' texts; host = (process index, count), as
+    datasets.distributed.split_dataset_by_node takes it), in the stream's order, epoch after epoch. Its state is the
+    stream's own (datasets' state_dict): a resume goes on with the next record, none read twice and none skipped."""
 
-    def __init__(self, stream, encode, key):
+    def __init__(self, cfg, host):
+        from datasets.distributed import split_dataset_by_node
         super().__init__()
-        self.stream, self.encode, self.key = stream, encode, key
+        self.cfg, self.stream = cfg, split_dataset_by_node(_hf_split(cfg, 'hf_split'), *host)
 
     def __iter__(self):
         return _StreamIterator(self)
@@ -954,16 +937,16 @@ class _Stream(grain.IterDataset):
 class _StreamIterator(grain.DatasetIterator):
     def __init__(self, ds):
         super().__init__()
-        self.ds, self.epoch, self.it = ds, 0, iter(ds.stream)
+        self.ds, self.epoch, self.it = ds, 0, _records(ds.cfg, 'hf_split', ds.stream)
 
     def __next__(self):
         for _ in range(2):  # the end of an epoch: the next one
             try:
-                return self.ds.encode(_text(next(self.it), self.ds.key))
+                return _text(next(self.it), self.ds.cfg.text_key)
             except StopIteration:
                 self.epoch += 1
                 self.ds.stream.set_epoch(self.epoch)
-                self.it = iter(self.ds.stream)
+                self.it = _records(self.ds.cfg, 'hf_split', self.ds.stream)
         raise DataError('hf_split: this process\'s share of the stream is empty: fewer files than processes?')
 
     def get_state(self):
@@ -973,7 +956,7 @@ class _StreamIterator(grain.DatasetIterator):
         self.epoch = state['epoch']
         self.ds.stream.set_epoch(self.epoch)
         self.ds.stream.load_state_dict(state['stream'])
-        self.it = iter(self.ds.stream)
+        self.it = _records(self.ds.cfg, 'hf_split', self.ds.stream)
 
 
 # ---- text: tokenizer --------------------------------------------------------------------------
@@ -1021,9 +1004,8 @@ def _train_tokenizer(sentences, vocab_size, path):
             allow_whitespace_only_pieces=True, split_digits=False, max_sentence_length=_MAX_SENTENCE_CHARS,
             pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, num_threads=os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as e:  # e.g. too little text for this many pieces; spm says which size would fit
-        reason = str(e).split('] ')[-1]
         raise DataError(f'vocab_size={vocab_size}: cannot train a tokenizer of that size on this text '
-                        f'({reason})') from None
+                        f'({str(e).split("] ")[-1]})') from None
     _save(path, lambda f: f.write(model.getvalue()))
 
 
@@ -1037,24 +1019,22 @@ def _save(path, write):
 
 def _tokenizer(cfg, train_texts, identity, log=None):
     import sentencepiece as spm
-    path = cfg.tokenizer_path
-    if path and not epath.Path(path).is_file():
-        raise DataError(f'tokenizer_path={path!r}: file not found (set it to a sentencepiece .model, '
-                        "or '' to train one)")
-    if not path:
-        path = os.path.join(cfg.cache_dir, f'tokenizer_{identity}_bpe{cfg.vocab_size}.model')
+    path = cfg.tokenizer_path or os.path.join(cfg.cache_dir, f'tokenizer_{identity}_bpe{cfg.vocab_size}.model')
+    if not cfg.tokenizer_path:  # trained once into cache_dir
         with _locked(cfg.cache_dir):
             if not os.path.exists(path):
                 with _announced(log, f'training a {cfg.vocab_size}-piece BPE tokenizer on the training text'):
                     _train_tokenizer(_sentences(train_texts, cfg), cfg.vocab_size, path)
+    elif not epath.Path(path).is_file():
+        raise DataError(f'tokenizer_path={path!r}: file not found (set it to a sentencepiece .model, '
+                        "or '' to train one)")
     try:
         sp = (spm.SentencePieceProcessor(model_proto=epath.Path(path).read_bytes()) if '://' in path  # gs://
               else spm.SentencePieceProcessor(model_file=path))
     except (OSError, RuntimeError) as e:
         raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({first_line(e, typed=False, limit=120)}); '
                         "give a .model file, or '' to train one") from None
-    size = sp.get_piece_size()
-    if size != cfg.vocab_size:
+    if (size := sp.get_piece_size()) != cfg.vocab_size:
         raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: set vocab_size={size}')
     if sp.eos_id() < 0:
         raise DataError(f'tokenizer {path} has no eos piece, which ends every document: retrain it with eos_id set')
@@ -1079,20 +1059,23 @@ def _pack(docs, length):
 
 
 class TextData(_Data):
-    """Documents from a random-access text source, tokenized on the fly and packed into rows. `sources`:
-    (train texts, eval texts, identity), as the *_sources functions make them."""
+    """Documents from a random-access text source, tokenized on the fly and packed into rows."""
 
-    def __init__(self, cfg, sources, process_index, process_count, log=None):
-        super().__init__(cfg, process_index, process_count)
-        self.train_texts, self.eval_texts, self.identity = sources
+    def __init__(self, cfg, process_index, process_count, log=None):
+        super().__init__(cfg, process_index, process_count, log)
+        self.train_texts, self.eval_texts, self.identity = self._sources()
         # The eval records this process reads: disjoint between processes, all of them together. A process
         # left without any (fewer records than processes) reads padding, which weighs nothing.
         self.eval_records = np.arange(process_index, len(self.eval_texts), process_count)
-        self.tokenizer = _tokenizer(cfg, self.train_texts, self.identity, log)
-        self.vocab_size, self.length = self.tokenizer.get_piece_size(), cfg.max_target_length
+        self.tokenizer = _tokenizer(cfg, self.train_texts, self.identity, self.log)  # of cfg.vocab_size pieces
         self.eos_id = self.tokenizer.eos_id()
         self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
         self._order = self.train_texts.shuffle(seed=cfg.seed).repeat().map(self.encode)
+
+    def _sources(self):
+        """(train texts, eval texts, identity) of cfg.dataset, as the *_sources functions make them."""
+        sources = {'tfds': _tfds_sources, 'hf': _hf_sources}.get(self.cfg.dataset)
+        return sources(self.cfg) if sources else _file_sources(self.cfg, self.log)
 
     def tokenizer_files(self):
         """The tokenizer as Hugging Face reads a Llama one: {file name: contents} of tokenizer.model and
@@ -1126,26 +1109,24 @@ class StreamData(TextData):
     every document once. The tokenizer trains on the stream's first ~5 MB; eval reads the head of
     hf_eval_split."""
 
-    def __init__(self, cfg, process_index, process_count, log=None):
+    def _sources(self):
+        """The stream's head (~5 MB, what the tokenizer trains on), the head of hf_eval_split, and the identity."""
+        cfg = self.cfg
         if not cfg.hf_eval_split and cfg.eval_batches:
             raise DataError('hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. validation), '
                             'or eval_batches=0')
         head, chars = [], 0
-        for record in _hf_split(cfg, 'hf_split'):
+        for record in _records(cfg, 'hf_split'):
             head.append(record)
             chars += len(_text(record, cfg.text_key))
             if chars >= _TOKENIZER_SAMPLE_CHARS:
                 break
-        evals = list(itertools.islice(_hf_split(cfg, 'hf_eval_split'), _EVAL_HEAD_DOCS)) if cfg.hf_eval_split else []
-        sources = _texts(head, cfg.text_key), _texts(evals, cfg.text_key), _hf_identity(cfg, 'stream')
-        super().__init__(cfg, sources, process_index, process_count, log)
+        evals = list(itertools.islice(_records(cfg, 'hf_eval_split'), _EVAL_HEAD_DOCS)) if cfg.hf_eval_split else []
+        return _texts(head, cfg.text_key), _texts(evals, cfg.text_key), _hf_identity(cfg, 'stream')
 
     def train_iter(self, local_rows, state=None):
-        from datasets.distributed import split_dataset_by_node
         host = (self.process_index, self.process_count)
-        share = split_dataset_by_node(_hf_split(self.cfg, 'hf_split').stream, *host)
-        docs = _Stream(_HFRecords(self.cfg, share, 'hf_split'), self.encode, self.cfg.text_key)
-        batches = _pack(docs, self.length).batch(local_rows, drop_remainder=True)
+        batches = _pack(_Stream(self.cfg, host).map(self.encode), self.length).batch(local_rows, drop_remainder=True)
         return _StreamBatches(batches, self.cfg.prefetch, host, local_rows, self._resumable(state, local_rows),
                               self.identity)
 
@@ -1207,36 +1188,31 @@ def _search(grid, limit):
                 return None, 0  # the givens already clash
             used[r], used[c], used[b] = used[r] | bit, used[c] | bit, used[b] | bit
     empty = [i for i in range(81) if not g[i]]
-    found = []
 
-    def recurse():  # True = stop, `limit` solutions found
+    def solutions():  # in search order, found as they are read: reading stops after `limit`
         best, best_count, best_mask = -1, 10, 0
         for i in empty:
             if not g[i]:
                 r, c, b = _CELL_UNITS[i]
                 mask = _ALL_DIGITS & ~(used[r] | used[c] | used[b])
-                count = mask.bit_count()
-                if count < best_count:
+                if (count := mask.bit_count()) < best_count:
                     best, best_count, best_mask = i, count, mask
                     if count <= 1:
                         break
         if best < 0:
-            found.append(list(g))
-            return len(found) >= limit
+            yield list(g)
+            return
         r, c, b = _CELL_UNITS[best]
         while best_mask:
             bit = best_mask & -best_mask
             best_mask ^= bit
             g[best] = bit.bit_length() - 1
             used[r], used[c], used[b] = used[r] | bit, used[c] | bit, used[b] | bit
-            stop = recurse()
+            yield from solutions()
             used[r], used[c], used[b] = used[r] ^ bit, used[c] ^ bit, used[b] ^ bit
             g[best] = 0
-            if stop:
-                return True
-        return False
 
-    recurse()
+    found = list(itertools.islice(solutions(), limit))
     return (found[0] if found else None), len(found)
 
 
@@ -1257,19 +1233,16 @@ def generate_sudoku(n, blanks, seed, stream='train'):
     for i in range(n):
         rng = random.Random(f'sudoku/{stream}/{seed}/{i}')
         # The three diagonal boxes share no row or column, so any filling of them completes to a grid.
-        seed_grid = [0] * 81
+        boxes = np.zeros((9, 9), np.int64)
         for b in range(3):
-            for k, d in enumerate(rng.sample(range(1, 10), 9)):
-                seed_grid[(3 * b + k // 3) * 9 + 3 * b + k % 3] = d
-        a[i] = solution = _search(seed_grid, limit=1)[0]
-        puzzle, removed = list(solution), 0
+            boxes[3 * b:3 * b + 3, 3 * b:3 * b + 3] = np.reshape(rng.sample(range(1, 10), 9), (3, 3))
+        a[i] = solution = _search(boxes.ravel().tolist(), limit=1)[0]
+        puzzle = list(solution)
         for cell in rng.sample(range(81), 81):
-            if removed == blanks[i % len(blanks)]:
+            if puzzle.count(0) == blanks[i % len(blanks)]:
                 break
             puzzle[cell] = 0
-            if _search(puzzle, limit=2)[1] == 1:
-                removed += 1
-            else:
+            if _search(puzzle, limit=2)[1] > 1:
                 puzzle[cell] = solution[cell]  # that blank would allow a second solution
         q[i] = puzzle
     return q, a
@@ -1282,28 +1255,13 @@ def augment(q, a, rng):
     each stack, and transposes half the time. rng is a numpy Generator.
     """
     digits = np.concatenate([[0], rng.permutation(9) + 1]).astype(np.uint8)  # blank stays blank
-    rows = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
-    cols = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
-    index_99 = rows[:, None] * 9 + cols[None, :]
+    order = lambda: (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
+    index_99 = order()[:, None] * 9 + order()[None, :]  # the rows' order drawn first, then the columns'
     index = (index_99.T if rng.random() < 0.5 else index_99).reshape(81)
     return digits[np.asarray(q)[index]], digits[np.asarray(a)[index]]
 
 
 # ---- Sudoku: CSV files (public sudoku-extreme layout: source,q,a,rating) -------------------------
-
-def _csv_columns(path, first):
-    """(puzzle column, solution column, whether `first` is a data row). A header names its columns with
-    one of the spellings in use; without one, columns are read by position as the TRM reference does: the public
-    layout source,question,answer,rating (or a bare puzzle,solution pair)."""
-    names = [c.strip().lower() for c in first]
-    for q, a in (('q', 'a'), ('question', 'answer'), ('puzzle', 'solution')):
-        if q in names and a in names:
-            return names.index(q), names.index(a), False
-    if not any(len(c.strip()) == 81 for c in first):
-        raise DataError(f'{path}:1: the header names no puzzle and solution columns (use q,a or question,answer; '
-                        'public layout: source,question,answer,rating)')
-    return (1, 2, True) if len(first) >= 3 else (0, 1, True)
-
 
 def read_sudoku_csv(path, key='dataset_path'):
     """(puzzles uint8[N, 81], solutions uint8[N, 81]) from a CSV, with or without a header, '.' or '0' for
@@ -1327,20 +1285,25 @@ def read_sudoku_csv(path, key='dataset_path'):
     bad = clash | ~np.concatenate([solved(a[i:i + 65536]) for i in range(0, len(a), 65536)])  # bounded memory
     if bad.any():
         i = int(bad.argmax())
-        what = ('solution a disagrees with a given digit of q' if clash[i]
-                else 'solution a is not a valid Sudoku grid (a row, column or box repeats a digit)')
-        raise DataError(f'{path}:{lines[i]}: {what}')
+        raise DataError(f'{path}:{lines[i]}: solution a ' + ('disagrees with a given digit of q' if clash[i] else
+                        'is not a valid Sudoku grid (a row, column or box repeats a digit)'))
     return q, a
 
 
 def _csv_grids(path, reader):
-    """(puzzle strings, solution strings, their line numbers) of a CSV reader's rows, each row checked."""
+    """(puzzle strings, solution strings, their line numbers) of a CSV reader's rows, each row checked. A header
+    names its columns with one of the spellings in use; without one, columns are read by position as the TRM
+    reference does: the public layout source,question,answer,rating (or a bare puzzle,solution pair)."""
     puzzles, solutions, lines = [], [], []
     first = next(reader, [])
-    iq, ia, first_is_data = _csv_columns(path, first) if first else (0, 1, False)
-    for row in itertools.chain([first] if first_is_data else [], reader):
-        if not row:
-            continue
+    names = [c.strip().lower() for c in first]
+    named = [(names.index(q), names.index(a)) for q, a in (('q', 'a'), ('question', 'answer'), ('puzzle', 'solution'))
+             if q in names and a in names]
+    if first and not named and not any(len(c.strip()) == 81 for c in first):
+        raise DataError(f'{path}:1: the header names no puzzle and solution columns (use q,a or question,answer; '
+                        'public layout: source,question,answer,rating)')
+    iq, ia = named[0] if named else (1, 2) if len(first) >= 3 else (0, 1)  # the first row is data without a header
+    for row in filter(None, itertools.chain([] if named else [first], reader)):  # a blank line is no row
         where = f'{path}:{reader.line_num}'
         if len(row) <= max(iq, ia):
             raise DataError(f'{where}: {len(row)} columns, expected at least {max(iq, ia) + 1}')
@@ -1348,8 +1311,7 @@ def _csv_grids(path, reader):
         for name, text, allowed in (('q', q, '.0123456789'), ('a', a, '123456789')):
             if len(text) != 81:
                 raise DataError(f'{where}: {name} has {len(text)} characters, expected 81')
-            illegal = set(text) - set(allowed)
-            if illegal:
+            if illegal := set(text) - set(allowed):
                 raise DataError(f'{where}: {name} has illegal character {min(illegal)!r} (allowed: {allowed})')
         puzzles.append(q.replace('.', '0'))
         solutions.append(a)
@@ -1368,11 +1330,10 @@ def parse_grid(text):
 
 def write_sudoku_csv(path, q, a):
     """Writes puzzles and solutions (digit grids) in the public layout; blanks become '.'."""
+    rows = (['generated', ''.join(map(str, puzzle)).replace('0', '.'), ''.join(map(str, solution)), 0]  # 0: unrated
+            for puzzle, solution in zip(np.asarray(q), np.asarray(a)))
     with open(path, 'w', newline='') as f:
-        writer = csv.writer(f)
-        writer.writerow(['source', 'q', 'a', 'rating'])
-        writer.writerows(['generated', ''.join(map(str, puzzle)).replace('0', '.'), ''.join(map(str, solution)), 0]
-                         for puzzle, solution in zip(np.asarray(q), np.asarray(a)))  # rating 0 = unrated
+        csv.writer(f).writerows(itertools.chain([['source', 'q', 'a', 'rating']], rows))
 
 
 def _puzzles(cfg, split, log=None):
@@ -1400,10 +1361,10 @@ def _sudoku_batch(q, a, rows):
 
 class SudokuData(_Data):
     """Puzzle -> solution pairs, from CSV files or the built-in generator."""
-    vocab_size, length = SUDOKU_VOCAB, SUDOKU_LEN
 
     def __init__(self, cfg, process_index, process_count, log=None):
-        super().__init__(cfg, process_index, process_count)
+        super().__init__(cfg, process_index, process_count, log)
+        self.vocab_size, self.length = SUDOKU_VOCAB, SUDOKU_LEN
         self.train_q, self.train_a = _puzzles(cfg, 'train', log)
         self.eval_q, self.eval_a = _puzzles(cfg, 'eval', log)
         if not cfg.eval_path:  # a separate seed stream makes overlap unlikely; this makes it impossible
@@ -1437,23 +1398,15 @@ class SudokuData(_Data):
 def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     """The dataset this process reads: its share of the records, in a seed-determined order. `log` (a print
     function, or None for silence) hears about the slow one-time preparations. `source`: a task's own data
-    (model.Task.dataset), in place of the text pipelines."""
+    (model.Task.dataset), in place of the text pipelines; every kind is made as source(cfg, process_index,
+    process_count, log)."""
     try:
         os.makedirs(cfg.cache_dir, exist_ok=True)
     except OSError as e:
         raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable '
                         'cache_dir') from None
-    if source:
-        ds = source(cfg, process_index, process_count, log)
-    elif cfg.dataset == 'synthetic':
-        ds = SyntheticData(cfg, process_index, process_count)
-    elif cfg.dataset == 'hf' and cfg.hf_streaming:
-        ds = StreamData(cfg, process_index, process_count, log)
-    else:
-        sources = {'tfds': _tfds_sources, 'hf': _hf_sources}.get(cfg.dataset, lambda cfg: _file_sources(cfg, log))(cfg)
-        ds = TextData(cfg, sources, process_index, process_count, log)
-    ds.log = log or ds.log
-    return ds
+    kinds = {'synthetic': SyntheticData, 'hf': StreamData if cfg.hf_streaming else TextData}  # else files, stdlib, tfds
+    return (source or kinds.get(cfg.dataset, TextData))(cfg, process_index, process_count, log)
 
 
 def main(argv):
