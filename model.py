@@ -872,15 +872,14 @@ def halt_decode(preds_SNL, q_SN, rule='first'):
     answers as they stand after each step [S, N, L] (a step-s cap), their halting logits [S, N] and the
     forward passes each used [N]."""
     S, N = q_SN.shape
-    if rule == 'last':
-        return preds_SNL, q_SN, jnp.full(N, S)
     s_SN = jnp.broadcast_to(jnp.arange(S)[:, None], q_SN.shape)
-    if rule == 'first':
-        halt_N = jnp.where(jnp.any(q_SN > 0, axis=0), jnp.argmax(q_SN > 0, axis=0), S - 1)
+    at_SN, passes_N = s_SN, jnp.full(N, S)  # 'last': each step's own answer
+    if rule == 'first':  # the first step with q > 0, else the last
+        halt_N = jnp.argmax((q_SN > 0).at[-1].set(True), axis=0)
         at_SN, passes_N = jnp.minimum(s_SN, halt_N[None]), halt_N + 1
-    else:  # 'best': a running argmax of q over the steps so far (ties: the earlier step)
+    elif rule == 'best':  # a running argmax of q over the steps so far (ties: the earlier step)
         better = lambda a, b: jax.tree.map(lambda u, v: jnp.where(b[0] > a[0], v, u), a, b)
-        at_SN, passes_N = jax.lax.associative_scan(better, (q_SN, s_SN))[1], jnp.full(N, S)
+        at_SN = jax.lax.associative_scan(better, (q_SN, s_SN))[1]
     kept = lambda x: jnp.take_along_axis(x, at_SN.reshape(*at_SN.shape, *[1] * (x.ndim - 2)), axis=0)
     return kept(preds_SNL), kept(q_SN), passes_N
 
@@ -1085,8 +1084,8 @@ def search_step(evaluate, search, c):
     cand, rest = expand(c['held'], search)
     g_BNL, alive_BN = cand['grid'], cand['alive']
     (B, N, L), live_B = g_BNL.shape, ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
-    logp_NLC, logv_N, q_N = evaluate(g_BNL.reshape(B * N, L))  # one forward pass per candidate
-    logp_BNLC, logv_BN, q_BN = logp_NLC.reshape(B, N, L, 9), logv_N.reshape(B, N), q_N.reshape(B, N)
+    # One forward pass per candidate: log-probs [B, N, L, 9], log values and halting logits [B, N].
+    logp_BNLC, logv_BN, q_BN = (x.reshape(B, N, *x.shape[1:]) for x in evaluate(g_BNL.reshape(B * N, L)))
     rank_BN = cand['cum'] if search.score == 'logp' else logv_BN + search.logp_weight * cand['cum']
     s_BN = jnp.where(alive_BN, rank_BN, -jnp.inf)
     fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
@@ -1101,9 +1100,9 @@ def search_step(evaluate, search, c):
     # The M best of the new candidates (first: they win ties) and the states held but not expanded.
     pool = jax.tree.map(lambda n, o: jnp.concatenate([n, o], axis=1),
                         {'grid': g_BNL, 'logp': logp_BNLC, 'cum': cand['cum'], 'score': s_BN}, rest)
+    # A finished puzzle's held states change on like the others': harmless, its answer and evals no longer do.
     top_BM, idx_BM = jax.lax.top_k(pool['score'], c['held']['score'].shape[1])
-    new = jax.tree.map(lambda x: take_rows(x, idx_BM), pool)
-    held = jax.tree.map(lambda n, o: jnp.where(live_B.reshape(B, *[1] * (n.ndim - 1)), n, o), new, c['held'])
+    held = jax.tree.map(lambda x: take_rows(x, idx_BM), pool)
     evals = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0)
     depth = c['depth'] + 1
     stop = (c['stop'] | found_B | (evals >= search.max_thoughts) | ~jnp.any(top_BM > -jnp.inf, axis=1)
