@@ -717,11 +717,11 @@ class TRM(nnx.Module):
 
     def __init__(self, cfg, rngs):
         D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
+        vector = lambda std: param(rngs, (D,), ('embed',), std, wdt)  # a [D] parameter
         self.cfg = cfg
         self.embed = param(rngs, (V, D), ('vocab', 'embed'), 1.0, wdt)
         # Fresh slots (new puzzles) start from learned initial states; others continue their carry.
-        self.y_init = param(rngs, (D,), ('embed',), 1.0, wdt)
-        self.z_init = param(rngs, (D,), ('embed',), 1.0, wdt)
+        self.y_init, self.z_init = vector(1.0), vector(1.0)
         self.net = Trunk(cfg, rngs, causal=False, mixer=cfg.trm.mixer, length=SUDOKU_LEN)
         # The trunk is pre-norm, so its residual stream would grow with every recursion; normalising the
         # output keeps y and z at unit scale however deep the recursion goes (TRM uses post-norm for this).
@@ -729,13 +729,11 @@ class TRM(nnx.Module):
         self.head = param(rngs, (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
         # Halting head on the mean of y (no prefix token here to read position 0 from); bias -5 makes the
         # untrained model keep going (sigmoid(-5) ~ 0.007) instead of halting at random.
-        self.halt = param(rngs, (D,), ('embed',), D ** -0.5, wdt)
-        self.halt_bias = param(rngs, (), (), None, wdt, fill=-5.0)
+        self.halt, self.halt_bias = vector(D ** -0.5), param(rngs, (), (), None, wdt, fill=-5.0)
         # ToT value head: log P(every digit on the grid is right) = sum over cells of log sigmoid(a per-cell
         # logit). One wrong cell is local evidence; a product over cells lets it veto the whole state,
         # where a mean over cells would dilute it 81 times. Bias 5: an untrained head says "~0.6 likely fine".
-        self.value = param(rngs, (D,), ('embed',), D ** -0.5, wdt)
-        self.value_bias = param(rngs, (), (), None, wdt, fill=5.0)
+        self.value, self.value_bias = vector(D ** -0.5), param(rngs, (), (), None, wdt, fill=5.0)
 
     def __call__(self, inputs_BL, positions_BL, segment_ids_BL, y_BLD, z_BLD, fresh_B, noise=None):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
@@ -804,8 +802,7 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     explore_B = jax.random.uniform(k_explore, (B,)) < t.halt_explore_prob
     min_steps_B = jnp.where(explore_B, jax.random.randint(k_steps, (B,), 2, t.N_sup + 1), 1)
     halted_B = (steps_B >= t.N_sup) | ((q_B > 0) & (steps_B >= min_steps_B))
-    new_carry = {'y': jax.lax.stop_gradient(y_BLD).astype(jnp.float32),  # detached between supervision steps
-                 'z': jax.lax.stop_gradient(z_BLD).astype(jnp.float32), 'inputs': inputs_BL,
+    new_carry = {'y': y_BLD.astype(jnp.float32), 'z': z_BLD.astype(jnp.float32), 'inputs': inputs_BL,
                  'targets': targets_BL, 'steps': steps_B, 'halted': halted_B}
     sums = {'weight': jnp.float32(B), 'tokens': jnp.float32(B * SUDOKU_LEN), 'halted': jnp.sum(halted_B),
             'halt_steps': jnp.sum(jnp.where(halted_B, steps_B, 0)), 'exact': jnp.sum(correct_B)}
@@ -823,7 +820,7 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
         v_loss, v_acc = jax.lax.cond(on, value_loss, lambda _: (0.0, 0), None)
         sums.update(value_acc=v_acc, value_rows=jnp.where(on, half, 0.0))
         loss += cfg.tot.loss_weight * v_loss
-    return loss, (sums, new_carry)
+    return loss, (sums, jax.lax.stop_gradient(new_carry))  # no gradient from one supervision step into the next
 
 
 def ema_update(decay, step, ema, params):
@@ -849,8 +846,8 @@ def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
 
     def step(p, carry, i):  # supervision step i, the model's parameters p
         kick = None if noise is None else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
-        fresh_N = jnp.full(N, i == 0)  # step 0 starts from y_init, z_init
-        y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry, fresh_N, kick)
+        # step 0 starts fresh, from y_init and z_init
+        y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry, jnp.full(N, i == 0), kick)
         carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
         return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N, q_N)
     fixed = functools.partial(step, jax.lax.stop_gradient(params))  # a scan body no gradient flows through
