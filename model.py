@@ -366,10 +366,10 @@ class Block(nnx.Module):
         if hasattr(self, 'token_mlp'):  # mixing over L, as the last axis: XLA:CPU's dot has no bf16 x bf16
             # -> f32 kernel for contracting the middle axis
             x_BDL = jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)
-            x_BLD = x_BLD + jnp.swapaxes(self.token_mlp(x_BDL), 1, 2)
+            h_BLD = jnp.swapaxes(self.token_mlp(x_BDL), 1, 2)
         else:
             h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, rope_BL1k, segment_ids_BL, self.causal, cache)
-            x_BLD = x_BLD + h_BLD
+        x_BLD = x_BLD + h_BLD
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return constrain(x_BLD, ('batch', 'length', None)), cache
 
@@ -393,8 +393,8 @@ class Trunk(nnx.Module):
         P = x_BLD.shape[1] if cache is None else cache['k'].shape[2]  # positions are below the length / cache
         rope_BL1k = rope_table(positions_BL, dims(cfg), cfg.rope_theta, P)
 
-        def layer(x_BLD, block, cache):  # blocks are pytrees: jax transforms take them as arguments
-            return block(x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache)
+        # blocks are pytrees: jax transforms take them as arguments
+        layer = lambda x_BLD, block, cache: block(x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache)
         if cfg.remat != 'none':
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:  # the cache (if any) is stacked like the parameters: scanned along with them
@@ -533,15 +533,14 @@ def generate(cfg, graph, params, prompt_BP, key):
         return jax.random.categorical(key, logits_BV / cfg.temperature).astype(jnp.int32)
 
     def run_all(params, prompt_BP, key):
-        ones = lambda L: jnp.ones((B, L), jnp.int32)
-        zeros = jnp.zeros((cfg.num_layers, B, P + O, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype))
-        logits_BPV, cache = nnx.merge(graph, params)(prompt_BP, jnp.arange(P) * ones(P), ones(P),
-                                                     {'k': zeros, 'v': zeros})  # the empty KV cache
+        model, ones = nnx.merge(graph, params), lambda L: jnp.ones((B, L), jnp.int32)
+        zeros = jnp.zeros((cfg.num_layers, B, P + O, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype))  # empty cache
+        logits_BPV, cache = model(prompt_BP, jnp.arange(P) * ones(P), ones(P), {'k': zeros, 'v': zeros})
         keys = jax.random.split(key, O)
 
         def step(carry, key):  # feed the last sampled token, sample the next
             cache, tok_B, pos = carry
-            logits_B1V, cache = nnx.merge(graph, params)(tok_B[:, None], pos * ones(1), ones(1), cache)
+            logits_B1V, cache = model(tok_B[:, None], pos * ones(1), ones(1), cache)
             return (cache, sample(logits_B1V[:, -1], key), pos + 1), tok_B
 
         (_, last_B, _), toks_OB = jax.lax.scan(step, (cache, sample(logits_BPV[:, -1], keys[0]), P), keys[1:])
@@ -1260,7 +1259,7 @@ SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
 SUDOKU = Task(
     module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token, step_metrics=trm_step_metrics,
     eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
-    keys=SUDOKU_KEYS, dataset=data.SudokuData,
+    keys=SUDOKU_KEYS, dataset=data.SudokuData, eval_weights='ema', eval_all=True,
     shown=(('train_exact', 'solved {:.1%}'), ('eval_exact_accuracy', 'eval solved {:.1%}'),
            ('eval_cell_accuracy', 'cells {:.1%}')),
     fixed=lambda cfg: {'vocab_size': data.SUDOKU_VOCAB, 'max_target_length': SUDOKU_LEN},
@@ -1268,7 +1267,6 @@ SUDOKU = Task(
     state=lambda cfg, params, rows: {'ema': params, 'carry': trm_carry(cfg, cfg.grad_accum, rows)},
     state_axes=lambda param_axes: {'ema': param_axes, 'carry': {k: PartitionSpec(*v) for k, v in CARRY_AXES.items()}},
     after_update=lambda cfg, state, params, carry: {
-        'carry': carry, 'ema': ema_update(cfg.trm.ema_decay, state['step'], state['ema'], params)},
-    eval_weights='ema', eval_all=True)
+        'carry': carry, 'ema': ema_update(cfg.trm.ema_decay, state['step'], state['ema'], params)})
 
 TASKS = {'lm': LM, 'sudoku': SUDOKU}
