@@ -72,9 +72,7 @@ def constrain(x, axes):
     """with_sharding_constraint by logical axis names, through the rules train.py installs with
     nnx.logical_axis_rules; a no-op where none are installed (tests calling the model bare)."""
     rules = dict(flax.core.spmd.get_logical_axis_rules())
-    if not rules:
-        return x
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*(rules.get(a) if a else None for a in axes)))
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*map(rules.get, axes))) if rules else x
 
 
 def dividing_spec(logical, shape, rules, mesh_shape):
@@ -598,21 +596,6 @@ def hf_names(cfg):
     return out
 
 
-def to_hf(cfg, params):
-    """Our params (host arrays) -> ({HF tensor name: array}, HF config.json without the token ids)."""
-    tensors = {}
-    for name, path, i, how in hf_names(cfg):
-        w = functools.reduce(lambda tree, k: tree[k], path, params)
-        w = w if i is None else w[i]
-        if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
-            w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
-        tensors[name] = np.ascontiguousarray(w)  # safetensors writes an array's buffer as it lies in memory
-    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
-            'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length, 'torch_dtype': cfg.weight_dtype,
-            **{hf: dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in HF_KEYS.items()}}
-    return tensors, conf
-
-
 def from_hf(cfg, tensors, conf):
     """A HF Llama checkpoint -> {our params path: array in our axis order, layers stacked}; ValueError
     naming the key where it and the config disagree."""
@@ -641,7 +624,16 @@ def save_hf(cfg, params, out_dir, token_ids, files):
     """mode=export: a Hugging Face Llama checkpoint in out_dir (local or gs://, written by the data.MAIN process):
     config.json with the tokenizer's ids, model.safetensors in the weight dtype (with the metadata transformers
     wants, format=pt) and the tokenizer's files. `params`: host arrays. Returns the tensors written."""
-    tensors, conf = to_hf(cfg, params)
+    tensors = {}
+    for name, path, i, how in hf_names(cfg):
+        w = functools.reduce(lambda tree, k: tree[k], path, params)
+        w = w if i is None else w[i]
+        if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
+            w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
+        tensors[name] = np.ascontiguousarray(w)  # safetensors writes an array's buffer as it lies in memory
+    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
+            'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length, 'torch_dtype': cfg.weight_dtype,
+            **{hf: dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in HF_KEYS.items()}}
     if data.MAIN:
         data.stored(out_dir).mkdir(parents=True, exist_ok=True)
     data.write(os.path.join(out_dir, 'model.safetensors'), safetensors.numpy.save(tensors, metadata={'format': 'pt'}))
@@ -861,6 +853,11 @@ def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
     return TRMSteps(preds, jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N, q_SN)
 
 
+def take_along(x, i, axis):
+    """x's entries at indices i along `axis` (jnp.take_along_axis), i spread over x's further trailing axes."""
+    return jnp.take_along_axis(x, i.reshape(*i.shape, *[1] * (x.ndim - i.ndim)), axis=axis)
+
+
 def halt_decode(preds_SNL, q_SN, rule='first'):
     """Decoding stopped by the learned halting head. rule='first': each puzzle keeps the answer of the
     first step whose halting logit says "right" (q > 0), or the last step's; 'best': the answer of the
@@ -876,8 +873,7 @@ def halt_decode(preds_SNL, q_SN, rule='first'):
     elif rule == 'best':  # a running argmax of q over the steps so far (ties: the earlier step)
         better = lambda a, b: jax.tree.map(lambda u, v: jnp.where(b[0] > a[0], v, u), a, b)
         at_SN = jax.lax.associative_scan(better, (q_SN, s_SN))[1]
-    kept = lambda x: jnp.take_along_axis(x, at_SN.reshape(*at_SN.shape, *[1] * (x.ndim - 2)), axis=0)
-    return kept(preds_SNL), kept(q_SN), passes_N
+    return take_along(preds_SNL, at_SN, 0), take_along(q_SN, at_SN, 0), passes_N
 
 
 def parallel_decode(cfg, graph, params, q_BL, steps):
@@ -894,7 +890,7 @@ def parallel_decode(cfg, graph, params, q_BL, steps):
                     (keys_BJ.reshape(B * J), scale_N[:, None, None]))
     preds_SNL, q_SN, halt_N = halt_decode(run.preds_SNL, run.halt_SN, cfg.trm.eval_halt)
     best_SB = jnp.argmax(q_SN.reshape(steps, B, J), axis=-1)
-    preds_SBL = jnp.take_along_axis(preds_SNL.reshape(steps, B, J, L), best_SB[..., None, None], axis=2)[:, :, 0]
+    preds_SBL = take_along(preds_SNL.reshape(steps, B, J, L), best_SB[..., None], 2)[:, :, 0]
     return preds_SBL, halt_N.reshape(B, J).sum(axis=1)
 
 
@@ -1069,24 +1065,18 @@ def tree_search(evaluate, q_BL, search):
     return c['answer'], c['evals']
 
 
-def take_rows(x_BN, i_BK):
-    """x[b, i[b, k]] for every b, k: the rows' chosen entries along axis 1."""
-    return jnp.take_along_axis(x_BN, i_BK.reshape(*i_BK.shape, *[1] * (x_BN.ndim - 2)), axis=1)
-
-
 def search_step(evaluate, search, c):
     """One step of tree_search for every puzzle of the carry c: expand the best held states, evaluate
     and rank their candidates, note a finished answer, hold the M best states for the next step."""
-    cand, rest = expand(c['held'], search)
-    g_BNL, alive_BN = cand['grid'], cand['alive']
+    g_BNL, cum_BN, alive_BN, rest = expand(c['held'], search)
     (B, N, L), live_B = g_BNL.shape, ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
     # One forward pass per candidate: log-probs [B, N, L, 9], log values and halting logits [B, N].
     logp_BNLC, logv_BN, q_BN = (x.reshape(B, N, *x.shape[1:]) for x in evaluate(g_BNL.reshape(B * N, L)))
-    rank_BN = cand['cum'] if search.score == 'logp' else logv_BN + search.logp_weight * cand['cum']
+    rank_BN = cum_BN if search.score == 'logp' else logv_BN + search.logp_weight * cum_BN
     s_BN = jnp.where(alive_BN, rank_BN, -jnp.inf)
     fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
     ok_BN = alive_BN & finished(fill_BNL, q_BN, search.rules)
-    pick = lambda x, i_B: take_rows(x, i_B[:, None])[:, 0]
+    pick = lambda x, i_B: take_along(x, i_B[:, None], 1)[:, 0]
     # The answer so far: a finished one (the puzzle then stops and keeps it), else the best candidate.
     best = pick(fill_BNL, jnp.argmax(s_BN, axis=1))  # the best, before full-but-wrong grids are dropped
     best = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], best, c['answer'])
@@ -1095,10 +1085,10 @@ def search_step(evaluate, search, c):
     s_BN = jnp.where(jnp.all(g_BNL > 0, axis=-1), -jnp.inf, s_BN)  # a full grid ended the search or broke a rule
     # The M best of the new candidates (first: they win ties) and the states held but not expanded.
     pool = jax.tree.map(lambda n, o: jnp.concatenate([n, o], axis=1),
-                        {'grid': g_BNL, 'logp': logp_BNLC, 'cum': cand['cum'], 'score': s_BN}, rest)
+                        {'grid': g_BNL, 'logp': logp_BNLC, 'cum': cum_BN, 'score': s_BN}, rest)
     # A finished puzzle's held states change on like the others': harmless, its answer and evals no longer do.
     top_BM, idx_BM = jax.lax.top_k(pool['score'], c['held']['score'].shape[1])
-    held = jax.tree.map(lambda x: take_rows(x, idx_BM), pool)
+    held = jax.tree.map(lambda x: take_along(x, idx_BM, 1), pool)
     evals = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0)
     depth = c['depth'] + 1
     stop = (c['stop'] | found_B | (evals >= search.max_thoughts) | ~jnp.any(top_BM > -jnp.inf, axis=1)
@@ -1107,11 +1097,12 @@ def search_step(evaluate, search, c):
 
 
 def expand(held, search):
-    """The best `width` held states -> their candidates {grid [B, N, L], cum [B, N], alive [B, N]}
-    (N = width x thoughts; dead ends and repeated grids not alive), and the held states left over."""
+    """The best `width` held states -> their candidates' grids [B, N, L], path log-probs [B, N] and whether
+    they are alive [B, N] (N = width x thoughts; dead ends and repeated grids are not), and the held states
+    left over."""
     B, L = held['grid'].shape[0], held['grid'].shape[-1]
     _, pop_BW = jax.lax.top_k(held['score'], search.width)
-    bm = jax.tree.map(lambda x: take_rows(x, pop_BW), held)
+    bm = jax.tree.map(lambda x: take_along(x, pop_BW, 1), held)
     rest = dict(held, score=held['score'].at[jnp.arange(B)[:, None], pop_BW].set(-jnp.inf))
     propose = lambda g, lp: propose_thoughts(g, lp, search.thoughts, search.cells, search.rules)
     g, gain, ok = jax.vmap(jax.vmap(propose))(bm['grid'], bm['logp'])  # [B, W, E, ...]
@@ -1123,7 +1114,7 @@ def expand(held, search):
         alive_BN &= ~dead_end(g_BNL)
     same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
     alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
-    return {'grid': g_BNL, 'cum': (bm['cum'][..., None] + gain).reshape(B, N), 'alive': alive_BN}, rest
+    return g_BNL, (bm['cum'][..., None] + gain).reshape(B, N), alive_BN, rest
 
 
 # ==================================================================================================
