@@ -285,9 +285,8 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
         kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([head] * (H // G)), block_sizes=sizes,
                                                       interpret=interpret)
         q_BGRLK = (q_BLHK * K ** -0.5).reshape(B, L, G, H // G, K).transpose(0, 2, 3, 1, 4)
-        one = lambda q_RLK, k_TK, v_TK, seg_L: kernel(q_RLK, k_TK, v_TK, segment_ids=splash.SegmentIds(seg_L, seg_L))
-        o_BGRLK = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BGRLK, k_BTGK.transpose(0, 2, 1, 3),
-                                                                   v_BTGK.transpose(0, 2, 1, 3), seg_BL)
+        o_BGRLK = jax.vmap(jax.vmap(kernel, in_axes=(0, 0, 0, None)))(  # kernel(q_RLK, k_TK, v_TK, segment ids)
+            q_BGRLK, k_BTGK.transpose(0, 2, 1, 3), v_BTGK.transpose(0, 2, 1, 3), splash.SegmentIds(seg_BL, seg_BL))
         return o_BGRLK.transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
 
     rules, mesh = dict(flax.core.spmd.get_logical_axis_rules()), jax.sharding.get_abstract_mesh()
