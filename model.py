@@ -875,18 +875,19 @@ def halt_decode(preds_SNL, q_SN, rule='first'):
     return take_along(preds_SNL, at_SN, 0), take_along(q_SN, at_SN, 0), passes_N
 
 
-def parallel_decode(cfg, graph, params, q_BL, steps):
-    """decoder=trm_parallel: J = parallel.trajectories runs of the TRM per puzzle, each decoded by the
-    trm.eval_halt rule, the first without noise and the others with parallel.noise on the latent; the
-    answer is the one the halting head is surest of (highest q). No Sudoku rule is used. The draws depend
-    on the puzzle and the trajectory, not on the batch.
-    Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every trajectory's)."""
-    (B, L), J = q_BL.shape, cfg.parallel.trajectories
+def parallel_decode(cfg, graph, params, q_BL, steps, trajectories=None):
+    """decoder=trm_parallel: J = parallel.trajectories (or `trajectories`) runs of the TRM per puzzle, each
+    decoded by the trm.eval_halt rule, the first without noise and the others with parallel.noise on the
+    latent; the answer is the one the halting head is surest of (highest q). No Sudoku rule is used. The
+    draws depend on the puzzle and the trajectory, not on the batch. One trajectory is the plain TRM
+    (decoder=trm). Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every
+    trajectory's)."""
+    (B, L), J = q_BL.shape, trajectories or cfg.parallel.trajectories
     split = lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J)
     keys_BJ = jax.vmap(split)(puzzle_hash(q_BL))
     scale_N = jnp.tile(jnp.arange(J) > 0, B) * cfg.parallel.noise
     run = trm_steps(cfg, graph, params, jnp.repeat(q_BL, J, axis=0), steps,
-                    (keys_BJ.reshape(B * J), scale_N[:, None, None]))
+                    (keys_BJ.reshape(B * J), scale_N[:, None, None]) if J > 1 else None)
     preds_SNL, q_SN, halt_N = halt_decode(run.preds_SNL, run.halt_SN, cfg.trm.eval_halt)
     best_SB = jnp.argmax(q_SN.reshape(steps, B, J), axis=-1)
     preds_SBL = take_along(preds_SNL.reshape(steps, B, J, L), best_SB[..., None], 2)[:, :, 0]
@@ -1134,18 +1135,15 @@ def sudoku_decode(cfg, graph, params, batch):
     trm, 1 for the others), forward passes per puzzle [B], and the value head's log values and labels on
     partial grids made from the batch (for its AUROC)}."""
     q_BL = batch['inputs'] - 1
-    trm_depth = cfg.trm.eval_steps or cfg.trm.N_sup
-    steps = trm_depth if cfg.decoder.startswith('trm') else max(cfg.tot.policy_steps, cfg.tot.value_step)
+    if cfg.decoder.startswith('trm'):  # trm: the plain TRM, one trajectory without noise
+        J = 1 if cfg.decoder == 'trm' else cfg.parallel.trajectories
+        preds_SBL, passes_B = parallel_decode(cfg, graph, params, q_BL, cfg.trm.eval_steps or cfg.trm.N_sup, J)
+    else:  # a search: each state it evaluates runs this many supervision steps
+        steps = max(cfg.tot.policy_steps, cfg.tot.value_step)
 
-    def evaluate(g_NL):  # -> digit log-probs, log value, halting logit after the last step
-        run = trm_steps(cfg, graph, params, g_NL, steps)
-        return run.logp_NLC, run.log_value_N, run.halt_SN[-1]
-    if cfg.decoder == 'trm':
-        run = trm_steps(cfg, graph, params, q_BL, steps)
-        preds_SBL, _, passes_B = halt_decode(run.preds_SNL, run.halt_SN, cfg.trm.eval_halt)
-    elif cfg.decoder == 'trm_parallel':
-        preds_SBL, passes_B = parallel_decode(cfg, graph, params, q_BL, steps)
-    else:
+        def evaluate(g_NL):  # -> digit log-probs, log value, halting logit after the last step
+            run = trm_steps(cfg, graph, params, g_NL, steps)
+            return run.logp_NLC, run.log_value_N, run.halt_SN[-1]
         grids_BL, evals_B = tree_search(evaluate, q_BL, sudoku_search(cfg, cfg.decoder))
         preds_SBL, passes_B = grids_BL[None] + 1, evals_B * steps
     partial_BL, label_B = puzzle_partial_states(jax.random.key(cfg.seed), q_BL, batch['targets'] - 1)
