@@ -826,30 +826,29 @@ TRMSteps = collections.namedtuple('TRMSteps', 'preds_SNL logp_NLC log_value_N ha
 
 
 def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
-    """`steps` supervision steps from a fresh carry on digit grids (0 = blank), as TRMSteps. Only step
-    v = min(tot.value_step, steps) is differentiable: the value loss trains through it. noise=(keys [N],
+    """`steps` supervision steps from a fresh carry on digit grids (0 = blank), as TRMSteps. Only the log value
+    of step v = min(tot.value_step, steps) is differentiable: the value loss trains through it. noise=(keys [N],
     scale): perturbed recursion (see TRM), each supervision step with its own draws."""
     N, L = grids_NL.shape
     rows = lambda x: jnp.broadcast_to(x, (N, L)).astype(jnp.int32)
     tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
     v = min(cfg.tot.value_step, steps)
 
-    def step(p, carry, i):  # supervision step i, the model's parameters p
+    def step(p, carry, i):  # supervision step i, the model's parameters p; carry: y, z and the step's logits
         kick = None if noise is None else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
         # step 0 starts fresh, from y_init and z_init
-        y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry, jnp.full(N, i == 0), kick)
-        carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
-        return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N, q_N)
+        y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry[:2], jnp.full(N, i == 0), kick)
+        carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32), logits_NLV))
+        return carry, (jnp.argmax(logits_NLV, -1), log_v_N, q_N)
     fixed = functools.partial(step, jax.lax.stop_gradient(params))  # a scan body no gradient flows through
     yz = jnp.zeros((N, L, cfg.d_model), jnp.float32)
     i = jnp.arange(steps)
-    carry, (p_before, _, _, q_before) = jax.lax.scan(fixed, (yz, yz), i[:v - 1])
-    carry, (p_v, logits_NLV, log_v_N, q_v) = step(params, carry, i[v - 1])
-    _, (p_after, l_after, _, q_after) = jax.lax.scan(fixed, carry, i[v:])
-    logits_NLV = l_after[-1] if steps > v else logits_NLV
-    preds, q_SN = jnp.concatenate([p_before, p_v[None], p_after]), jnp.concatenate([q_before, q_v[None], q_after])
-    # Digit d is token d + 1: the nine digit logits are tokens 2..10.
-    return TRMSteps(preds, jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N, q_SN)
+    carry, before = jax.lax.scan(fixed, (yz, yz, jnp.zeros((N, L, cfg.vocab_size))), i[:v - 1])
+    carry, at_v = step(params, carry, i[v - 1])
+    carry, after = jax.lax.scan(fixed, carry, i[v:])
+    preds_SNL, log_v_SN, q_SN = (jnp.concatenate([b, a[None], c]) for b, a, c in zip(before, at_v, after))
+    # Digit d is token d + 1: the nine digit logits (the last step's, in the carry) are tokens 2..10.
+    return TRMSteps(preds_SNL, jax.nn.log_softmax(carry[2][..., 2:11], axis=-1), log_v_SN[v - 1], q_SN)
 
 
 def take_along(x, i, axis):
