@@ -28,12 +28,11 @@ axes only; the config keys trm.T and trm.n keep the TRM paper's names.
   J trajectories per puzzle (decoder=trm_parallel)          I vocabulary tiles, t entries each
 """
 import collections
-import dataclasses
 import functools
 import json
 import math
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import flax.core.spmd
 import jax
@@ -661,8 +660,7 @@ def load_hf(cfg, path):
 # ==================================================================================================
 # The task interface: all train.py knows about what it trains.
 # ==================================================================================================
-@dataclasses.dataclass(frozen=True)
-class Task:
+class Task(NamedTuple):
     """What differs between the language model and the puzzle heads. train.py picks one from TASKS by
     cfg.task and reads nothing else task-specific. Functions take the config first, then (graph, params)
     where they run the model; the defaults are what a task without extra state does. A state entry named
@@ -1010,8 +1008,7 @@ def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
     return g_EL, gain_E, top_E > NEG
 
 
-@dataclasses.dataclass(frozen=True)
-class Search:
+class Search(NamedTuple):
     """How tree_search expands and ranks states. The defaults are greedy decoding: one state, one one-cell
     thought a step, ranked by log-prob, until the grid is full (the puzzle's own pass + one per move)."""
     width: int = 1                     # states expanded per step (beam_width)
