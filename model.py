@@ -752,9 +752,9 @@ class TRM(nnx.Module):
 
 
 # The deep-supervision carry's logical axes ([A microbatches, B rows, ...]): it shards over the batch like data.
-CARRY_AXES = {'y': (None, 'batch', 'length', 'embed'), 'z': (None, 'batch', 'length', 'embed'),
-              'inputs': (None, 'batch', 'length'), 'targets': (None, 'batch', 'length'),
-              'steps': (None, 'batch'), 'halted': (None, 'batch')}
+CARRY_AXES = {'y': PartitionSpec(None, 'batch', 'length', 'embed'), 'inputs': PartitionSpec(None, 'batch', 'length'),
+              'z': PartitionSpec(None, 'batch', 'length', 'embed'), 'targets': PartitionSpec(None, 'batch', 'length'),
+              'steps': PartitionSpec(None, 'batch'), 'halted': PartitionSpec(None, 'batch')}
 
 
 def trm_carry(cfg, A, B):
@@ -1216,9 +1216,8 @@ def sudoku_check(cfg):
 def trm_flops_per_token(cfg):
     """Training FLOPs per cell per supervision step: T(n+1) forward net calls, of which the last n+1 also
     run backward (2x), attention bidirectional over the 81 cells (the MLP mixer counted as attention)."""
-    T, n = cfg.trm.T, cfg.trm.n
-    return ((T * (n + 1) + 2 * (n + 1)) * cfg.num_layers * layer_flops(cfg, SUDOKU_LEN, False)
-            + 3 * 2 * cfg.d_model * cfg.vocab_size)
+    T, n = cfg.trm.T, cfg.trm.n  # (T + 2)(n + 1) = T(n + 1) forward calls + 2(n + 1) backward; the head 3 x 2 dV
+    return (T + 2) * (n + 1) * cfg.num_layers * layer_flops(cfg, SUDOKU_LEN, False) + 6 * cfg.d_model * cfg.vocab_size
 
 
 def trm_step_metrics(sums, weight):
@@ -1240,17 +1239,16 @@ SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
     (('ints', 0, 81), 'sudoku_blanks'), (('int', 1, 9), 'thoughts_per_step'), (('int', 1, 81), 'thought_cells'),
     (('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot'), 'decoder'), (('first', 'best', 'last'), 'trm.eval_halt'),
     (('attention', 'mlp'), 'trm.mixer'))
-SUDOKU = Task(
-    module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token, step_metrics=trm_step_metrics,
-    eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
-    keys=SUDOKU_KEYS, dataset=data.SudokuData, eval_weights='ema', eval_all=True,
-    shown=(('train_exact', 'solved {:.1%}'), ('eval_exact_accuracy', 'eval solved {:.1%}'),
-           ('eval_cell_accuracy', 'cells {:.1%}')),
-    fixed=lambda cfg: {'vocab_size': data.SUDOKU_VOCAB, 'max_target_length': SUDOKU_LEN},
-    # The EMA and the carry are train state: checkpointed, so a resume is exact.
-    state=lambda cfg, params, rows: {'ema': params, 'carry': trm_carry(cfg, cfg.grad_accum, rows)},
-    state_axes=lambda param_axes: {'ema': param_axes, 'carry': {k: PartitionSpec(*v) for k, v in CARRY_AXES.items()}},
-    after_update=lambda cfg, state, params, carry: {
-        'carry': carry, 'ema': ema_update(cfg.trm.ema_decay, state['step'], state['ema'], params)})
+SUDOKU = Task(module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token, step_metrics=trm_step_metrics,
+              eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
+              keys=SUDOKU_KEYS, dataset=data.SudokuData, eval_weights='ema', eval_all=True,
+              shown=(('train_exact', 'solved {:.1%}'), ('eval_exact_accuracy', 'eval solved {:.1%}'),
+                     ('eval_cell_accuracy', 'cells {:.1%}')),
+              fixed=lambda cfg: {'vocab_size': data.SUDOKU_VOCAB, 'max_target_length': SUDOKU_LEN},
+              # The EMA and the carry are train state: checkpointed, so a resume is exact.
+              state=lambda cfg, params, rows: {'ema': params, 'carry': trm_carry(cfg, cfg.grad_accum, rows)},
+              state_axes=lambda param_axes: {'ema': param_axes, 'carry': CARRY_AXES},
+              after_update=lambda cfg, state, params, carry: {
+                  'carry': carry, 'ema': ema_update(cfg.trm.ema_decay, state['step'], state['ema'], params)})
 
 TASKS = {'lm': LM, 'sudoku': SUDOKU}
