@@ -361,8 +361,7 @@ class Block(nnx.Module):
         x_BLD = constrain(x_BLD, ('batch', 'length', None))
         if hasattr(self, 'token_mlp'):  # mixing over L, as the last axis: XLA:CPU's dot has no bf16 x bf16
             # -> f32 kernel for contracting the middle axis
-            x_BDL = jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)
-            h_BLD = jnp.swapaxes(self.token_mlp(x_BDL), 1, 2)
+            h_BLD = jnp.swapaxes(self.token_mlp(jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)), 1, 2)
         else:
             h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, rope_BL1k, segment_ids_BL, self.causal, cache)
         x_BLD = x_BLD + h_BLD
@@ -385,15 +384,14 @@ class Trunk(nnx.Module):
             self.layers = nnx.List([make(rngs) for _ in range(cfg.num_layers)])
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None):
-        cfg = self.cfg
         P = x_BLD.shape[1] if cache is None else cache['k'].shape[2]  # positions are below the length / cache
-        rope_BL1k = rope_table(positions_BL, dims(cfg), cfg.rope_theta, P)
+        rope_BL1k = rope_table(positions_BL, dims(self.cfg), self.cfg.rope_theta, P)
 
         # blocks are pytrees: jax transforms take them as arguments
         layer = lambda x_BLD, block, cache: block(x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache)
-        if cfg.remat != 'none':
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:  # the cache (if any) is stacked like the parameters: scanned along with them
+        if self.cfg.remat != 'none':
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)
+        if self.cfg.scan_layers:  # the cache (if any) is stacked like the parameters: scanned along with them
             return jax.lax.scan(lambda x_BLD, xs: layer(x_BLD, *xs), x_BLD, (self.layers, cache))
         caches = []
         for i, block in enumerate(self.layers):
@@ -523,9 +521,8 @@ def generate(cfg, graph, params, prompt_BP, key):
     def sample(logits_BV, key):
         if cfg.temperature == 0:
             return jnp.argmax(logits_BV, -1).astype(jnp.int32)
-        if 0 < cfg.top_k < cfg.vocab_size:
-            kth_B1 = jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:]
-            logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+        if 0 < cfg.top_k < cfg.vocab_size:  # below the top_k-th largest logit: never sampled
+            logits_BV = jnp.where(logits_BV < jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:], -jnp.inf, logits_BV)
         return jax.random.categorical(key, logits_BV / cfg.temperature).astype(jnp.int32)
 
     def run_all(params, prompt_BP, key):
@@ -560,9 +557,8 @@ def lm_generate(cfg, graph, params, ds, rows):
 
 def lm_check(cfg):
     """The LM's own config rules: a message naming the key, or ''."""
-    if cfg.mode == 'generate' and cfg.dataset == 'synthetic':
-        return 'mode=generate needs a tokenizer: use a text dataset (dataset=synthetic has none)'
-    return ''
+    return ('mode=generate needs a tokenizer: use a text dataset (dataset=synthetic has none)'
+            if cfg.mode == 'generate' and cfg.dataset == 'synthetic' else '')
 
 
 # ==================================================================================================
