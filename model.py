@@ -743,8 +743,7 @@ class TRM(nnx.Module):
         y32_BLD = y_BLD.astype(jnp.float32)
         q_B = jnp.mean(y32_BLD, axis=1) @ self.halt[...].astype(jnp.float32) + self.halt_bias[...]
         cell_BL = y32_BLD @ self.value[...].astype(jnp.float32) + self.value_bias[...]
-        log_value_B = jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1)
-        return y_BLD, z_BLD, logits_BLV, q_B, log_value_B
+        return y_BLD, z_BLD, logits_BLV, q_B, jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1)  # ..., the log value
 
 
 # The deep-supervision carry's logical axes ([A microbatches, B rows, ...]): it shards over the batch like data.
@@ -757,8 +756,7 @@ def trm_carry(cfg, A, B):
     """The deep-supervision carry, one slot per example row of a train step ([A, B, ...]): its puzzle,
     answer state y, latent z, supervision steps taken, and whether it halted (all start halted, so the
     first step fills every slot). Its axes are CARRY_AXES."""
-    yz = jnp.zeros((A, B, SUDOKU_LEN, cfg.d_model), jnp.float32)
-    grid = jnp.zeros((A, B, SUDOKU_LEN), jnp.int32)
+    yz, grid = jnp.zeros((A, B, SUDOKU_LEN, cfg.d_model), jnp.float32), jnp.zeros((A, B, SUDOKU_LEN), jnp.int32)
     return {'y': yz, 'z': yz, 'inputs': grid, 'targets': grid,
             'steps': jnp.zeros((A, B), jnp.int32), 'halted': jnp.ones((A, B), bool)}
 
@@ -835,8 +833,7 @@ def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
         carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32), logits_NLV))
         return carry, (jnp.argmax(logits_NLV, -1), log_v_N, q_N)
     fixed = functools.partial(step, jax.lax.stop_gradient(params))  # a scan body no gradient flows through
-    yz = jnp.zeros((N, L, cfg.d_model), jnp.float32)
-    i = jnp.arange(steps)
+    yz, i = jnp.zeros((N, L, cfg.d_model), jnp.float32), jnp.arange(steps)
     carry, before = jax.lax.scan(fixed, (yz, yz, jnp.zeros((N, L, cfg.vocab_size))), i[:v - 1])
     carry, at_v = step(params, carry, i[v - 1])
     carry, after = jax.lax.scan(fixed, carry, i[v:])
@@ -989,19 +986,18 @@ def shrinking_loop(body, c):
 def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
     """One state -> its E candidate grids (the surest blank cell at each of its E likeliest legal digits,
     plus the cells-1 next surest blanks at their argmax), their log-prob gain, and whether they exist."""
-    NEG = -jnp.inf
     # The moves that break no rule: a blank cell, a digit no peer holds (without rules: any digit in a blank).
     legal_LC = legal_digits(g_L) if rules else (g_L == 0)[:, None]
-    lp_LC = jnp.where(legal_LC, logp_LC, NEG)
+    lp_LC = jnp.where(legal_LC, logp_LC, -jnp.inf)
     conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
     cell = jnp.argmax(conf_L)
     top_E, digit_E = jax.lax.top_k(lp_LC[cell], E)
     g_EL, gain_E = jnp.broadcast_to(g_L, (E, g_L.shape[0])).at[:, cell].set(digit_E + 1), top_E
     if cells > 1:  # the rest of the thought, the same for every digit: the most confident other blanks, at their argmax
-        more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(NEG), cells - 1)
-        g_EL = g_EL.at[:, more_i].set(jnp.where(more_v > NEG, best_L[more_i], g_EL[:, more_i]))
-        gain_E = gain_E + jnp.sum(jnp.where(more_v > NEG, more_v, 0.0))
-    return g_EL, gain_E, top_E > NEG
+        more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(-jnp.inf), cells - 1)
+        g_EL = g_EL.at[:, more_i].set(jnp.where(more_v > -jnp.inf, best_L[more_i], g_EL[:, more_i]))
+        gain_E = gain_E + jnp.sum(jnp.where(more_v > -jnp.inf, more_v, 0.0))
+    return g_EL, gain_E, top_E > -jnp.inf
 
 
 class Search(NamedTuple):
@@ -1098,15 +1094,14 @@ def expand(held, search):
     rest = dict(held, score=held['score'].at[jnp.arange(B)[:, None], pop_BW].set(-jnp.inf))
     propose = lambda g, lp: propose_thoughts(g, lp, search.thoughts, search.cells, search.rules)
     g, gain, ok = jax.vmap(jax.vmap(propose))(bm['grid'], bm['logp'])  # [B, W, E, ...]
-    N = search.width * search.thoughts
-    g_BNL = g.reshape(B, N, L)
+    g_BNL = g.reshape(B, -1, L)  # N = width x thoughts
     g_BNL = fill_forced(g_BNL) if search.propagate else g_BNL
-    alive_BN = (ok & (bm['score'][..., None] > -jnp.inf)).reshape(B, N)
+    alive_BN = (ok & (bm['score'][..., None] > -jnp.inf)).reshape(B, -1)
     if search.rules:  # drop a state no completion of which obeys the rules
         alive_BN &= ~dead_end(g_BNL)
-    same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
+    same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(g_BNL.shape[1], k=-1, dtype=bool)
     alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
-    return g_BNL, (bm['cum'][..., None] + gain).reshape(B, N), alive_BN, rest
+    return g_BNL, (bm['cum'][..., None] + gain).reshape(B, -1), alive_BN, rest
 
 
 # ==================================================================================================
