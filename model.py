@@ -908,9 +908,8 @@ def partial_states(key, q_BL, a_BL, sparse_B=None):
     quiet_BLC = wrong_BLC & ~digits_seen(g_BL)
     pref_BL = blank_BL * (1.0 + 2.0 * fill_BL + jnp.any(quiet_BLC, axis=-1))
     cell_B = jnp.argmax(pref_BL + jax.random.uniform(k_cell, (B, L)), axis=1)
-    pool_BC = jnp.where(jnp.any(quiet_BLC[rows, cell_B], axis=1, keepdims=True), quiet_BLC[rows, cell_B],
-                        wrong_BLC[rows, cell_B])
-    digit_B = jnp.argmax(jnp.where(pool_BC, jax.random.uniform(k_digit, (B, 9)), -1.0), axis=1) + 1
+    pool_BLC = jnp.where(jnp.any(quiet_BLC, axis=-1, keepdims=True), quiet_BLC, wrong_BLC)  # quiet ones where any
+    digit_B = jnp.argmax(jnp.where(pool_BLC[rows, cell_B], jax.random.uniform(k_digit, (B, 9)), -1.0), axis=1) + 1
     g_BL = jnp.where(bad_B[:, None] & (jnp.arange(L) == cell_B[:, None]), digit_B[:, None], g_BL)
     return g_BL, ~bad_B
 
