@@ -349,8 +349,7 @@ class Block(nnx.Module):
     the mixing pattern can be learned outright, which the TRM paper found best on Sudoku."""
 
     def __init__(self, cfg, rngs, causal=True, mixer='attention', length=None):
-        self.causal = causal
-        self.attn_norm, self.mlp_norm = RMSNorm(cfg), RMSNorm(cfg)
+        self.causal, self.attn_norm, self.mlp_norm = causal, RMSNorm(cfg), RMSNorm(cfg)
         if mixer == 'mlp':  # hidden width L x mlp_dim / d_model: the channel MLP's expansion
             self.token_mlp = SwiGLU(cfg, length, length * cfg.mlp_dim // cfg.d_model, 'length', rngs)
         else:
@@ -408,8 +407,7 @@ class Transformer(nnx.Module):
         D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
         self.cfg = cfg
         self.embed = param(rngs, (V, D), ('vocab', 'embed'), 1.0, wdt)
-        self.trunk = Trunk(cfg, rngs)
-        self.final_norm = RMSNorm(cfg)
+        self.trunk, self.final_norm = Trunk(cfg, rngs), RMSNorm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
 
@@ -706,10 +704,9 @@ class TRM(nnx.Module):
         self.embed = param(rngs, (V, D), ('vocab', 'embed'), 1.0, wdt)
         # Fresh slots (new puzzles) start from learned initial states; others continue their carry.
         self.y_init, self.z_init = vector(1.0), vector(1.0)
-        self.net = Trunk(cfg, rngs, causal=False, mixer=cfg.trm.mixer, length=SUDOKU_LEN)
         # The trunk is pre-norm, so its residual stream would grow with every recursion; normalising the
         # output keeps y and z at unit scale however deep the recursion goes (TRM uses post-norm for this).
-        self.net_norm = RMSNorm(cfg)
+        self.net, self.net_norm = Trunk(cfg, rngs, causal=False, mixer=cfg.trm.mixer, length=SUDOKU_LEN), RMSNorm(cfg)
         self.head = param(rngs, (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
         # Halting head on the mean of y (no prefix token here to read position 0 from); bias -5 makes the
         # untrained model keep going (sigmoid(-5) ~ 0.007) instead of halting at random.
