@@ -740,7 +740,7 @@ class TRM(nnx.Module):
         y32_BLD = y_BLD.astype(jnp.float32)
         q_B = jnp.mean(y32_BLD, axis=1) @ self.halt[...].astype(jnp.float32) + self.halt_bias[...]
         cell_BL = y32_BLD @ self.value[...].astype(jnp.float32) + self.value_bias[...]
-        return y_BLD, z_BLD, logits_BLV, q_B, jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1)  # ..., the log value
+        return y_BLD, z_BLD, logits_BLV, q_B, jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1)  # log value: sum over cells
 
 
 # The deep-supervision carry's logical axes ([A microbatches, B rows, ...]): it shards over the batch like data.
