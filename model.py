@@ -28,12 +28,11 @@ axes only; the config keys trm.T and trm.n keep the TRM paper's names.
   J trajectories per puzzle (decoder=trm_parallel)          I vocabulary tiles, t entries each
 """
 import collections
-import dataclasses
 import functools
 import json
 import math
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import flax.core.spmd
 import jax
@@ -72,9 +71,7 @@ def constrain(x, axes):
     """with_sharding_constraint by logical axis names, through the rules train.py installs with
     nnx.logical_axis_rules; a no-op where none are installed (tests calling the model bare)."""
     rules = dict(flax.core.spmd.get_logical_axis_rules())
-    if not rules:
-        return x
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*(rules.get(a) if a else None for a in axes)))
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*map(rules.get, axes))) if rules else x
 
 
 def dividing_spec(logical, shape, rules, mesh_shape):
@@ -287,9 +284,8 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
         kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([head] * (H // G)), block_sizes=sizes,
                                                       interpret=interpret)
         q_BGRLK = (q_BLHK * K ** -0.5).reshape(B, L, G, H // G, K).transpose(0, 2, 3, 1, 4)
-        one = lambda q_RLK, k_TK, v_TK, seg_L: kernel(q_RLK, k_TK, v_TK, segment_ids=splash.SegmentIds(seg_L, seg_L))
-        o_BGRLK = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BGRLK, k_BTGK.transpose(0, 2, 1, 3),
-                                                                   v_BTGK.transpose(0, 2, 1, 3), seg_BL)
+        o_BGRLK = jax.vmap(jax.vmap(kernel, in_axes=(0, 0, 0, None)))(  # kernel(q_RLK, k_TK, v_TK, segment ids)
+            q_BGRLK, k_BTGK.transpose(0, 2, 1, 3), v_BTGK.transpose(0, 2, 1, 3), splash.SegmentIds(seg_BL, seg_BL))
         return o_BGRLK.transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
 
     rules, mesh = dict(flax.core.spmd.get_logical_axis_rules()), jax.sharding.get_abstract_mesh()
@@ -353,8 +349,7 @@ class Block(nnx.Module):
     the mixing pattern can be learned outright, which the TRM paper found best on Sudoku."""
 
     def __init__(self, cfg, rngs, causal=True, mixer='attention', length=None):
-        self.causal = causal
-        self.attn_norm, self.mlp_norm = RMSNorm(cfg), RMSNorm(cfg)
+        self.causal, self.attn_norm, self.mlp_norm = causal, RMSNorm(cfg), RMSNorm(cfg)
         if mixer == 'mlp':  # hidden width L x mlp_dim / d_model: the channel MLP's expansion
             self.token_mlp = SwiGLU(cfg, length, length * cfg.mlp_dim // cfg.d_model, 'length', rngs)
         else:
@@ -365,11 +360,10 @@ class Block(nnx.Module):
         x_BLD = constrain(x_BLD, ('batch', 'length', None))
         if hasattr(self, 'token_mlp'):  # mixing over L, as the last axis: XLA:CPU's dot has no bf16 x bf16
             # -> f32 kernel for contracting the middle axis
-            x_BDL = jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)
-            x_BLD = x_BLD + jnp.swapaxes(self.token_mlp(x_BDL), 1, 2)
+            h_BLD = jnp.swapaxes(self.token_mlp(jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)), 1, 2)
         else:
             h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, rope_BL1k, segment_ids_BL, self.causal, cache)
-            x_BLD = x_BLD + h_BLD
+        x_BLD = x_BLD + h_BLD
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return constrain(x_BLD, ('batch', 'length', None)), cache
 
@@ -389,15 +383,14 @@ class Trunk(nnx.Module):
             self.layers = nnx.List([make(rngs) for _ in range(cfg.num_layers)])
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None):
-        cfg = self.cfg
         P = x_BLD.shape[1] if cache is None else cache['k'].shape[2]  # positions are below the length / cache
-        rope_BL1k = rope_table(positions_BL, dims(cfg), cfg.rope_theta, P)
+        rope_BL1k = rope_table(positions_BL, dims(self.cfg), self.cfg.rope_theta, P)
 
-        def layer(x_BLD, block, cache):  # blocks are pytrees: jax transforms take them as arguments
-            return block(x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache)
-        if cfg.remat != 'none':
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:  # the cache (if any) is stacked like the parameters: scanned along with them
+        # blocks are pytrees: jax transforms take them as arguments
+        layer = lambda x_BLD, block, cache: block(x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache)
+        if self.cfg.remat != 'none':
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)
+        if self.cfg.scan_layers:  # the cache (if any) is stacked like the parameters: scanned along with them
             return jax.lax.scan(lambda x_BLD, xs: layer(x_BLD, *xs), x_BLD, (self.layers, cache))
         caches = []
         for i, block in enumerate(self.layers):
@@ -414,8 +407,7 @@ class Transformer(nnx.Module):
         D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
         self.cfg = cfg
         self.embed = param(rngs, (V, D), ('vocab', 'embed'), 1.0, wdt)
-        self.trunk = Trunk(cfg, rngs)
-        self.final_norm = RMSNorm(cfg)
+        self.trunk, self.final_norm = Trunk(cfg, rngs), RMSNorm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
 
@@ -527,21 +519,19 @@ def generate(cfg, graph, params, prompt_BP, key):
     def sample(logits_BV, key):
         if cfg.temperature == 0:
             return jnp.argmax(logits_BV, -1).astype(jnp.int32)
-        if 0 < cfg.top_k < cfg.vocab_size:
-            kth_B1 = jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:]
-            logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+        if 0 < cfg.top_k < cfg.vocab_size:  # below the top_k-th largest logit: never sampled
+            logits_BV = jnp.where(logits_BV < jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:], -jnp.inf, logits_BV)
         return jax.random.categorical(key, logits_BV / cfg.temperature).astype(jnp.int32)
 
     def run_all(params, prompt_BP, key):
-        ones = lambda L: jnp.ones((B, L), jnp.int32)
-        zeros = jnp.zeros((cfg.num_layers, B, P + O, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype))
-        logits_BPV, cache = nnx.merge(graph, params)(prompt_BP, jnp.arange(P) * ones(P), ones(P),
-                                                     {'k': zeros, 'v': zeros})  # the empty KV cache
+        model, ones = nnx.merge(graph, params), lambda L: jnp.ones((B, L), jnp.int32)
+        zeros = jnp.zeros((cfg.num_layers, B, P + O, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype))  # empty cache
+        logits_BPV, cache = model(prompt_BP, jnp.arange(P) * ones(P), ones(P), {'k': zeros, 'v': zeros})
         keys = jax.random.split(key, O)
 
         def step(carry, key):  # feed the last sampled token, sample the next
             cache, tok_B, pos = carry
-            logits_B1V, cache = nnx.merge(graph, params)(tok_B[:, None], pos * ones(1), ones(1), cache)
+            logits_B1V, cache = model(tok_B[:, None], pos * ones(1), ones(1), cache)
             return (cache, sample(logits_B1V[:, -1], key), pos + 1), tok_B
 
         (_, last_B, _), toks_OB = jax.lax.scan(step, (cache, sample(logits_BPV[:, -1], keys[0]), P), keys[1:])
@@ -565,9 +555,8 @@ def lm_generate(cfg, graph, params, ds, rows):
 
 def lm_check(cfg):
     """The LM's own config rules: a message naming the key, or ''."""
-    if cfg.mode == 'generate' and cfg.dataset == 'synthetic':
-        return 'mode=generate needs a tokenizer: use a text dataset (dataset=synthetic has none)'
-    return ''
+    return ('mode=generate needs a tokenizer: use a text dataset (dataset=synthetic has none)'
+            if cfg.mode == 'generate' and cfg.dataset == 'synthetic' else '')
 
 
 # ==================================================================================================
@@ -599,21 +588,6 @@ def hf_names(cfg):
     return out
 
 
-def to_hf(cfg, params):
-    """Our params (host arrays) -> ({HF tensor name: array}, HF config.json without the token ids)."""
-    tensors = {}
-    for name, path, i, how in hf_names(cfg):
-        w = functools.reduce(lambda tree, k: tree[k], path, params)
-        w = w if i is None else w[i]
-        if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
-            w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
-        tensors[name] = np.ascontiguousarray(w)  # safetensors writes an array's buffer as it lies in memory
-    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
-            'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length, 'torch_dtype': cfg.weight_dtype,
-            **{hf: dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in HF_KEYS.items()}}
-    return tensors, conf
-
-
 def from_hf(cfg, tensors, conf):
     """A HF Llama checkpoint -> {our params path: array in our axis order, layers stacked}; ValueError
     naming the key where it and the config disagree."""
@@ -642,7 +616,16 @@ def save_hf(cfg, params, out_dir, token_ids, files):
     """mode=export: a Hugging Face Llama checkpoint in out_dir (local or gs://, written by the data.MAIN process):
     config.json with the tokenizer's ids, model.safetensors in the weight dtype (with the metadata transformers
     wants, format=pt) and the tokenizer's files. `params`: host arrays. Returns the tensors written."""
-    tensors, conf = to_hf(cfg, params)
+    tensors = {}
+    for name, path, i, how in hf_names(cfg):
+        w = functools.reduce(lambda tree, k: tree[k], path, params)
+        w = w if i is None else w[i]
+        if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
+            w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
+        tensors[name] = np.ascontiguousarray(w)  # safetensors writes an array's buffer as it lies in memory
+    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
+            'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length, 'torch_dtype': cfg.weight_dtype,
+            **{hf: dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in HF_KEYS.items()}}
     if data.MAIN:
         data.stored(out_dir).mkdir(parents=True, exist_ok=True)
     data.write(os.path.join(out_dir, 'model.safetensors'), safetensors.numpy.save(tensors, metadata={'format': 'pt'}))
@@ -681,8 +664,7 @@ def load_hf(cfg, path, abstract_params):
 # ==================================================================================================
 # The task interface: all train.py knows about what it trains.
 # ==================================================================================================
-@dataclasses.dataclass(frozen=True)
-class Task:
+class Task(NamedTuple):
     """What differs between the language model and the puzzle heads. train.py picks one from TASKS by
     cfg.task and reads nothing else task-specific. Functions take the config first, then (graph, params)
     where they run the model; the defaults are what a task without extra state does. A state entry named
@@ -727,25 +709,22 @@ class TRM(nnx.Module):
 
     def __init__(self, cfg, rngs):
         D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
+        vector = lambda std: param(rngs, (D,), ('embed',), std, wdt)  # a [D] parameter
         self.cfg = cfg
         self.embed = param(rngs, (V, D), ('vocab', 'embed'), 1.0, wdt)
         # Fresh slots (new puzzles) start from learned initial states; others continue their carry.
-        self.y_init = param(rngs, (D,), ('embed',), 1.0, wdt)
-        self.z_init = param(rngs, (D,), ('embed',), 1.0, wdt)
-        self.net = Trunk(cfg, rngs, causal=False, mixer=cfg.trm.mixer, length=SUDOKU_LEN)
+        self.y_init, self.z_init = vector(1.0), vector(1.0)
         # The trunk is pre-norm, so its residual stream would grow with every recursion; normalising the
         # output keeps y and z at unit scale however deep the recursion goes (TRM uses post-norm for this).
-        self.net_norm = RMSNorm(cfg)
+        self.net, self.net_norm = Trunk(cfg, rngs, causal=False, mixer=cfg.trm.mixer, length=SUDOKU_LEN), RMSNorm(cfg)
         self.head = param(rngs, (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
         # Halting head on the mean of y (no prefix token here to read position 0 from); bias -5 makes the
         # untrained model keep going (sigmoid(-5) ~ 0.007) instead of halting at random.
-        self.halt = param(rngs, (D,), ('embed',), D ** -0.5, wdt)
-        self.halt_bias = param(rngs, (), (), None, wdt, fill=-5.0)
+        self.halt, self.halt_bias = vector(D ** -0.5), param(rngs, (), (), None, wdt, fill=-5.0)
         # ToT value head: log P(every digit on the grid is right) = sum over cells of log sigmoid(a per-cell
         # logit). One wrong cell is local evidence; a product over cells lets it veto the whole state,
         # where a mean over cells would dilute it 81 times. Bias 5: an untrained head says "~0.6 likely fine".
-        self.value = param(rngs, (D,), ('embed',), D ** -0.5, wdt)
-        self.value_bias = param(rngs, (), (), None, wdt, fill=5.0)
+        self.value, self.value_bias = vector(D ** -0.5), param(rngs, (), (), None, wdt, fill=5.0)
 
     def __call__(self, inputs_BL, positions_BL, segment_ids_BL, y_BLD, z_BLD, fresh_B, noise=None):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
@@ -771,22 +750,20 @@ class TRM(nnx.Module):
         y32_BLD = y_BLD.astype(jnp.float32)
         q_B = jnp.mean(y32_BLD, axis=1) @ self.halt[...].astype(jnp.float32) + self.halt_bias[...]
         cell_BL = y32_BLD @ self.value[...].astype(jnp.float32) + self.value_bias[...]
-        log_value_B = jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1)
-        return y_BLD, z_BLD, logits_BLV, q_B, log_value_B
+        return y_BLD, z_BLD, logits_BLV, q_B, jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1)  # log value: sum over cells
 
 
 # The deep-supervision carry's logical axes ([A microbatches, B rows, ...]): it shards over the batch like data.
-CARRY_AXES = {'y': (None, 'batch', 'length', 'embed'), 'z': (None, 'batch', 'length', 'embed'),
-              'inputs': (None, 'batch', 'length'), 'targets': (None, 'batch', 'length'),
-              'steps': (None, 'batch'), 'halted': (None, 'batch')}
+CARRY_AXES = {'y': PartitionSpec(None, 'batch', 'length', 'embed'), 'inputs': PartitionSpec(None, 'batch', 'length'),
+              'z': PartitionSpec(None, 'batch', 'length', 'embed'), 'targets': PartitionSpec(None, 'batch', 'length'),
+              'steps': PartitionSpec(None, 'batch'), 'halted': PartitionSpec(None, 'batch')}
 
 
 def trm_carry(cfg, A, B):
     """The deep-supervision carry, one slot per example row of a train step ([A, B, ...]): its puzzle,
     answer state y, latent z, supervision steps taken, and whether it halted (all start halted, so the
     first step fills every slot). Its axes are CARRY_AXES."""
-    yz = jnp.zeros((A, B, SUDOKU_LEN, cfg.d_model), jnp.float32)
-    grid = jnp.zeros((A, B, SUDOKU_LEN), jnp.int32)
+    yz, grid = jnp.zeros((A, B, SUDOKU_LEN, cfg.d_model), jnp.float32), jnp.zeros((A, B, SUDOKU_LEN), jnp.int32)
     return {'y': yz, 'z': yz, 'inputs': grid, 'targets': grid,
             'steps': jnp.zeros((A, B), jnp.int32), 'halted': jnp.ones((A, B), bool)}
 
@@ -814,8 +791,7 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     explore_B = jax.random.uniform(k_explore, (B,)) < t.halt_explore_prob
     min_steps_B = jnp.where(explore_B, jax.random.randint(k_steps, (B,), 2, t.N_sup + 1), 1)
     halted_B = (steps_B >= t.N_sup) | ((q_B > 0) & (steps_B >= min_steps_B))
-    new_carry = {'y': jax.lax.stop_gradient(y_BLD).astype(jnp.float32),  # detached between supervision steps
-                 'z': jax.lax.stop_gradient(z_BLD).astype(jnp.float32), 'inputs': inputs_BL,
+    new_carry = {'y': y_BLD.astype(jnp.float32), 'z': z_BLD.astype(jnp.float32), 'inputs': inputs_BL,
                  'targets': targets_BL, 'steps': steps_B, 'halted': halted_B}
     sums = {'weight': jnp.float32(B), 'tokens': jnp.float32(B * SUDOKU_LEN), 'halted': jnp.sum(halted_B),
             'halt_steps': jnp.sum(jnp.where(halted_B, steps_B, 0)), 'exact': jnp.sum(correct_B)}
@@ -833,7 +809,7 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
         v_loss, v_acc = jax.lax.cond(on, value_loss, lambda _: (0.0, 0), None)
         sums.update(value_acc=v_acc, value_rows=jnp.where(on, half, 0.0))
         loss += cfg.tot.loss_weight * v_loss
-    return loss, (sums, new_carry)
+    return loss, (sums, jax.lax.stop_gradient(new_carry))  # no gradient from one supervision step into the next
 
 
 def ema_update(decay, step, ema, params):
@@ -849,30 +825,33 @@ TRMSteps = collections.namedtuple('TRMSteps', 'preds_SNL logp_NLC log_value_N ha
 
 
 def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
-    """`steps` supervision steps from a fresh carry on digit grids (0 = blank), as TRMSteps. Only step
-    v = min(tot.value_step, steps) is differentiable: the value loss trains through it. noise=(keys [N],
+    """`steps` supervision steps from a fresh carry on digit grids (0 = blank), as TRMSteps. Only the log value
+    of step v = min(tot.value_step, steps) is differentiable: the value loss trains through it. noise=(keys [N],
     scale): perturbed recursion (see TRM), each supervision step with its own draws."""
     N, L = grids_NL.shape
     rows = lambda x: jnp.broadcast_to(x, (N, L)).astype(jnp.int32)
     tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
     v = min(cfg.tot.value_step, steps)
 
-    def step(p, carry, i):  # supervision step i, the model's parameters p
+    def step(p, carry, i):  # supervision step i, the model's parameters p; carry: y, z and the step's logits
         kick = None if noise is None else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
-        fresh_N = jnp.full(N, i == 0)  # step 0 starts from y_init, z_init
-        y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry, fresh_N, kick)
-        carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32)))
-        return carry, (jnp.argmax(logits_NLV, -1), logits_NLV, log_v_N, q_N)
+        # step 0 starts fresh, from y_init and z_init
+        y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry[:2], jnp.full(N, i == 0), kick)
+        carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32), logits_NLV))
+        return carry, (jnp.argmax(logits_NLV, -1), log_v_N, q_N)
     fixed = functools.partial(step, jax.lax.stop_gradient(params))  # a scan body no gradient flows through
-    yz = jnp.zeros((N, L, cfg.d_model), jnp.float32)
-    i = jnp.arange(steps)
-    carry, (p_before, _, _, q_before) = jax.lax.scan(fixed, (yz, yz), i[:v - 1])
-    carry, (p_v, logits_NLV, log_v_N, q_v) = step(params, carry, i[v - 1])
-    _, (p_after, l_after, _, q_after) = jax.lax.scan(fixed, carry, i[v:])
-    logits_NLV = l_after[-1] if steps > v else logits_NLV
-    preds, q_SN = jnp.concatenate([p_before, p_v[None], p_after]), jnp.concatenate([q_before, q_v[None], q_after])
-    # Digit d is token d + 1: the nine digit logits are tokens 2..10.
-    return TRMSteps(preds, jax.nn.log_softmax(logits_NLV[..., 2:11], axis=-1), log_v_N, q_SN)
+    yz, i = jnp.zeros((N, L, cfg.d_model), jnp.float32), jnp.arange(steps)
+    carry, before = jax.lax.scan(fixed, (yz, yz, jnp.zeros((N, L, cfg.vocab_size))), i[:v - 1])
+    carry, at_v = step(params, carry, i[v - 1])
+    carry, after = jax.lax.scan(fixed, carry, i[v:])
+    preds_SNL, log_v_SN, q_SN = (jnp.concatenate([b, a[None], c]) for b, a, c in zip(before, at_v, after))
+    # Digit d is token d + 1: the nine digit logits (the last step's, in the carry) are tokens 2..10.
+    return TRMSteps(preds_SNL, jax.nn.log_softmax(carry[2][..., 2:11], axis=-1), log_v_SN[v - 1], q_SN)
+
+
+def take_along(x, i, axis):
+    """x's entries at indices i along `axis` (jnp.take_along_axis), i spread over x's further trailing axes."""
+    return jnp.take_along_axis(x, i.reshape(*i.shape, *[1] * (x.ndim - i.ndim)), axis=axis)
 
 
 def halt_decode(preds_SNL, q_SN, rule='first'):
@@ -882,34 +861,33 @@ def halt_decode(preds_SNL, q_SN, rule='first'):
     answers as they stand after each step [S, N, L] (a step-s cap), their halting logits [S, N] and the
     forward passes each used [N]."""
     S, N = q_SN.shape
-    if rule == 'last':
-        return preds_SNL, q_SN, jnp.full(N, S)
     s_SN = jnp.broadcast_to(jnp.arange(S)[:, None], q_SN.shape)
-    if rule == 'first':
-        halt_N = jnp.where(jnp.any(q_SN > 0, axis=0), jnp.argmax(q_SN > 0, axis=0), S - 1)
+    at_SN, passes_N = s_SN, jnp.full(N, S)  # 'last': each step's own answer
+    if rule == 'first':  # the first step with q > 0, else the last
+        halt_N = jnp.argmax((q_SN > 0).at[-1].set(True), axis=0)
         at_SN, passes_N = jnp.minimum(s_SN, halt_N[None]), halt_N + 1
-    else:  # 'best': a running argmax of q over the steps so far (ties: the earlier step)
+    elif rule == 'best':  # a running argmax of q over the steps so far (ties: the earlier step)
         better = lambda a, b: jax.tree.map(lambda u, v: jnp.where(b[0] > a[0], v, u), a, b)
-        at_SN, passes_N = jax.lax.associative_scan(better, (q_SN, s_SN))[1], jnp.full(N, S)
-    kept = lambda x: jnp.take_along_axis(x, at_SN.reshape(*at_SN.shape, *[1] * (x.ndim - 2)), axis=0)
-    return kept(preds_SNL), kept(q_SN), passes_N
+        at_SN = jax.lax.associative_scan(better, (q_SN, s_SN))[1]
+    return take_along(preds_SNL, at_SN, 0), take_along(q_SN, at_SN, 0), passes_N
 
 
-def parallel_decode(cfg, graph, params, q_BL, steps):
-    """decoder=trm_parallel: J = parallel.trajectories runs of the TRM per puzzle, each decoded by the
-    trm.eval_halt rule, the first without noise and the others with parallel.noise on the latent; the
-    answer is the one the halting head is surest of (highest q). No Sudoku rule is used. The draws depend
-    on the puzzle and the trajectory, not on the batch.
-    Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every trajectory's)."""
-    (B, L), J = q_BL.shape, cfg.parallel.trajectories
+def parallel_decode(cfg, graph, params, q_BL, steps, trajectories=None):
+    """decoder=trm_parallel: J = parallel.trajectories (or `trajectories`) runs of the TRM per puzzle, each
+    decoded by the trm.eval_halt rule, the first without noise and the others with parallel.noise on the
+    latent; the answer is the one the halting head is surest of (highest q). No Sudoku rule is used. The
+    draws depend on the puzzle and the trajectory, not on the batch. One trajectory is the plain TRM
+    (decoder=trm). Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every
+    trajectory's)."""
+    (B, L), J = q_BL.shape, trajectories or cfg.parallel.trajectories
     split = lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J)
     keys_BJ = jax.vmap(split)(puzzle_hash(q_BL))
     scale_N = jnp.tile(jnp.arange(J) > 0, B) * cfg.parallel.noise
     run = trm_steps(cfg, graph, params, jnp.repeat(q_BL, J, axis=0), steps,
-                    (keys_BJ.reshape(B * J), scale_N[:, None, None]))
+                    (keys_BJ.reshape(B * J), scale_N[:, None, None]) if J > 1 else None)
     preds_SNL, q_SN, halt_N = halt_decode(run.preds_SNL, run.halt_SN, cfg.trm.eval_halt)
     best_SB = jnp.argmax(q_SN.reshape(steps, B, J), axis=-1)
-    preds_SBL = jnp.take_along_axis(preds_SNL.reshape(steps, B, J, L), best_SB[..., None, None], axis=2)[:, :, 0]
+    preds_SBL = take_along(preds_SNL.reshape(steps, B, J, L), best_SB[..., None], 2)[:, :, 0]
     return preds_SBL, halt_N.reshape(B, J).sum(axis=1)
 
 
@@ -937,9 +915,8 @@ def partial_states(key, q_BL, a_BL, sparse_B=None):
     quiet_BLC = wrong_BLC & ~digits_seen(g_BL)
     pref_BL = blank_BL * (1.0 + 2.0 * fill_BL + jnp.any(quiet_BLC, axis=-1))
     cell_B = jnp.argmax(pref_BL + jax.random.uniform(k_cell, (B, L)), axis=1)
-    pool_BC = jnp.where(jnp.any(quiet_BLC[rows, cell_B], axis=1, keepdims=True), quiet_BLC[rows, cell_B],
-                        wrong_BLC[rows, cell_B])
-    digit_B = jnp.argmax(jnp.where(pool_BC, jax.random.uniform(k_digit, (B, 9)), -1.0), axis=1) + 1
+    pool_BLC = jnp.where(jnp.any(quiet_BLC, axis=-1, keepdims=True), quiet_BLC, wrong_BLC)  # quiet ones where any
+    digit_B = jnp.argmax(jnp.where(pool_BLC[rows, cell_B], jax.random.uniform(k_digit, (B, 9)), -1.0), axis=1) + 1
     g_BL = jnp.where(bad_B[:, None] & (jnp.arange(L) == cell_B[:, None]), digit_B[:, None], g_BL)
     return g_BL, ~bad_B
 
@@ -1015,23 +992,21 @@ def shrinking_loop(body, c):
 def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
     """One state -> its E candidate grids (the surest blank cell at each of its E likeliest legal digits,
     plus the cells-1 next surest blanks at their argmax), their log-prob gain, and whether they exist."""
-    NEG = -jnp.inf
     # The moves that break no rule: a blank cell, a digit no peer holds (without rules: any digit in a blank).
     legal_LC = legal_digits(g_L) if rules else (g_L == 0)[:, None]
-    lp_LC = jnp.where(legal_LC, logp_LC, NEG)
+    lp_LC = jnp.where(legal_LC, logp_LC, -jnp.inf)
     conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
     cell = jnp.argmax(conf_L)
     top_E, digit_E = jax.lax.top_k(lp_LC[cell], E)
     g_EL, gain_E = jnp.broadcast_to(g_L, (E, g_L.shape[0])).at[:, cell].set(digit_E + 1), top_E
     if cells > 1:  # the rest of the thought, the same for every digit: the most confident other blanks, at their argmax
-        more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(NEG), cells - 1)
-        g_EL = g_EL.at[:, more_i].set(jnp.where(more_v > NEG, best_L[more_i], g_EL[:, more_i]))
-        gain_E = gain_E + jnp.sum(jnp.where(more_v > NEG, more_v, 0.0))
-    return g_EL, gain_E, top_E > NEG
+        more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(-jnp.inf), cells - 1)
+        g_EL = g_EL.at[:, more_i].set(jnp.where(more_v > -jnp.inf, best_L[more_i], g_EL[:, more_i]))
+        gain_E = gain_E + jnp.sum(jnp.where(more_v > -jnp.inf, more_v, 0.0))
+    return g_EL, gain_E, top_E > -jnp.inf
 
 
-@dataclasses.dataclass(frozen=True)
-class Search:
+class Search(NamedTuple):
     """How tree_search expands and ranks states. The defaults are greedy decoding: one state, one one-cell
     thought a step, ranked by log-prob, until the grid is full (the puzzle's own pass + one per move)."""
     width: int = 1                     # states expanded per step (beam_width)
@@ -1084,24 +1059,18 @@ def tree_search(evaluate, q_BL, search):
     return c['answer'], c['evals']
 
 
-def take_rows(x_BN, i_BK):
-    """x[b, i[b, k]] for every b, k: the rows' chosen entries along axis 1."""
-    return jnp.take_along_axis(x_BN, i_BK.reshape(*i_BK.shape, *[1] * (x_BN.ndim - 2)), axis=1)
-
-
 def search_step(evaluate, search, c):
     """One step of tree_search for every puzzle of the carry c: expand the best held states, evaluate
     and rank their candidates, note a finished answer, hold the M best states for the next step."""
-    cand, rest = expand(c['held'], search)
-    g_BNL, alive_BN = cand['grid'], cand['alive']
+    g_BNL, cum_BN, alive_BN, rest = expand(c['held'], search)
     (B, N, L), live_B = g_BNL.shape, ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
-    logp_NLC, logv_N, q_N = evaluate(g_BNL.reshape(B * N, L))  # one forward pass per candidate
-    logp_BNLC, logv_BN, q_BN = logp_NLC.reshape(B, N, L, 9), logv_N.reshape(B, N), q_N.reshape(B, N)
-    rank_BN = cand['cum'] if search.score == 'logp' else logv_BN + search.logp_weight * cand['cum']
+    # One forward pass per candidate: log-probs [B, N, L, 9], log values and halting logits [B, N].
+    logp_BNLC, logv_BN, q_BN = (x.reshape(B, N, *x.shape[1:]) for x in evaluate(g_BNL.reshape(B * N, L)))
+    rank_BN = cum_BN if search.score == 'logp' else logv_BN + search.logp_weight * cum_BN
     s_BN = jnp.where(alive_BN, rank_BN, -jnp.inf)
     fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
     ok_BN = alive_BN & finished(fill_BNL, q_BN, search.rules)
-    pick = lambda x, i_B: take_rows(x, i_B[:, None])[:, 0]
+    pick = lambda x, i_B: take_along(x, i_B[:, None], 1)[:, 0]
     # The answer so far: a finished one (the puzzle then stops and keeps it), else the best candidate.
     best = pick(fill_BNL, jnp.argmax(s_BN, axis=1))  # the best, before full-but-wrong grids are dropped
     best = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], best, c['answer'])
@@ -1110,10 +1079,10 @@ def search_step(evaluate, search, c):
     s_BN = jnp.where(jnp.all(g_BNL > 0, axis=-1), -jnp.inf, s_BN)  # a full grid ended the search or broke a rule
     # The M best of the new candidates (first: they win ties) and the states held but not expanded.
     pool = jax.tree.map(lambda n, o: jnp.concatenate([n, o], axis=1),
-                        {'grid': g_BNL, 'logp': logp_BNLC, 'cum': cand['cum'], 'score': s_BN}, rest)
+                        {'grid': g_BNL, 'logp': logp_BNLC, 'cum': cum_BN, 'score': s_BN}, rest)
+    # A finished puzzle's held states change on like the others': harmless, its answer and evals no longer do.
     top_BM, idx_BM = jax.lax.top_k(pool['score'], c['held']['score'].shape[1])
-    new = jax.tree.map(lambda x: take_rows(x, idx_BM), pool)
-    held = jax.tree.map(lambda n, o: jnp.where(live_B.reshape(B, *[1] * (n.ndim - 1)), n, o), new, c['held'])
+    held = jax.tree.map(lambda x: take_along(x, idx_BM, 1), pool)
     evals = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0)
     depth = c['depth'] + 1
     stop = (c['stop'] | found_B | (evals >= search.max_thoughts) | ~jnp.any(top_BM > -jnp.inf, axis=1)
@@ -1122,23 +1091,23 @@ def search_step(evaluate, search, c):
 
 
 def expand(held, search):
-    """The best `width` held states -> their candidates {grid [B, N, L], cum [B, N], alive [B, N]}
-    (N = width x thoughts; dead ends and repeated grids not alive), and the held states left over."""
+    """The best `width` held states -> their candidates' grids [B, N, L], path log-probs [B, N] and whether
+    they are alive [B, N] (N = width x thoughts; dead ends and repeated grids are not), and the held states
+    left over."""
     B, L = held['grid'].shape[0], held['grid'].shape[-1]
     _, pop_BW = jax.lax.top_k(held['score'], search.width)
-    bm = jax.tree.map(lambda x: take_rows(x, pop_BW), held)
+    bm = jax.tree.map(lambda x: take_along(x, pop_BW, 1), held)
     rest = dict(held, score=held['score'].at[jnp.arange(B)[:, None], pop_BW].set(-jnp.inf))
     propose = lambda g, lp: propose_thoughts(g, lp, search.thoughts, search.cells, search.rules)
     g, gain, ok = jax.vmap(jax.vmap(propose))(bm['grid'], bm['logp'])  # [B, W, E, ...]
-    N = search.width * search.thoughts
-    g_BNL = g.reshape(B, N, L)
+    g_BNL = g.reshape(B, -1, L)  # N = width x thoughts
     g_BNL = fill_forced(g_BNL) if search.propagate else g_BNL
-    alive_BN = (ok & (bm['score'][..., None] > -jnp.inf)).reshape(B, N)
+    alive_BN = (ok & (bm['score'][..., None] > -jnp.inf)).reshape(B, -1)
     if search.rules:  # drop a state no completion of which obeys the rules
         alive_BN &= ~dead_end(g_BNL)
-    same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(N, k=-1, dtype=bool)
+    same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(g_BNL.shape[1], k=-1, dtype=bool)
     alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
-    return {'grid': g_BNL, 'cum': (bm['cum'][..., None] + gain).reshape(B, N), 'alive': alive_BN}, rest
+    return g_BNL, (bm['cum'][..., None] + gain).reshape(B, -1), alive_BN, rest
 
 
 # ==================================================================================================
@@ -1159,18 +1128,15 @@ def sudoku_decode(cfg, graph, params, batch):
     trm, 1 for the others), forward passes per puzzle [B], and the value head's log values and labels on
     partial grids made from the batch (for its AUROC)}."""
     q_BL = batch['inputs'] - 1
-    trm_depth = cfg.trm.eval_steps or cfg.trm.N_sup
-    steps = trm_depth if cfg.decoder.startswith('trm') else max(cfg.tot.policy_steps, cfg.tot.value_step)
+    if cfg.decoder.startswith('trm'):  # trm: the plain TRM, one trajectory without noise
+        J = 1 if cfg.decoder == 'trm' else cfg.parallel.trajectories
+        preds_SBL, passes_B = parallel_decode(cfg, graph, params, q_BL, cfg.trm.eval_steps or cfg.trm.N_sup, J)
+    else:  # a search: each state it evaluates runs this many supervision steps
+        steps = max(cfg.tot.policy_steps, cfg.tot.value_step)
 
-    def evaluate(g_NL):  # -> digit log-probs, log value, halting logit after the last step
-        run = trm_steps(cfg, graph, params, g_NL, steps)
-        return run.logp_NLC, run.log_value_N, run.halt_SN[-1]
-    if cfg.decoder == 'trm':
-        run = trm_steps(cfg, graph, params, q_BL, steps)
-        preds_SBL, _, passes_B = halt_decode(run.preds_SNL, run.halt_SN, cfg.trm.eval_halt)
-    elif cfg.decoder == 'trm_parallel':
-        preds_SBL, passes_B = parallel_decode(cfg, graph, params, q_BL, steps)
-    else:
+        def evaluate(g_NL):  # -> digit log-probs, log value, halting logit after the last step
+            run = trm_steps(cfg, graph, params, g_NL, steps)
+            return run.logp_NLC, run.log_value_N, run.halt_SN[-1]
         grids_BL, evals_B = tree_search(evaluate, q_BL, sudoku_search(cfg, cfg.decoder))
         preds_SBL, passes_B = grids_BL[None] + 1, evals_B * steps
     partial_BL, label_B = puzzle_partial_states(jax.random.key(cfg.seed), q_BL, batch['targets'] - 1)
@@ -1247,9 +1213,8 @@ def sudoku_check(cfg):
 def trm_flops_per_token(cfg):
     """Training FLOPs per cell per supervision step: T(n+1) forward net calls, of which the last n+1 also
     run backward (2x), attention bidirectional over the 81 cells (the MLP mixer counted as attention)."""
-    T, n = cfg.trm.T, cfg.trm.n
-    return ((T * (n + 1) + 2 * (n + 1)) * cfg.num_layers * layer_flops(cfg, SUDOKU_LEN, False)
-            + 3 * 2 * cfg.d_model * cfg.vocab_size)
+    T, n = cfg.trm.T, cfg.trm.n  # (T + 2)(n + 1) = T(n + 1) forward calls + 2(n + 1) backward; the head 3 x 2 dV
+    return (T + 2) * (n + 1) * cfg.num_layers * layer_flops(cfg, SUDOKU_LEN, False) + 6 * cfg.d_model * cfg.vocab_size
 
 
 def trm_step_metrics(sums, weight):
@@ -1271,18 +1236,16 @@ SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
     (('ints', 0, 81), 'sudoku_blanks'), (('int', 1, 9), 'thoughts_per_step'), (('int', 1, 81), 'thought_cells'),
     (('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot'), 'decoder'), (('first', 'best', 'last'), 'trm.eval_halt'),
     (('attention', 'mlp'), 'trm.mixer'))
-SUDOKU = Task(
-    module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token, step_metrics=trm_step_metrics,
-    eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
-    keys=SUDOKU_KEYS, dataset=data.SudokuData,
-    shown=(('train_exact', 'solved {:.1%}'), ('eval_exact_accuracy', 'eval solved {:.1%}'),
-           ('eval_cell_accuracy', 'cells {:.1%}')),
-    fixed=lambda cfg: {'vocab_size': data.SUDOKU_VOCAB, 'max_target_length': SUDOKU_LEN},
-    # The EMA and the carry are train state: checkpointed, so a resume is exact.
-    state=lambda cfg, params, rows: {'ema': params, 'carry': trm_carry(cfg, cfg.grad_accum, rows)},
-    state_axes=lambda param_axes: {'ema': param_axes, 'carry': {k: PartitionSpec(*v) for k, v in CARRY_AXES.items()}},
-    after_update=lambda cfg, state, params, carry: {
-        'carry': carry, 'ema': ema_update(cfg.trm.ema_decay, state['step'], state['ema'], params)},
-    eval_weights='ema', eval_all=True)
+SUDOKU = Task(module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token, step_metrics=trm_step_metrics,
+              eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
+              keys=SUDOKU_KEYS, dataset=data.SudokuData, eval_weights='ema', eval_all=True,
+              shown=(('train_exact', 'solved {:.1%}'), ('eval_exact_accuracy', 'eval solved {:.1%}'),
+                     ('eval_cell_accuracy', 'cells {:.1%}')),
+              fixed=lambda cfg: {'vocab_size': data.SUDOKU_VOCAB, 'max_target_length': SUDOKU_LEN},
+              # The EMA and the carry are train state: checkpointed, so a resume is exact.
+              state=lambda cfg, params, rows: {'ema': params, 'carry': trm_carry(cfg, cfg.grad_accum, rows)},
+              state_axes=lambda param_axes: {'ema': param_axes, 'carry': CARRY_AXES},
+              after_update=lambda cfg, state, params, carry: {
+                  'carry': carry, 'ema': ema_update(cfg.trm.ema_decay, state['step'], state['ema'], params)})
 
 TASKS = {'lm': LM, 'sudoku': SUDOKU}
