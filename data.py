@@ -373,15 +373,17 @@ def make_run_dir(cfg, run_dir, log):
             'output_dir') from None
 
 
-def prepare_training(cfg, run_dir, log):
+def prepare_training(cfg, run_dir, log, barrier=lambda: None):
     """mode=train: resume=false moves an earlier run's checkpoints and metrics aside (renamed, never deleted) so the
-    new run starts clean; checkpoints/ is made and written once, now rather than at the first save."""
+    new run starts clean; then (`barrier`: once every host is past that) checkpoints/ is made and written once, now
+    rather than at the first save."""
     checkpoints = os.path.join(run_dir, 'checkpoints')
     try:
         for name in ('checkpoints', 'metrics.jsonl') if not cfg.resume and MAIN else ():
             if stored(os.path.join(run_dir, name)).exists():
                 moved = set_aside(os.path.join(run_dir, name), 'replaced')
                 log(f'resume=false: moved the earlier {name} aside to {os.path.basename(moved)}')
+        barrier()
         if stored(checkpoints).is_file():
             raise DataError(f'{checkpoints} is a file, where the run keeps its checkpoints: move it away')
         stored(checkpoints).mkdir(parents=True, exist_ok=True)

@@ -1297,7 +1297,7 @@ def run_directory(cfg):
     key = run_dir if data.remote(run_dir) else os.path.abspath(run_dir)
     try:
         if cfg.mode == 'train':
-            data.prepare_training(cfg, run_dir, log)
+            data.prepare_training(cfg, run_dir, log, lambda: agree('', cfg.host_timeout))
         data.HELD[key] = data.held(run_dir, lock)
         yield run_dir
     finally:

@@ -101,16 +101,16 @@ def test_hosts_that_never_all_join_end_in_one_line_within_host_timeout(tmp_path)
 
 
 def test_a_host_killed_mid_run_ends_the_others_in_one_line_and_the_rerun_is_exact(tmp_path):
-    """kill -9 of process 1 at its step 3: process 0 names it and exits 74 within seconds; the rerun on both resumes
-    from the last checkpoint. kill -9 of process 0, the coordinator, at step 7: process 1 names it, exit 74. The last
-    rerun finishes, and every step's loss equals an uninterrupted one-process run's on the same global mesh (4
-    devices). (Before: the survivor aborted with a Gloo traceback and ~60 lines.)"""
-    keys = ['steps=10', 'checkpoint_every=2', 'log_every=1']
+    """kill -9 of process 1 at its step 6: process 0 names it and exits 74 within seconds; the rerun on both resumes
+    from checkpoint 4. kill -9 of process 0, the coordinator, at step 9: process 1 names it, exit 74. The last rerun
+    finishes, and every step's loss equals an uninterrupted one-process run's on the same global mesh (4 devices).
+    (Before: the survivor aborted with a Gloo traceback and ~60 lines.)"""
+    keys = ['steps=10', 'checkpoint_every=4', 'log_every=1', 'host_timeout=12']
     one = subprocess.Popen([sys.executable, 'train.py', 'base.yml', *args(tmp_path, *HOSTS, *keys, 'run_name=one')],
                            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            env={**ENV, 'JAX_NUM_CPU_DEVICES': '4'})
     metrics_file = tmp_path / 'default' / 'metrics.jsonl'
-    for victim, at in ((1, 3), (0, 7)):
+    for victim, at in ((1, 6), (0, 9)):
         port = free_port()
         pair = [host(tmp_path, i, *keys, port=port) for i in range(2)]
         at_step(metrics_file, at, pair)
@@ -147,9 +147,12 @@ def test_a_checkpoint_only_one_host_cannot_read_is_damaged_for_all(tmp_path):
     names process 1), set it aside once, resume from step 2, and the losses equal an uninterrupted run's (before:
     host 0 restored 4, host 1 restored 2, and they hung)."""
     keys = ['steps=4', 'checkpoint_every=2', 'log_every=1', 'keep_checkpoints=0']
-    pair = lambda *extra, port: [host(tmp_path, i, *keys, *extra, port=port) for i in range(2)]
-    first, port = ended(pair(port=free_port()) + pair('run_name=ref', 'steps=6', port=free_port())), free_port()
-    assert [code for code, _, _ in first] == [0] * 4, [err[-2000:] for _, err, _ in first]
+    ref = subprocess.Popen([sys.executable, 'train.py', 'base.yml', *args(tmp_path, *HOSTS, *keys, 'steps=6', 'run_name=ref')],
+                           cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env={**ENV, 'JAX_NUM_CPU_DEVICES': '4'})  # the same global mesh in one process
+    pair_port, port = free_port(), free_port()
+    first = ended([host(tmp_path, i, *keys, port=pair_port) for i in range(2)] + [ref])
+    assert [code for code, _, _ in first] == [0] * 3, [err[-2000:] for _, err, _ in first]
     env = lambda i: {**ENV, 'JAX_NUM_CPU_DEVICES': '2', 'JAX_COORDINATOR_ADDRESS': f'127.0.0.1:{port}',
                      'JAX_PROCESS_COUNT': '2', 'JAX_PROCESS_INDEX': str(i), 'DAMAGED_STEP': '4'}
     got = ended([subprocess.Popen([sys.executable, '-c', DAMAGED_ON_ONE_HOST, BASE, *args(tmp_path, *HOSTS, *keys, 'steps=6')],
@@ -163,31 +166,52 @@ def test_a_checkpoint_only_one_host_cannot_read_is_damaged_for_all(tmp_path):
     assert losses(tmp_path / 'default') == pytest.approx(losses(tmp_path / 'ref'), rel=1e-5)
 
 
-def test_a_stalled_host_is_named_with_its_stacks_and_a_sigterm_ends_a_stall(tmp_path):
-    """The trainer of process 1 stopped (SIGSTOP: a hung host) at step 3. With stall_seconds=5 process 0 dumps
-    every thread's stack into RUN_DIR/stacks-p0.txt and exits 74 naming the step and the file. Again with the
-    default stall_seconds (10 minutes here): a SIGTERM to process 0 ends it the same way within seconds (before: it
-    waited for SIGKILL at the end of the scheduler's grace period)."""
-    metrics_file = tmp_path / 'default' / 'metrics.jsonl'
-    for extra, signal_it in ((['stall_seconds=5'], False), ([], True)):
-        metrics_file.unlink(missing_ok=True)
-        port = free_port()
-        pair = [host(tmp_path, i, 'steps=100', 'resume=false', *extra, port=port) for i in range(2)]
-        at_step(metrics_file, 3, pair)
-        child = int(subprocess.run(['pgrep', '-P', str(pair[1].pid)], capture_output=True, text=True).stdout.split()[0])
-        os.kill(child, signal.SIGSTOP)
-        t0 = time.time()
-        if signal_it:
-            pair[0].send_signal(signal.SIGTERM)
-        code, err, _ = ended([pair[0]], timeout=60)[0]
-        print(f'stalled peer, {"SIGTERM" if signal_it else "stall_seconds=5"}: process 0 ended {time.time() - t0:.1f}s '
-              f'later: {err.strip()}')
-        os.kill(child, signal.SIGKILL)
-        ended([pair[1]])
-        why = 'a signal went unanswered for 10s' if signal_it else r'no step finished in \d+s \(stall_seconds=5\)'
-        assert code == 74 and re.fullmatch(rf'error: stalled after step \d+: {why}; every thread\'s stack is in '
-                                           rf'{tmp_path}/default/stacks-p0.txt; .*', one_line(err)), err
-        assert 'Thread 0x' in (tmp_path / 'default' / 'stacks-p0.txt').read_text()
+def test_a_stalled_host_is_named_with_its_stacks(tmp_path):
+    """The trainer of process 1 stopped (SIGSTOP: a hung host) at step 3: with stall_seconds=5, process 0 dumps every
+    thread's stack into RUN_DIR/stacks-p0.txt and exits 74 naming the step and the file (before: both hung)."""
+    metrics_file, port = tmp_path / 'default' / 'metrics.jsonl', free_port()
+    pair = [host(tmp_path, i, 'steps=100', 'stall_seconds=5', port=port) for i in range(2)]
+    at_step(metrics_file, 3, pair)
+    child = int(subprocess.run(['pgrep', '-P', str(pair[1].pid)], capture_output=True, text=True).stdout.split()[0])
+    os.kill(child, signal.SIGSTOP)
+    t0 = time.time()
+    code, err, _ = ended([pair[0]], timeout=60)[0]
+    print(f'stalled peer: process 0 ended {time.time() - t0:.1f}s later: {err.strip()}')
+    os.kill(child, signal.SIGKILL)
+    ended([pair[1]])
+    assert code == 74 and re.fullmatch(r'error: stalled after step \d+: no step finished in \d+s \(stall_seconds=5\); every '
+                                       rf'thread\'s stack is in {tmp_path}/default/stacks-p0.txt; .*', one_line(err)), err
+    assert 'Thread 0x' in (tmp_path / 'default' / 'stacks-p0.txt').read_text()
+
+
+HANGS_AT_STEP_4 = """
+import sys, time
+import train
+next_batch, taken = train.next_batch, []
+def hung(feed, it):
+    taken.append(1)
+    while len(taken) > 3:  # a step that never comes back (its handler runs, the loop never sees the signal)
+        time.sleep(1)
+    return next_batch(feed, it)
+train.next_batch = hung
+sys.exit(train.main(['train.py', *sys.argv[1:]]))
+"""
+
+
+def test_a_sigterm_to_a_stalled_run_ends_it_the_same_way(tmp_path):
+    """A run hung in its fourth step, stall_seconds at its default (10 minutes here): a SIGTERM, which the loop
+    cannot answer, ends it within seconds with the stacks and one line (before: it waited for the scheduler's
+    SIGKILL). Multi-host runs get the same: the supervisor passes a SIGUSR1 beside the SIGTERM to JAX's sync point."""
+    p = subprocess.Popen([sys.executable, '-c', HANGS_AT_STEP_4, BASE, *args(tmp_path, 'steps=100')], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**ENV, 'JAX_NUM_CPU_DEVICES': '1'})
+    at_step(tmp_path / 'default' / 'metrics.jsonl', 3, [p])
+    time.sleep(1)
+    p.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    code, err, _ = ended([p], timeout=60)[0]
+    print(f'SIGTERM to a stalled run: ended {time.time() - t0:.1f}s later: {err.strip()}')
+    assert code == 74 and re.fullmatch(r'error: stalled after step 3: a signal went unanswered for 10s; every thread\'s '
+                                       rf'stack is in {tmp_path}/default/stacks-p0.txt; .*', one_line(err)), err
 
 
 def test_two_fit_checks_at_once_on_one_machine_both_run_and_print_no_libtpu_noise():
