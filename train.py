@@ -953,7 +953,8 @@ class Watchdog(threading.Thread):
         # A pipe the signal machinery writes a byte to at once, even while the main thread waits inside a step, where
         # no Python handler runs (set from the main thread).
         self.wakeup, self.write_end = os.pipe()
-        os.set_blocking(self.wakeup, False), os.set_blocking(self.write_end, False)
+        for end in (self.wakeup, self.write_end):
+            os.set_blocking(end, False)
         self.old_wakeup = signal.set_wakeup_fd(self.write_end, warn_on_full_buffer=False)
         self.fixed, self.compile_seconds = cfg.stall_seconds, compile_seconds
         self.step, self.at, self.typical, self.signalled = 0, time.monotonic(), 0.0, None
@@ -963,7 +964,7 @@ class Watchdog(threading.Thread):
         self.typical = self.typical if seconds is None else 0.9 * self.typical + 0.1 * seconds
 
     def run(self):
-        while not self.done.wait(1):
+        while self.fixed != 0 and not self.done.wait(1):  # stall_seconds=0: off
             with contextlib.suppress(BlockingIOError):
                 self.signalled = self.signalled or (os.read(self.wakeup, 64) and time.monotonic())
             bound = 600 + 10 * (self.compile_seconds + self.typical) if self.fixed == 'auto' else self.fixed
@@ -975,8 +976,10 @@ class Watchdog(threading.Thread):
 
     def stop(self):
         self.done.set()
-        self.join() if self.is_alive() else None
-        signal.set_wakeup_fd(self.old_wakeup), os.close(self.wakeup), os.close(self.write_end)
+        self.join()
+        signal.set_wakeup_fd(self.old_wakeup)
+        for end in (self.wakeup, self.write_end):
+            os.close(end)
 
     def fire(self, why):
         with open(self.path, 'w') as f:
@@ -1116,11 +1119,12 @@ def train(cfg, task, state, it, ds, job):
             fits_host(compiled * jax.local_device_count(), 'the step', 'lower per_device_batch, or remat=full')
         job.caught.saving = True  # from here a signal is noted and answered with a checkpoint
         job.watchdog = Watchdog(cfg, job.dir, t_xla)
-        job.watchdog.start() if cfg.stall_seconds != 0 else None
+        job.watchdog.start()
         try:
             summary, meter = train_loop(cfg, task, state, it, ds, job)
         except jax.errors.JaxRuntimeError as e:  # here, before the cleanup below waits for a lost host
-            stop_lost_host(e) if jax.process_count() > 1 else None
+            if jax.process_count() > 1:
+                stop_lost_host(e)
             raise
         except NonFinite as e:
             raise stop_nonfinite(e, job.mngr, cfg) from None
