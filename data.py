@@ -541,8 +541,10 @@ class MetricsWriter:
         if self.main:
             self.flush()
             self.tb.close()
-            shutil.rmtree(self.tb_dir, ignore_errors=True) if self.remote else None  # a bucket's local staging
-            self.wandb.finish() if self.wandb else None
+            if self.remote:  # a bucket's local staging of event files
+                shutil.rmtree(self.tb_dir, ignore_errors=True)
+            if self.wandb:
+                self.wandb.finish()
 
 
 # ---- shared plumbing: lanes, batches, the prefetching iterator --------------------------------
