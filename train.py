@@ -21,8 +21,8 @@ import optax
 import orbax.checkpoint as ocp
 import pydantic
 import yaml
-from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.experimental import mesh_utils, multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pydantic import AfterValidator, BeforeValidator, Field
 
 import data
@@ -88,8 +88,7 @@ TPU_SLICES = {
     'v4-8': ('v4:2x2x1', 'megacore', 32 * GiB), 'v4-32': ('v4:2x2x4', 'megacore', 32 * GiB),
     'v4-64': ('v4:2x4x4', 'megacore', 32 * GiB), 'v5e-8': ('v5e:2x4', 'default', 16 * GiB),
     'v5p-8': ('v5p:2x2x1', 'megacore', 95 * GiB), 'v6e-8': ('v6e:2x4', 'default', 32 * GiB),
-    'tpu7x-8': ('tpu7x:2x2x1', 'default', 96 * GiB),
-}
+    'tpu7x-8': ('tpu7x:2x2x1', 'default', 96 * GiB)}
 
 
 class Keys(pydantic.BaseModel):
@@ -117,28 +116,23 @@ def kind_type(kind):
 # task's own (model.Task.keys).
 SCHEMA = [
     (Count, 'steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads mlp_dim '
-            'max_target_length grad_accum host_timeout'),
+            'max_target_length grad_accum host_timeout num_slices'),
     (Off, 'eval_every eval_batches checkpoint_every keep_checkpoints top_k head_dim warmup_steps prefetch seed'),
     (Positive, 'rope_theta norm_eps learning_rate adam_eps'),
-    (NonNeg, 'temperature weight_decay grad_clip'),
-    (Share, 'min_lr_ratio'),
-    (Decay, 'adam_b1 adam_b2'),
+    (NonNeg, 'temperature weight_decay grad_clip'), (Share, 'min_lr_ratio'), (Decay, 'adam_b1 adam_b2'),
     (bool, 'print_sharding resume tie_embeddings scan_layers hf_streaming'),
     (str, 'run_name output_dir compile_cache_dir load_params export_dir load_hf prompt dataset_path '
           'eval_path tfds_name data_dir train_split eval_split text_key tokenizer_path cache_dir wandb_project '
           'wandb_entity hf_path hf_name hf_data_files hf_split hf_eval_split'),
     (Annotated[tuple[Off, Off], BeforeValidator(_items)], 'profile_steps'),
     (Annotated[tuple[int, ...], BeforeValidator(_items), AfterValidator(_mesh_sizes)], 'mesh'),
-    (Names, 'mesh_axes'),
+    (Literal['auto'] | Annotated[tuple[Count, ...], BeforeValidator(_items)], 'dcn_mesh'),
+    (Names, 'mesh_axes'), (Literal[('', *TPU_SLICES)], 'compile_topology'),
     (Annotated[tuple[AxisRule, ...], BeforeValidator(_items)], 'logical_axis_rules'),
-    (Count | Literal['auto'], 'per_device_batch'),
-    (Off | Literal['auto'], 'vocab_tile stall_seconds'),
-    (Literal[('', *TPU_SLICES)], 'compile_topology'),
-    (Literal[tuple(model_lib.TASKS)], 'task'),
-    (Literal['train', 'eval', 'export', 'generate'], 'mode'),
+    (Count | Literal['auto'], 'per_device_batch'), (Off | Literal['auto'], 'vocab_tile stall_seconds'),
+    (Literal[tuple(model_lib.TASKS)], 'task'), (Literal['float32', 'bfloat16'], 'weight_dtype'),
+    (Literal['train', 'eval', 'export', 'generate'], 'mode'), (Literal['none', 'full', 'save_dots'], 'remat'),
     (Literal['auto', 'float32', 'bfloat16', 'float16'], 'dtype'),
-    (Literal['float32', 'bfloat16'], 'weight_dtype'),
-    (Literal['none', 'full', 'save_dots'], 'remat'),
     (Literal['auto', 'einsum', 'xla', 'cudnn', 'splash'], 'attention'),
     (Literal['stdlib', 'files', 'tfds', 'hf', 'synthetic'], 'dataset'),
 ] + [(kind_type(kind), keys) for task in model_lib.TASKS.values() for kind, keys in task.keys]
@@ -292,8 +286,7 @@ def check(cfg, task):
         (cfg.load_params and cfg.load_hf, 'load_params and load_hf are both set; keep one'),
         (not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in ('.', '..'),
          f'run_name={cfg.run_name!r}: give a plain directory name (the run goes to output_dir/run_name)'),
-        (True, task.check(cfg)),
-    ]
+        (True, task.check(cfg))]
     if message := next((says for bad, says in rules if bad and says), None):
         raise ConfigError(message)
     data.check_paths(cfg)
@@ -338,15 +331,26 @@ def resolve(cfg, task, platform, device_kind=''):
 # would hang, or train them apart.
 # ==================================================================================================
 def make_mesh(cfg, devices):
-    n, shape = len(devices), list(cfg.mesh)
-    if -1 in shape:
-        known = math.prod(s for s in shape if s != -1)
-        shape[shape.index(-1)] = n // known if n % known == 0 else -1
+    """The mesh over `devices`: jax.make_mesh on one slice; over several, the axes dcn_mesh names split across
+    the slices (the data-center network between them) and the rest within each (create_hybrid_device_mesh)."""
+    n, known, axes = len(devices), math.prod(cfg.mesh), ','.join(cfg.mesh_axes)  # known < 0: one -1 to fill in
+    shape = [n // -known if s == -1 and n % known == 0 else s for s in cfg.mesh]
     if math.prod(shape) != n or -1 in shape:
-        raise ConfigError(f'mesh={",".join(map(str, cfg.mesh))} ({",".join(cfg.mesh_axes)}) needs {abs(math.prod(shape))}'
-                          f' devices but JAX sees {n} {devices[0].platform} device(s); use e.g. mesh=1,{n},1 or mesh=1,-1,1')
-    # Auto axes: the compiler propagates shardings from our annotations (Explicit is make_mesh's default now).
-    return jax.make_mesh(shape, cfg.mesh_axes, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+        raise ConfigError(f'mesh={",".join(map(str, cfg.mesh))} ({axes}) needs {abs(math.prod(shape))} devices but JAX '
+                          f'sees {n} {devices[0].platform} device(s); use e.g. mesh=1,{n},1 or mesh=1,-1,1')
+    dcn = (cfg.num_slices,) + (1,) * (len(shape) - 1) if cfg.dcn_mesh == 'auto' else cfg.dcn_mesh
+    tpu = devices[0].platform == 'tpu'  # a TPU device knows its slice; elsewhere each process is one (a granule)
+    found = len({getattr(d, 'slice_index', 0) if tpu else d.process_index for d in devices})
+    if found != cfg.num_slices and (tpu or cfg.num_slices > 1):
+        raise ConfigError(f'num_slices={cfg.num_slices}: the devices are in {found} slice(s) (processes off TPU); set it to {found}')
+    if len(dcn) != len(shape) or math.prod(dcn) != cfg.num_slices or any(s % d for s, d in zip(shape, dcn)):
+        raise ConfigError(f'dcn_mesh={",".join(map(str, dcn))}: give the slices of each axis of mesh={",".join(map(str, shape))}'
+                          f' ({axes}), {cfg.num_slices} in all, each a divisor of its axis; e.g. mesh={cfg.num_slices},-1,1')
+    kinds = (jax.sharding.AxisType.Auto,) * len(shape)  # the compiler propagates our annotations (not Explicit)
+    if cfg.num_slices == 1:
+        return jax.make_mesh(shape, cfg.mesh_axes, devices=devices, axis_types=kinds)
+    ici = [s // d for s, d in zip(shape, dcn)]
+    return Mesh(mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=not tpu), cfg.mesh_axes, kinds)
 
 
 AGREED = itertools.count()  # every process agrees on the same topics in the same order, so their keys match
@@ -771,8 +775,7 @@ def restore_or_init(cfg, task, mngr, layout):
 PEAK_BF16_FLOPS = {  # per JAX device (a v2/v3 device is one core = half a chip)
     'TPU v2': 22.5e12, 'TPU v3': 61.5e12, 'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12,
     'TPU v5p': 459e12, 'TPU v5': 459e12, 'TPU v6 lite': 918e12, 'TPU v6e': 918e12, 'TPU7x': 1153.5e12,  # a die
-    'A100': 312e12, 'H100': 989e12, 'H200': 989e12, 'H800': 989e12, 'B200': 2250e12,
-}
+    'A100': 312e12, 'H100': 989e12, 'H200': 989e12, 'H800': 989e12, 'B200': 2250e12}
 
 
 @functools.lru_cache  # once per process: the machine's peak does not change between runs in it
@@ -1205,13 +1208,13 @@ def tpu_slice(cfg):
         os.environ.setdefault(name, value)  # no chip to find: two checks may run at once, and libtpu says nothing
     try:
         from jax.experimental import topologies
-        devices = topologies.get_topology_desc(topology_name=topology, platform='tpu',
-                                               chip_config_name=chips).devices
+        devices = topologies.get_topology_desc(topology_name=topology, platform='tpu', chip_config_name=chips,
+                                               num_slices=cfg.num_slices).devices
     except Exception as e:  # no libtpu, an older one, or another process holding it
         raise ConfigError(f'compile_topology={cfg.compile_topology}: libtpu cannot describe the slice: '
                           f'{first_line(e, typed=False, limit=200)} (pip install -r tests/requirements.txt brings libtpu)'
                           ) from None
-    log(f'AOT compile for {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {gb(hbm)} HBM each')
+    log(f'AOT compile for {cfg.num_slices} x {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {gb(hbm)} each')
     return devices
 
 
@@ -1329,7 +1332,7 @@ def run(cfg, devices=None, caught=None):
     batch = (f'batch: {cfg.per_device_batch}/device x {len(devices)} devices x {cfg.grad_accum} accum = {rows} '
              f'examples = {rows * cfg.max_target_length} tokens per step')
     log(f'devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), {jax.process_count()} '
-        f'process(es); mesh {dict(built.mesh.shape)}\n{batch}')
+        f'process(es), {cfg.num_slices} slice(s); mesh {dict(built.mesh.shape)}\n{batch}')
     if whole := sharding_table(built.layout, cfg, built.mesh, whole_only=True):
         log('parameters kept whole where their size does not divide by their mesh axes:\n' + '\n'.join(whole))
     ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log, task.dataset)

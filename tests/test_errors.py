@@ -34,6 +34,9 @@ CASES = [
     (['mesh=0,1,1'], 'error: mesh=0,1,1: use positive sizes and at most one -1'),
     (['mesh=3,1,1'], 'error: mesh=3,1,1 (data,fsdp,tensor) needs 3 devices but JAX sees 1 cpu device(s); '
                      'use e.g. mesh=1,1,1 or mesh=1,-1,1'),
+    (['num_slices=2'], 'error: num_slices=2: the devices are in 1 slice(s) (processes off TPU); set it to 1'),
+    (['dcn_mesh=2,1,1'], 'error: dcn_mesh=2,1,1: give the slices of each axis of mesh=1,1,1 (data,fsdp,tensor), 1 in '
+                         'all, each a divisor of its axis; e.g. mesh=1,-1,1'),
     (['profile_steps=3,2'], 'error: profile_steps=3,2: give two steps a,b with 1 <= a <= b <= steps=200 (0,0 = off)'),
     (['compile_topology=v9-8'], "error: compile_topology='v9-8': choose one of '', 'v2-8', 'v3-8', 'v4-8', 'v4-32', "
                                 "'v4-64', 'v5e-8', 'v5p-8', 'v6e-8', 'tpu7x-8'"),

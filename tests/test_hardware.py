@@ -158,6 +158,40 @@ def test_per_device_batch_auto_bisects_to_the_largest_that_fits(fast_tpu_compile
     assert f'per_device_batch={b} grad_accum={n // b} remat={result["remat"]}' in out.splitlines()[-1], out
 
 
+TWO_SLICES = ['compile_topology=v5e-8', 'num_slices=2', 'd_model=256', 'num_layers=2', 'num_heads=4',
+              'num_kv_heads=2', 'mlp_dim=512', 'max_target_length=256', 'vocab_size=1024']
+
+
+def dcn_transfers(overrides):
+    """The transfer types between slices in the compiled step: libtpu compiles one program per slice, whose own
+    collectives span its devices only, and hands what crosses slices to its multi-slice runtime (sends
+    tagged _xla_megascale_transfer_type)."""
+    cfg = train.load_config(BASE, TWO_SLICES + overrides)
+    task = train.model_lib.TASKS[cfg.task]
+    devices = train.tpu_slice(cfg)
+    cfg = train.resolve(cfg, task, 'tpu', devices[0].device_kind)
+    built = train.build(cfg, task, devices)
+    with jax.set_mesh(built.mesh), train.nnx.logical_axis_rules(cfg.logical_axis_rules):
+        hlo = built.train_step.lower(built.layout.abstract, train.abstract_batch(built.feed)).compile().as_text()
+    groups = set(re.findall(r'replica_groups=(\{[{}\d,]*\})', hlo))
+    assert groups and all(max(map(int, re.findall(r'\d+', g))) < 8 for g in groups), groups  # within a slice
+    return re.findall(r' send\(.*_xla_megascale_transfer_type="(\w+)"', hlo)
+
+
+def test_two_slices_compile_and_cross_only_to_reduce_gradients_over_data(fast_tpu_compiles, capsys):
+    """Two v5e-8 slices, mesh=2,8,1 (data across the slices, FSDP inside each): the step compiles for the 16
+    devices, and per_device_batch=auto finds a size that fits. Between the slices the step only sums (the data
+    axis's gradient reduction, and the loss's sums); FSDP's weight gathers stay inside a slice. The contrast: the
+    slices on the fsdp axis (dcn_mesh=1,2,1) gather weights across them, which the same check sees."""
+    result = train.run(train.load_config(BASE, TWO_SLICES + ['mesh=2,8,1', 'per_device_batch=auto', 'grad_accum=8']))
+    out = capsys.readouterr().out
+    assert result['fits'] and 'AOT compile for 2 x v5e-8: 16 x TPU v5 lite' in out, out
+    on_data = dcn_transfers(['mesh=2,8,1', 'per_device_batch=2'])
+    print('across the slices, slices on data:', on_data)
+    assert on_data and set(on_data) == {'ALL_REDUCE'}, on_data
+    assert 'ALL_GATHER' in dcn_transfers(['mesh=1,16,1', 'dcn_mesh=1,2,1', 'per_device_batch=2'])
+
+
 def test_mesh_that_needs_another_slice_says_so():
     """A v4-32 is 16 devices: mesh=4,4,2 is a v4-64's mesh. Fails before compiling, libtpu or not."""
     pytest.importorskip('libtpu', reason='libtpu is not installed: pip install -r tests/requirements.txt')

@@ -101,12 +101,14 @@ def test_hosts_that_never_all_join_end_in_one_line_within_host_timeout(tmp_path)
 
 
 def test_a_host_killed_mid_run_ends_the_others_in_one_line_and_the_rerun_is_exact(tmp_path):
-    """kill -9 of process 1 at its step 6: process 0 names it and exits 74 within seconds; the rerun on both resumes
-    from checkpoint 4. kill -9 of process 0, the coordinator, at step 9: process 1 names it, exit 74. The last rerun
-    finishes, and every step's loss equals an uninterrupted one-process run's on the same global mesh (4 devices).
-    (Before: the survivor aborted with a Gloo traceback and ~60 lines.)"""
-    keys = ['steps=10', 'checkpoint_every=4', 'log_every=1', 'host_timeout=12']
-    one = subprocess.Popen([sys.executable, 'train.py', 'base.yml', *args(tmp_path, *HOSTS, *keys, 'run_name=one')],
+    """Two processes as two slices (num_slices=2: off TPU each process is one; the hybrid mesh puts the slices on
+    the data axis). kill -9 of process 1 at its step 6: process 0 names it and exits 74 within seconds; the rerun on
+    both resumes from checkpoint 4. kill -9 of process 0, the coordinator, at step 9: process 1 names it, exit 74.
+    The last rerun finishes, and every step's loss equals an uninterrupted one-process, one-slice run's on the same
+    global mesh (4 devices). (Before: the survivor aborted with a Gloo traceback and ~60 lines.)"""
+    keys = ['steps=10', 'checkpoint_every=4', 'log_every=1', 'host_timeout=12', 'num_slices=2']
+    one = subprocess.Popen([sys.executable, 'train.py', 'base.yml', *args(tmp_path, *HOSTS, *keys, 'run_name=one',
+                                                                          'num_slices=1')],
                            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            env={**ENV, 'JAX_NUM_CPU_DEVICES': '4'})
     metrics_file = tmp_path / 'default' / 'metrics.jsonl'
@@ -124,8 +126,9 @@ def test_a_host_killed_mid_run_ends_the_others_in_one_line_and_the_rerun_is_exac
     port = free_port()
     last = ended([host(tmp_path, i, *keys, port=port) for i in range(2)] + [one])
     assert [code for code, _, _ in last] == [0, 0, 0], [err[-2000:] for _, err, _ in last]
-    assert 'resuming from checkpoint' in last[0][2]
+    assert 'resuming from checkpoint' in last[0][2] and '2 process(es), 2 slice(s)' in last[0][2]
     two, single = losses(tmp_path / 'default'), losses(tmp_path / 'one')
+    print('worst loss difference, two slices vs one process:', max(abs(a - b) for a, b in zip(two, single)))
     assert len(single) == 10 and two == pytest.approx(single, rel=1e-5)
 
 
