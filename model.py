@@ -413,7 +413,10 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BL, positions_BL, segment_ids_BL, cache=None, logits=True):
         dt = jnp.dtype(self.cfg.dtype)
-        x_BLD = constrain(lookup(self.embed[...], tokens_BL, dt), ('batch', 'length', None))
+        # Gather from a whole (all-gathered) table: a gather whose table is sharded over vocab and embed
+        # while its indices are sharded over batch makes XLA replicate everything anyway, less cleanly.
+        x_BLD = jnp.take(constrain(self.embed[...], (None, None)), tokens_BL, axis=0).astype(dt)
+        x_BLD = constrain(x_BLD, ('batch', 'length', None))
         x_BLD, new_cache = self.trunk(x_BLD, positions_BL, segment_ids_BL, cache)
         x_BLD = self.final_norm(x_BLD)
         if not logits:
@@ -425,20 +428,6 @@ class Transformer(nnx.Module):
     def head(self):
         """The LM head [D, V]: the embedding's transpose when tied."""
         return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def lookup(table_VD, ids_BL, dtype):
-    """table[ids] in the compute dtype, from the whole table cast before it is gathered: a bf16 step gathers and
-    holds half the bytes of the float32 table. (A table left sharded over vocab and embed while the ids are
-    sharded over batch makes XLA replicate everything anyway, less cleanly.) The gradient sums in the table's
-    own dtype, as an uncast lookup's would: a frequent token's many rows are not summed in bf16."""
-    return jnp.take(constrain(table_VD.astype(dtype), (None, None)), ids_BL, axis=0)
-
-
-# Forward: keep the table (a parameter: no copy) and the ids. Backward: each row's gradient added into a zero table.
-lookup.defvjp(lambda table_VD, ids_BL, dtype: (lookup(table_VD, ids_BL, dtype), (table_VD, ids_BL)),
-              lambda dtype, res, g_BLD: (jnp.zeros_like(res[0]).at[res[1]].add(g_BLD.astype(res[0].dtype)), None))
 
 
 def cross_entropy(logits_NV, targets_N):
@@ -750,7 +739,7 @@ class TRM(nnx.Module):
 
     def __call__(self, inputs_BL, positions_BL, segment_ids_BL, y_BLD, z_BLD, fresh_B, noise=None):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        x_BLD = lookup(self.embed[...], inputs_BL, dt)
+        x_BLD = jnp.take(constrain(self.embed[...], (None, None)), inputs_BL, axis=0).astype(dt)
         y_BLD = jnp.where(fresh_B[:, None, None], self.y_init[...].astype(dt), y_BLD.astype(dt))
         z_BLD = jnp.where(fresh_B[:, None, None], self.z_init[...].astype(dt), z_BLD.astype(dt))
         net = lambda h_BLD: self.net_norm(self.net(h_BLD, positions_BL, segment_ids_BL)[0])
