@@ -36,7 +36,8 @@ TPU_ROWS = [(hw.split()[1], overrides) for hw, (overrides, _) in README.items() 
 def test_readme_has_every_preset():
     """One row per device kind, every TPU slice the trainer knows, and each row's command a valid config
     (validate() needs no devices, so the GPU and TPU rows are checked here too)."""
-    assert [hw.split(' (')[0] for hw in README] == ['CPU', '1x H100 / H200 GPU', *(f'TPU {s}' for s in train.TPU_SLICES)]
+    assert [hw.split(' (')[0] for hw in README] == ['CPU', '1x H100 / H200 GPU', *(f'TPU {s}' for s in train.TPU_SLICES),
+                                                    'TPU v5e-8 x 2']  # two slices
     for hardware, (overrides, _) in README.items():
         try:
             cfg = train.load_config(BASE, overrides)
