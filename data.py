@@ -1175,6 +1175,19 @@ def solved(grids_NL):
     return (grids_NL > 0).all(axis=-1) & ~dead_end(grids_NL)
 
 
+def by_singles(grids_NL):
+    """The grids with every naked single (a blank with one legal digit) and hidden single (a digit with one legal
+    cell in a unit) filled in, again and again until none is left: what a solver finishes without search."""
+    g_NL = np.array(grids_NL, np.int32)
+    while True:
+        legal_NLC = legal_digits(g_NL)
+        alone_NUC = MEMBERS @ legal_NLC.astype(np.float32) == 1  # a digit with one place left in the unit
+        pick_NLC = legal_NLC & ((legal_NLC.sum(-1, keepdims=True) == 1) | (MEMBERS.T @ alone_NUC.astype(np.float32) > 0))
+        if not pick_NLC.any():
+            return g_NL
+        g_NL = np.where(pick_NLC.any(-1), pick_NLC.argmax(-1) + 1, g_NL)
+
+
 # ---- Sudoku: solver and generator --------------------------------------------------------------
 
 _CELL_UNITS = [tuple(int(u) for u in units) for units in UNITS]  # plain ints: the solver's hot loop
@@ -1226,21 +1239,21 @@ def solve(grid):
     return (None if solution is None else np.asarray(solution, np.uint8)), count
 
 
-def generate_sudoku(n, blanks, seed, stream='train'):
+def generate_sudoku(n, blanks, seed, stream='train', start=0):
     """(puzzles uint8[n, 81], solutions uint8[n, 81]), each puzzle with exactly one solution.
 
     Cells are blanked in random order while the solution stays unique, until `blanks` blanks or
     no cell can go (blanks=81 gives minimal puzzles); a list of blanks is taken in turn, puzzle i
-    with blanks[i % len(blanks)]. Puzzle i depends only on (stream, seed, i) and its blanks.
+    with blanks[i % len(blanks)]. Puzzle i depends only on (stream, seed, i) and its blanks; `start`: the first i.
     """
     q, a, blanks = np.zeros((n, 81), np.uint8), np.zeros((n, 81), np.uint8), np.atleast_1d(blanks)
-    for i in range(n):
+    for i in range(start, start + n):
         rng = random.Random(f'sudoku/{stream}/{seed}/{i}')
         # The three diagonal boxes share no row or column, so any filling of them completes to a grid.
         boxes = np.zeros((9, 9), np.int64)
         for b in range(3):
             boxes[3 * b:3 * b + 3, 3 * b:3 * b + 3] = np.reshape(rng.sample(range(1, 10), 9), (3, 3))
-        a[i] = solution = _search(boxes.ravel().tolist(), limit=1)[0]
+        a[i - start] = solution = _search(boxes.ravel().tolist(), limit=1)[0]
         puzzle = list(solution)
         for cell in rng.sample(range(81), 81):
             if puzzle.count(0) == blanks[i % len(blanks)]:
@@ -1248,7 +1261,7 @@ def generate_sudoku(n, blanks, seed, stream='train'):
             puzzle[cell] = 0
             if _search(puzzle, limit=2)[1] > 1:
                 puzzle[cell] = solution[cell]  # that blank would allow a second solution
-        q[i] = puzzle
+        q[i - start] = puzzle
     return q, a
 
 
@@ -1422,10 +1435,14 @@ def main(argv):
     make.add_argument('--count', type=int, default=1000)
     make.add_argument('--blanks', type=int, default=45, help='81 = minimal puzzles (hardest)')
     make.add_argument('--seed', type=int, default=0)
+    make.add_argument('--needs-search', action='store_true', help='only puzzles naked and hidden singles cannot finish')
     args = parser.parse_args(argv)
-    start = time.perf_counter()
-    # Own stream: a file made with seed S never repeats the generated train set of a run with seed S.
-    q, a = generate_sudoku(args.count, args.blanks, args.seed, stream='file')
+    start, tried, q, a = time.perf_counter(), 0, np.zeros((0, 81), np.uint8), np.zeros((0, 81), np.uint8)
+    while len(q) < args.count:  # the stream's puzzles in order, each kept or not by itself
+        # Own stream: a file made with seed S never repeats the generated train set of a run with seed S.
+        more_q, more_a = generate_sudoku(args.count, args.blanks, args.seed, stream='file', start=tried)
+        keep, tried = ~solved(by_singles(more_q)) if args.needs_search else slice(None), tried + args.count
+        q, a = np.concatenate([q, more_q[keep]])[:args.count], np.concatenate([a, more_a[keep]])[:args.count]
     write_sudoku_csv(args.out, q, a)
     print(f'wrote {args.count} puzzles ({(q == 0).sum(1).mean():.1f} blanks on average) to {args.out} '
           f'in {time.perf_counter() - start:.1f}s')

@@ -477,6 +477,23 @@ def test_generated_puzzles_have_exactly_one_solution():
     assert data.solve(np.zeros(81))[1] == 2 and data.solve([1, 1] + [0] * 79) == (None, 0)
 
 
+def test_make_sudoku_needs_search_keeps_the_puzzles_singles_cannot_finish(tmp_path):
+    """Naked and hidden singles (data.by_singles) never write a wrong digit; they finish some minimal puzzles, not
+    all. make-sudoku --needs-search writes, of the file stream's minimal puzzles in order, those singles leave
+    unfinished: each with one solution, none finished by singles, the same puzzles as the plain stream's."""
+    q, a = data.generate_sudoku(30, 81, seed=5, stream='file')
+    filled = data.by_singles(q)
+    assert np.all((filled == 0) | (filled == a)) and (filled > 0).sum() > (q > 0).sum()  # right digits, and some
+    finished = data.solved(filled)
+    assert 0 < finished.sum() < len(q) - 8, finished.sum()
+    assert data.solved(data.by_singles(data.generate_sudoku(10, 30, seed=5)[0])).all()  # 30 blanks: singles suffice
+    data.main(['make-sudoku', str(tmp_path / 'hard.csv'), '--count', '8', '--blanks', '81', '--seed', '5',
+               '--needs-search'])
+    hard_q, hard_a = data.read_sudoku_csv(str(tmp_path / 'hard.csv'))
+    assert np.array_equal(hard_q, q[~finished][:8]) and np.array_equal(hard_a, a[~finished][:8])
+    assert not data.solved(data.by_singles(hard_q)).any() and all(data.solve(p)[1] == 1 for p in hard_q)
+
+
 def test_a_list_of_blanks_is_taken_in_turn(tmp_path):
     """sudoku_blanks=45,81: puzzle i has blanks[i % 2], the same puzzle the single value would make there."""
     q, a = data.generate_sudoku(4, (30, 81), seed=7)
