@@ -330,15 +330,25 @@ class Attention(nnx.Module):
 
 class SwiGLU(nnx.Module):
     """silu(x W_gate) * (x W_up) W_down over the last axis of x (width D, hidden F). The blocks' MLP runs it
-    over d_model; TRM's token mixer (trm.mixer=mlp) over the L positions instead of attention."""
+    over d_model; TRM's token mixer (trm.mixer=mlp) over the L positions instead of attention.
+    Under remat=full it runs on gcd(mlp_chunks, L) slices of axis 1 in turn, each recomputed alone in the
+    backward pass: the [rows, F] buffers there (gate, up, their gradients) that many times smaller, the FLOPs
+    unchanged (the layer's own recompute of the forward pass drops the MLP, whose output it does not need)."""
 
     def __init__(self, cfg, D, F, axis, rngs):
         wdt, self.dtype = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
-        self.w_gate = param(rngs, (D, F), (axis, 'mlp'), D ** -0.5, wdt)
-        self.w_up = param(rngs, (D, F), (axis, 'mlp'), D ** -0.5, wdt)
+        self.chunks = cfg.mlp_chunks if cfg.remat == 'full' else 1
+        self.w_gate, self.w_up = (param(rngs, (D, F), (axis, 'mlp'), D ** -0.5, wdt) for _ in 'gate up'.split())
         self.w_down = param(rngs, (F, D), ('mlp', axis), F ** -0.5, wdt)
 
     def __call__(self, x_BLD):
+        (B, L, D), n = x_BLD.shape, math.gcd(self.chunks, x_BLD.shape[1])
+        if n == 1:
+            return self.mlp(x_BLD)
+        y_nBlD = jax.lax.map(jax.checkpoint(self.mlp), x_BLD.reshape(B, n, L // n, D).swapaxes(0, 1))
+        return y_nBlD.swapaxes(0, 1).reshape(B, L, -1)
+
+    def mlp(self, x_BLD):
         gate_BLF, up_BLF = (dot('bld,df->blf', x_BLD, w[...], self.dtype) for w in (self.w_gate, self.w_up))
         return dot('blf,fd->bld', jax.nn.silu(gate_BLF) * up_BLF, self.w_down[...], self.dtype)
 

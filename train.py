@@ -116,7 +116,7 @@ def kind_type(kind):
 # task's own (model.Task.keys).
 SCHEMA = [
     (Count, 'steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads mlp_dim '
-            'max_target_length grad_accum host_timeout num_slices'),
+            'max_target_length grad_accum host_timeout num_slices mlp_chunks'),
     (Off, 'eval_every eval_batches checkpoint_every keep_checkpoints top_k head_dim warmup_steps prefetch seed'),
     (Positive, 'rope_theta norm_eps learning_rate adam_eps'),
     (NonNeg, 'temperature weight_decay grad_clip'), (Share, 'min_lr_ratio'), (Decay, 'adam_b1 adam_b2'),

@@ -83,11 +83,12 @@ def test_clipping_clips(tmp_path):
 def test_remat_saves_memory_without_changing_the_math(tmp_path):
     """remat=full keeps only each layer's input for the backward pass, save_dots (the default) also the
     projections' outputs: the compiled step needs less temporary memory than remat=none, full least of all,
-    while the loss and the gradients stay the same (float32)."""
+    and full with the MLP in 4 slices of the sequence (mlp_chunks, the default) less than in one, while the
+    loss and the gradients stay the same (float32)."""
     b = {k: v[None] for k, v in _batch(config(tmp_path, 'max_target_length=64'), 8).items()}
     temp, outs, grads = {}, {}, {}
-    for remat in ('none', 'full', 'save_dots'):
-        cfg = config(tmp_path, f'remat={remat}', 'scan_layers=true', 'max_target_length=64')
+    for remat in ('none', 'full', 'full mlp_chunks=1', 'save_dots'):
+        cfg = config(tmp_path, *f'remat={remat}'.split(), 'scan_layers=true', 'max_target_length=64')
         mesh, state, step = _state_and_step(cfg)
         model = model_lib.abstract(cfg)[0]
         loss = lambda p: model_lib.lm_loss(cfg, model, p, {k: v[0] for k, v in b.items()}, None, None)[0]
@@ -96,8 +97,8 @@ def test_remat_saves_memory_without_changing_the_math(tmp_path):
             compiled = step.lower(state, b).compile()
             temp[remat] = compiled.memory_analysis().temp_size_in_bytes
             outs[remat] = compiled(state, b)[1]
-    assert temp['full'] < temp['save_dots'] < temp['none'], temp
-    for remat in ('full', 'save_dots'):
+    assert temp['full'] < temp['full mlp_chunks=1'] < temp['save_dots'] < temp['none'], temp
+    for remat in ('full', 'full mlp_chunks=1', 'save_dots'):
         np.testing.assert_allclose(outs[remat]['loss'], outs['none']['loss'], rtol=1e-6, err_msg=remat)
         np.testing.assert_allclose(outs[remat]['grad_norm'], outs['none']['grad_norm'], rtol=1e-5, err_msg=remat)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=remat),
