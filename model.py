@@ -338,7 +338,7 @@ class SwiGLU(nnx.Module):
     def __init__(self, cfg, D, F, axis, rngs):
         wdt, self.dtype = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
         self.chunks = cfg.mlp_chunks if cfg.remat == 'full' else 1
-        self.w_gate, self.w_up = (param(rngs, (D, F), (axis, 'mlp'), D ** -0.5, wdt) for _ in 'gate up'.split())
+        self.w_gate, self.w_up = (param(rngs, (D, F), (axis, 'mlp'), D ** -0.5, wdt) for _ in range(2))
         self.w_down = param(rngs, (F, D), ('mlp', axis), F ** -0.5, wdt)
 
     def __call__(self, x_BLD):
