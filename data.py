@@ -1440,9 +1440,9 @@ def main(argv):
     start, tried, q, a = time.perf_counter(), 0, np.zeros((0, 81), np.uint8), np.zeros((0, 81), np.uint8)
     while len(q) < args.count:  # the stream's puzzles in order, each kept or not by itself
         # Own stream: a file made with seed S never repeats the generated train set of a run with seed S.
-        more_q, more_a = generate_sudoku(args.count, args.blanks, args.seed, stream='file', start=tried)
-        keep, tried = ~solved(by_singles(more_q)) if args.needs_search else slice(None), tried + args.count
-        q, a = np.concatenate([q, more_q[keep]])[:args.count], np.concatenate([a, more_a[keep]])[:args.count]
+        more_q, more_a = generate_sudoku(args.count - len(q), args.blanks, args.seed, stream='file', start=tried)
+        keep, tried = ~solved(by_singles(more_q)) if args.needs_search else slice(None), tried + len(more_q)
+        q, a = np.concatenate([q, more_q[keep]]), np.concatenate([a, more_a[keep]])
     write_sudoku_csv(args.out, q, a)
     print(f'wrote {args.count} puzzles ({(q == 0).sum(1).mean():.1f} blanks on average) to {args.out} '
           f'in {time.perf_counter() - start:.1f}s')
