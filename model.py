@@ -726,7 +726,7 @@ class TRM(nnx.Module):
     last one learns. Returns the new (y, z) for the caller to carry (detached) into the next supervision
     step, the logits read from y, the halting logit q (q > 0: "this answer is right, stop") and the ToT
     value head's log value. noise=(keys [B], scale) adds scale x N(0, 1) to z after every update, drawn
-    from each row's key (decoder=trm_parallel's perturbed trajectories)."""
+    from each row's key (decoder=trm_parallel's perturbed trajectories; trm.train_noise in training)."""
 
     def __init__(self, cfg, rngs):
         D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
@@ -795,20 +795,22 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     Slots that halted last step take this step's fresh example from `mb` and restart from y_init/z_init;
     the others keep their puzzle and carry, so shapes never change and nothing recompiles. Loss per
     slot: mean cell cross-entropy + halt_loss_weight x BCE(q, whole grid right), plus the ToT value
-    head's BCE on partial grids from tot.start_step on."""
-    t, fresh_B = cfg.trm, carry['halted']
+    head's BCE on partial grids from tot.start_step on. trm.train_noise > 0 perturbs the latent z as
+    decoder=trm_parallel does (each row and update its own draw, from `key`)."""
+    t, fresh_B, B = cfg.trm, carry['halted'], carry['halted'].shape[0]
     # A halted slot takes this step's fresh puzzle; the others keep theirs.
     inputs_BL, targets_BL = (jnp.where(fresh_B[:, None], mb[k], carry[k]) for k in ('inputs', 'targets'))
     steps_B = jnp.where(fresh_B, 0, carry['steps']) + 1
+    # trm.train_noise: the latent perturbed as decoder=trm_parallel perturbs it, so the recursion learns to recover
+    noise = (jax.random.split(jax.random.fold_in(key, 2), B), t.train_noise) if t.train_noise else None
     y_BLD, z_BLD, logits_BLV, q_B, _ = nnx.merge(graph, params)(inputs_BL, mb['positions'], mb['segment_ids'],
-                                                           carry['y'], carry['z'], fresh_B)
+                                                           carry['y'], carry['z'], fresh_B, noise)
     ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean(axis=1)
     correct_B = jnp.all(jnp.argmax(logits_BLV, axis=-1) == targets_BL, axis=1)
     halt_bce_B = optax.sigmoid_binary_cross_entropy(q_B, correct_B.astype(jnp.float32))
     # Halt when the head says "right" (q > 0) or at N_sup. With halt_explore_prob a slot must first reach a
     # random 2..N_sup steps, so the later supervision steps (and the halting head on them) get trained.
     k_explore, k_steps = jax.random.split(key)
-    B = steps_B.shape[0]
     explore_B = jax.random.uniform(k_explore, (B,)) < t.halt_explore_prob
     min_steps_B = jnp.where(explore_B, jax.random.randint(k_steps, (B,), 2, t.N_sup + 1), 1)
     halted_B = (steps_B >= t.N_sup) | ((q_B > 0) & (steps_B >= min_steps_B))
@@ -901,8 +903,7 @@ def parallel_decode(cfg, graph, params, q_BL, steps, trajectories=None):
     (decoder=trm). Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every
     trajectory's)."""
     (B, L), J = q_BL.shape, trajectories or cfg.parallel.trajectories
-    split = lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J)
-    keys_BJ = jax.vmap(split)(puzzle_hash(q_BL))
+    keys_BJ = jax.vmap(lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J))(puzzle_hash(q_BL))
     scale_N = jnp.tile(jnp.arange(J) > 0, B) * cfg.parallel.noise
     run = trm_steps(cfg, graph, params, jnp.repeat(q_BL, J, axis=0), steps,
                     (keys_BJ.reshape(B * J), scale_N[:, None, None]) if J > 1 else None)
@@ -1252,7 +1253,7 @@ SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
     ('count', 'sudoku_train_puzzles sudoku_eval_puzzles beam_width max_depth max_thoughts trm.T trm.n trm.N_sup '
               'parallel.trajectories tot.policy_steps tot.value_step'),
     ('off', 'trm.eval_steps tot.start_step tot.frontier'),
-    ('nonneg', 'trm.halt_loss_weight parallel.noise tot.loss_weight tot.logp_weight'),
+    ('nonneg', 'trm.halt_loss_weight trm.train_noise parallel.noise tot.loss_weight tot.logp_weight'),
     ('share', 'trm.halt_explore_prob'), ('decay', 'trm.ema_decay'), ('bool', 'augment tot.rule_checks tot.propagate'),
     (('ints', 0, 81), 'sudoku_blanks'), (('int', 1, 9), 'thoughts_per_step'), (('int', 1, 81), 'thought_cells'),
     (('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot'), 'decoder'), (('first', 'best', 'last'), 'trm.eval_halt'),

@@ -46,7 +46,7 @@ class FakeModel(nnx.Module):
     def __init__(self, logits, q):
         self.logits, self.q = nnx.Variable(logits), nnx.Variable(q)
 
-    def __call__(self, inputs, positions, segment_ids, y, z, fresh):
+    def __call__(self, inputs, positions, segment_ids, y, z, fresh, noise=None):
         y = jnp.where(fresh[:, None, None], 0.0, y) + 1
         return y, z, self.logits[...], self.q[...], jnp.zeros(len(self.q[...]))
 
@@ -74,6 +74,23 @@ def test_carry_refills_halted_slots_and_halting_targets(tmp_path):
     bce = optax.sigmoid_binary_cross_entropy(q, jnp.array([1.0, 1.0, 0.0, 0.0]))
     np.testing.assert_allclose(loss, jnp.sum(ce) + 0.5 * jnp.sum(bce), rtol=1e-6)
     assert sums['exact'] == 2 and sums['halted'] == 3 and sums['halt_steps'] == 1 + 3 + 2
+
+
+def test_train_noise_kicks_the_latent(tmp_path):
+    """trm.train_noise=s: in training z gets s x N(0, 1) after its update (T=1, n=1: the z returned), its own
+    draw per row, the same again for the same key; s=0 is the plain step, whatever the key."""
+    b, carry = sudoku_batch(4), jax.tree.map(lambda x: x[0], model_lib.trm_carry(cfg_for(tmp_path), 1, 4))
+    graph, params, _ = init_trm(cfg_for(tmp_path, 'trm.T=1', 'trm.n=1'), b)
+
+    def z_after(scale, seed):
+        cfg = cfg_for(tmp_path, 'trm.T=1', 'trm.n=1', f'trm.train_noise={scale}')
+        return model_lib.trm_loss(cfg, graph, params, b, carry, jax.random.key(seed))[1][1]['z']
+    plain = z_after(0, 0)
+    np.testing.assert_array_equal(z_after(0, 1), plain)
+    kick = z_after(0.5, 0) - plain
+    np.testing.assert_array_equal(z_after(0.5, 0) - plain, kick)
+    assert abs(float(jnp.std(kick)) - 0.5) < 0.02 and abs(float(jnp.mean(kick))) < 0.02
+    assert not np.allclose(kick[0], kick[1]) and not np.allclose(z_after(0.5, 1) - plain, kick)
 
 
 def test_ema_update():
