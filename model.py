@@ -801,7 +801,6 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     # A halted slot takes this step's fresh puzzle; the others keep theirs.
     inputs_BL, targets_BL = (jnp.where(fresh_B[:, None], mb[k], carry[k]) for k in ('inputs', 'targets'))
     steps_B = jnp.where(fresh_B, 0, carry['steps']) + 1
-    # trm.train_noise: the latent perturbed as decoder=trm_parallel perturbs it, so the recursion learns to recover
     noise = (jax.random.split(jax.random.fold_in(key, 2), B), t.train_noise) if t.train_noise else None
     y_BLD, z_BLD, logits_BLV, q_B, _ = nnx.merge(graph, params)(inputs_BL, mb['positions'], mb['segment_ids'],
                                                            carry['y'], carry['z'], fresh_B, noise)
