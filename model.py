@@ -876,40 +876,40 @@ def take_along(x, i, axis):
     return jnp.take_along_axis(x, i.reshape(*i.shape, *[1] * (x.ndim - i.ndim)), axis=axis)
 
 
-def halt_decode(preds_SNL, q_SN, rule='first'):
-    """Decoding stopped by the learned halting head. rule='first': each puzzle keeps the answer of the
-    first step whose halting logit says "right" (q > 0), or the last step's; 'best': the answer of the
-    step with the highest halting logit so far (every step runs); 'last': the last step's. Returns the
-    answers as they stand after each step [S, N, L] (a step-s cap), their halting logits [S, N] and the
-    forward passes each used [N]."""
-    S, N = q_SN.shape
-    s_SN = jnp.broadcast_to(jnp.arange(S)[:, None], q_SN.shape)
-    at_SN, passes_N = s_SN, jnp.full(N, S)  # 'last': each step's own answer
-    if rule == 'first':  # the first step with q > 0, else the last
-        halt_N = jnp.argmax((q_SN > 0).at[-1].set(True), axis=0)
-        at_SN, passes_N = jnp.minimum(s_SN, halt_N[None]), halt_N + 1
-    elif rule == 'best':  # a running argmax of q over the steps so far (ties: the earlier step)
-        better = lambda a, b: jax.tree.map(lambda u, v: jnp.where(b[0] > a[0], v, u), a, b)
-        at_SN = jax.lax.associative_scan(better, (q_SN, s_SN))[1]
-    return take_along(preds_SNL, at_SN, 0), take_along(q_SN, at_SN, 0), passes_N
+def pick_answers(preds_SBJL, q_SBJ, rule):
+    """trm.eval_halt's pick from J trajectories' answers [S, B, J, L] and halting logits q [S, B, J] (J = 1:
+    decoder=trm) -> (each puzzle's answer as it stands after each step [S, B, L], forward passes per puzzle [B]).
+    The (step, trajectory) pairs standing after step s: first: each trajectory's first step with q > 0 (it
+    stops there), else step s | best, vote: every step up to s | last: step s. Of those the highest q wins;
+    vote: of the answers that the most standing pairs with q > 0 give (ties, or no such pair: the highest q).
+    Answers are compared whole; no Sudoku rule is used."""
+    S, B, J, L = preds_SBJL.shape
+    preds_BML, q_BM = (jnp.swapaxes(x, 0, 1).reshape(B, S * J, *x.shape[3:]) for x in (preds_SBJL, q_SBJ))
+    halt_BJ = jnp.argmax((q_SBJ > 0).at[-1].set(True), axis=0) if rule == 'first' else jnp.full((B, J), S - 1)
+    cap_BMS = jnp.tile(jnp.minimum(jnp.arange(S), halt_BJ[..., None]), (1, S, 1))  # pair m = (step m // J, m % J)
+    step_M1 = (jnp.arange(S * J) // J)[:, None]
+    stands_BMS = step_M1 <= cap_BMS if rule in ('best', 'vote') else step_M1 == cap_BMS
+
+    def votes(p_ML, right_M, stands_MS):  # how many standing pairs with q > 0 give each pair's answer (compared whole)
+        return (jnp.all(p_ML[:, None] == p_ML[None], -1) & right_M).astype(jnp.float32) @ stands_MS.astype(jnp.float32)
+    votes_BMS = jnp.where(stands_BMS, jax.lax.map(lambda x: votes(*x), (preds_BML, q_BM > 0, stands_BMS))
+                          if rule == 'vote' else 0, -1)
+    pick_BS = jnp.argmax(jnp.where(votes_BMS == votes_BMS.max(1, keepdims=True), q_BM[..., None], -jnp.inf), axis=1)
+    return take_along(preds_BML, pick_BS, 1).swapaxes(0, 1), jnp.sum(halt_BJ + 1, axis=1)
 
 
 def parallel_decode(cfg, graph, params, q_BL, steps, trajectories=None):
-    """decoder=trm_parallel: J = parallel.trajectories (or `trajectories`) runs of the TRM per puzzle, each
-    decoded by the trm.eval_halt rule, the first without noise and the others with parallel.noise on the
-    latent; the answer is the one the halting head is surest of (highest q). No Sudoku rule is used. The
-    draws depend on the puzzle and the trajectory, not on the batch. One trajectory is the plain TRM
-    (decoder=trm). Returns (answers after each step [S, B, L], forward passes per puzzle [B]: every
-    trajectory's)."""
+    """decoder=trm_parallel: J = parallel.trajectories (or `trajectories`) runs of the TRM per puzzle, the
+    first without noise and the others with parallel.noise on the latent; trm.eval_halt picks the answer
+    (pick_answers). No Sudoku rule is used. The draws depend on the puzzle and the trajectory, not on the
+    batch. One trajectory is the plain TRM (decoder=trm). Returns (answers after each step [S, B, L], forward
+    passes per puzzle [B]: every trajectory's)."""
     (B, L), J = q_BL.shape, trajectories or cfg.parallel.trajectories
     keys_BJ = jax.vmap(lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J))(puzzle_hash(q_BL))
     scale_N = jnp.tile(jnp.arange(J) > 0, B) * cfg.parallel.noise
     run = trm_steps(cfg, graph, params, jnp.repeat(q_BL, J, axis=0), steps,
                     (keys_BJ.reshape(B * J), scale_N[:, None, None]) if J > 1 else None)
-    preds_SNL, q_SN, halt_N = halt_decode(run.preds_SNL, run.halt_SN, cfg.trm.eval_halt)
-    best_SB = jnp.argmax(q_SN.reshape(steps, B, J), axis=-1)
-    preds_SBL = take_along(preds_SNL.reshape(steps, B, J, L), best_SB[..., None], 2)[:, :, 0]
-    return preds_SBL, halt_N.reshape(B, J).sum(axis=1)
+    return pick_answers(run.preds_SNL.reshape(steps, B, J, L), run.halt_SN.reshape(steps, B, J), cfg.trm.eval_halt)
 
 
 # ==================================================================================================
@@ -1255,8 +1255,8 @@ SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
     ('nonneg', 'trm.halt_loss_weight trm.train_noise parallel.noise tot.loss_weight tot.logp_weight'),
     ('share', 'trm.halt_explore_prob'), ('decay', 'trm.ema_decay'), ('bool', 'augment tot.rule_checks tot.propagate'),
     (('ints', 0, 81), 'sudoku_blanks'), (('int', 1, 9), 'thoughts_per_step'), (('int', 1, 81), 'thought_cells'),
-    (('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot'), 'decoder'), (('first', 'best', 'last'), 'trm.eval_halt'),
-    (('attention', 'mlp'), 'trm.mixer'))
+    (('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot'), 'decoder'), (('attention', 'mlp'), 'trm.mixer'),
+    (('first', 'best', 'last', 'vote'), 'trm.eval_halt'))
 SUDOKU = Task(module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token, step_metrics=trm_step_metrics,
               eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
               keys=SUDOKU_KEYS, dataset=data.SudokuData, eval_weights='ema', eval_all=True,

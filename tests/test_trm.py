@@ -100,23 +100,35 @@ def test_ema_update():
 
 
 def test_halting_head_stops_decoding():
-    # Three puzzles, four steps. 'first': the first puzzle halts at step 2 (its first q > 0), the second
-    # never (keeps the last step's answer), the third at step 1 even though q dips below 0 later.
+    # Three puzzles, four steps, one trajectory. 'first': the first puzzle halts at step 2 (its first q > 0), the
+    # second never (keeps the last step's answer), the third at step 1 even though q dips below 0 later.
     # 'best': each step keeps the answer with the highest q so far (the third moves to step 3's, q 3 > 2;
     # ties keep the earlier step, so the second keeps step 1's).
     preds = jnp.arange(4)[:, None, None] * 10 + jnp.arange(3)[None, :, None] + jnp.zeros((4, 3, 2), int)
     q = jnp.array([[-1., -1., 2.], [3., -1., -5.], [-2., -1., 3.], [1., -1., 1.]])
-    got, q_kept, passes = model_lib.halt_decode(preds, q, 'first')
+    pick = lambda rule: model_lib.pick_answers(preds[:, :, None], q[:, :, None], rule)
+    got, passes = pick('first')
     np.testing.assert_array_equal(passes, [2, 4, 1])
-    np.testing.assert_array_equal(q_kept, [[-1, -1, 2], [3, -1, 2], [3, -1, 2], [3, -1, 2]])
     np.testing.assert_array_equal(got[:, :, 0], [[0, 1, 2], [10, 11, 2], [10, 21, 2], [10, 31, 2]])
-    got, q_kept, passes = model_lib.halt_decode(preds, q, 'best')
+    got, passes = pick('best')
     np.testing.assert_array_equal(passes, [4, 4, 4])
-    np.testing.assert_array_equal(q_kept, [[-1, -1, 2], [3, -1, 2], [3, -1, 3], [3, -1, 3]])
     np.testing.assert_array_equal(got[:, :, 0], [[0, 1, 2], [10, 1, 2], [10, 1, 22], [10, 1, 22]])
-    got, q_kept, passes = model_lib.halt_decode(preds, q, 'last')
-    np.testing.assert_array_equal(got, preds)
-    np.testing.assert_array_equal(q_kept, q)
+    np.testing.assert_array_equal(pick('last')[0], preds)
+
+
+def test_vote_picks_the_answer_most_steps_call_right():
+    """trm.eval_halt=vote over (step, trajectory) pairs: the answer given most often with q > 0 wins over a
+    single surer one; ties go to the highest q, and with no q > 0 it is the highest q (best's answer)."""
+    # One puzzle, three steps, two trajectories: answers 7 (q 5 at step 0), 8 (q 1 at steps 1, 2 of trajectory
+    # 0 and q 2 at step 2 of trajectory 1), 9 with q < 0.
+    preds = jnp.array([[7, 9], [8, 9], [8, 8]])[:, None, :, None] + jnp.zeros((3, 1, 2, 4), int)
+    q = jnp.array([[5., -1.], [1., -2.], [1., 2.]])[:, None]
+    got, passes = model_lib.pick_answers(preds, q, 'vote')
+    np.testing.assert_array_equal(got[:, 0, 0], [7, 7, 8])  # step 1: 7 and 8 one vote each, 7 surer; step 2: 8 x 3
+    assert passes[0] == 6
+    got, _ = model_lib.pick_answers(preds, -jnp.abs(q) - jnp.array([0., 1., 2.])[:, None, None], 'vote')
+    np.testing.assert_array_equal(got[:, 0, 0], [9, 9, 9])  # no q > 0: the highest q, -1 at step 0
+    np.testing.assert_array_equal(got, model_lib.pick_answers(preds, -jnp.abs(q), 'best')[0])
 
 
 def test_parallel_trajectories_are_picked_by_the_halting_head(tmp_path):
@@ -130,7 +142,7 @@ def test_parallel_trajectories_are_picked_by_the_halting_head(tmp_path):
     decode = lambda *o: jax.jit(lambda q: model_lib.parallel_decode(cfg_for(tmp_path, 'trm.N_sup=3', *o), m, params,
                                                                     q, 3))
     preds, _, _, q_SN = model_lib.trm_steps(cfg, m, params, q, 3)
-    want, _, halts = model_lib.halt_decode(preds, q_SN, cfg.trm.eval_halt)
+    want, halts = model_lib.pick_answers(preds[:, :, None], q_SN[:, :, None], cfg.trm.eval_halt)
     got, passes = decode('parallel.trajectories=4', 'parallel.noise=0')(q)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(passes, 4 * halts)
