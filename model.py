@@ -892,8 +892,8 @@ def pick_answers(preds_SBJL, q_SBJ, rule):
 
     def votes(p_ML, right_M, stands_MS):  # how many standing pairs with q > 0 give each pair's answer (compared whole)
         return (jnp.all(p_ML[:, None] == p_ML[None], -1) & right_M).astype(jnp.float32) @ stands_MS.astype(jnp.float32)
-    votes_BMS = jnp.where(stands_BMS, jax.lax.map(lambda x: votes(*x), (preds_BML, q_BM > 0, stands_BMS))
-                          if rule == 'vote' else 0, -1)
+    votes_BMS = jax.lax.map(lambda x: votes(*x), (preds_BML, q_BM > 0, stands_BMS)) if rule == 'vote' else 0
+    votes_BMS = jnp.where(stands_BMS, votes_BMS, -1)  # a pair not standing never wins
     pick_BS = jnp.argmax(jnp.where(votes_BMS == votes_BMS.max(1, keepdims=True), q_BM[..., None], -jnp.inf), axis=1)
     return take_along(preds_BML, pick_BS, 1).swapaxes(0, 1), jnp.sum(halt_BJ + 1, axis=1)
 
