@@ -1311,8 +1311,7 @@ def _csv_grids(path, reader):
     """(puzzle strings, solution strings, their line numbers) of a CSV reader's rows, each row checked. A header
     names its columns with one of the spellings in use; without one, columns are read by position as the TRM
     reference does: the public layout source,question,answer,rating (or a bare puzzle,solution pair)."""
-    puzzles, solutions, lines = [], [], []
-    first = next(reader, [])
+    puzzles, solutions, lines, first = [], [], [], next(reader, [])
     names = [c.strip().lower() for c in first]
     named = [(names.index(q), names.index(a)) for q, a in (('q', 'a'), ('question', 'answer'), ('puzzle', 'solution'))
              if q in names and a in names]

@@ -316,8 +316,7 @@ class Attention(nnx.Module):
         # Tokens attend only within their own packed document (segment); padding is segment 0.
         mask_B1LL = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
         if cache is not None:  # generation (train.generate): the cache mask holds causality
-            k_BLGK, v_BLGK, mask_B1LL, cache = kv_cache(cache, k_BLGK, v_BLGK, positions_BL)
-            causal = False
+            (k_BLGK, v_BLGK, mask_B1LL, cache), causal = kv_cache(cache, k_BLGK, v_BLGK, positions_BL), False
         if cfg.attention == 'einsum' or cache is not None:  # a decode step has one query: no kernel needed
             out_BLHK = gqa_attention(q_BLHK, k_BLGK, v_BLGK, mask_B1LL, causal, dt)
         elif cfg.attention == 'splash':
@@ -750,8 +749,8 @@ class TRM(nnx.Module):
     def __call__(self, inputs_BL, positions_BL, segment_ids_BL, y_BLD, z_BLD, fresh_B, noise=None):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x_BLD = jnp.take(constrain(self.embed[...], (None, None)), inputs_BL, axis=0).astype(dt)
-        y_BLD = jnp.where(fresh_B[:, None, None], self.y_init[...].astype(dt), y_BLD.astype(dt))
-        z_BLD = jnp.where(fresh_B[:, None, None], self.z_init[...].astype(dt), z_BLD.astype(dt))
+        y_BLD, z_BLD = (jnp.where(fresh_B[:, None, None], init[...].astype(dt), h.astype(dt))
+                        for init, h in ((self.y_init, y_BLD), (self.z_init, z_BLD)))
         net = lambda h_BLD: self.net_norm(self.net(h_BLD, positions_BL, segment_ids_BL)[0])
 
         def kick(z_BLD, i):  # Gaussian noise on the latent, update i's own draw per row; noise = (keys [B], scale)
@@ -767,8 +766,7 @@ class TRM(nnx.Module):
         for t in range(cfg.trm.T - 1):
             y_BLD, z_BLD = cycle(y_BLD, z_BLD, t)
         y_BLD, z_BLD = cycle(*jax.lax.stop_gradient((y_BLD, z_BLD)), cfg.trm.T - 1)  # gradient through this one only
-        logits_BLV = product('bld,dv->blv', y_BLD, self.head[...], dt, jnp.float32)
-        y32_BLD = y_BLD.astype(jnp.float32)
+        logits_BLV, y32_BLD = product('bld,dv->blv', y_BLD, self.head[...], dt, jnp.float32), y_BLD.astype(jnp.float32)
         q_B = jnp.mean(y32_BLD, axis=1) @ self.halt[...].astype(jnp.float32) + self.halt_bias[...]
         cell_BL = y32_BLD @ self.value[...].astype(jnp.float32) + self.value_bias[...]
         return y_BLD, z_BLD, logits_BLV, q_B, jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1)  # log value: sum over cells
@@ -898,18 +896,31 @@ def pick_answers(preds_SBJL, q_SBJ, rule):
     return take_along(preds_BML, pick_BS, 1).swapaxes(0, 1), jnp.sum(halt_BJ + 1, axis=1)
 
 
-def parallel_decode(cfg, graph, params, q_BL, steps, trajectories=None):
-    """decoder=trm_parallel: J = parallel.trajectories (or `trajectories`) runs of the TRM per puzzle, the
+def parallel_decode(cfg, graph, params, q_BL, steps, plain=False):
+    """decoder=trm_parallel: J = parallel.trajectories runs of the TRM per puzzle (plain: one, decoder=trm), the
     first without noise and the others with parallel.noise on the latent; trm.eval_halt picks the answer
-    (pick_answers). No Sudoku rule is used. The draws depend on the puzzle and the trajectory, not on the
-    batch. One trajectory is the plain TRM (decoder=trm). Returns (answers after each step [S, B, L], forward
-    passes per puzzle [B]: every trajectory's)."""
-    (B, L), J = q_BL.shape, trajectories or cfg.parallel.trajectories
-    keys_BJ = jax.vmap(lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J))(puzzle_hash(q_BL))
-    scale_N = jnp.tile(jnp.arange(J) > 0, B) * cfg.parallel.noise
-    run = trm_steps(cfg, graph, params, jnp.repeat(q_BL, J, axis=0), steps,
-                    (keys_BJ.reshape(B * J), scale_N[:, None, None]) if J > 1 else None)
-    return pick_answers(run.preds_SNL.reshape(steps, B, J, L), run.halt_SN.reshape(steps, B, J), cfg.trm.eval_halt)
+    (pick_answers). With parallel.extra_trajectories E, a puzzle whose answer fewer than parallel.sure_votes
+    (step, trajectory) pairs with q > 0 give runs E noisy trajectories more and is picked again from all J + E
+    (adaptive width: only those puzzles pay for them). No Sudoku rule is used. The draws depend on the puzzle
+    and the trajectory, not on the batch. Returns (answers after each step [S, B, L], forward passes per puzzle
+    [B]: every trajectory's)."""
+    (B, L), (J, E) = q_BL.shape, (1, 0) if plain else (cfg.parallel.trajectories, cfg.parallel.extra_trajectories)
+    keys_BK = jax.vmap(lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J + E))(puzzle_hash(q_BL))
+
+    def run(q_NL, keys_NK, clean):  # answers [S, N, K, L], halting logits [S, N, K]; the first `clean` without noise
+        (N, K), noise = keys_NK.shape, jnp.arange(keys_NK.size) % keys_NK.shape[1] >= clean
+        r = trm_steps(cfg, graph, params, jnp.repeat(q_NL, K, axis=0), steps,
+                      (keys_NK.reshape(N * K), noise[:, None, None] * cfg.parallel.noise) if J + E > 1 else None)
+        return r.preds_SNL.reshape(steps, N, K, L), r.halt_SN.reshape(steps, N, K)
+    preds_SBJL, q_SBJ = run(q_BL, keys_BK[:, :J], 1)
+    answers_SBL, passes_B = pick_answers(preds_SBJL, q_SBJ, cfg.trm.eval_halt)
+    unsure_B = jnp.sum(jnp.all(preds_SBJL == answers_SBL[-1][:, None], -1) & (q_SBJ > 0), (0, 2)) < cfg.parallel.sure_votes
+
+    def widen(unsure, q_L, keys_E, p_SJL, q_SJ, a_SL):  # one puzzle: only if unsure, E more trajectories, picked from all
+        pool = lambda: [jnp.concatenate([a[:, None], b], 2) for a, b in zip((p_SJL, q_SJ), run(q_L[None], keys_E[None], 0))]
+        return jax.lax.cond(unsure, lambda: pick_answers(*pool(), cfg.trm.eval_halt)[0][:, 0], lambda: a_SL)
+    xs = (unsure_B, q_BL, keys_BK[:, J:], preds_SBJL.swapaxes(0, 1), q_SBJ.swapaxes(0, 1), answers_SBL.swapaxes(0, 1))
+    return (jax.lax.map(lambda x: widen(*x), xs).swapaxes(0, 1) if E else answers_SBL), passes_B + unsure_B * E * steps
 
 
 # ==================================================================================================
@@ -921,8 +932,7 @@ def partial_states(key, q_BL, a_BL, sparse_B=None):
     random share of the blanks filled from the solution, and in half of the rows one blank set to a wrong
     digit, one that breaks no rule where the grid allows it (the mistakes a solver makes). Label: True =
     every digit agrees with the solution (for a unique-solution puzzle: the grid can still be completed)."""
-    k_frac, k_fill, k_bad, k_cell, k_digit, k_drop = jax.random.split(key, 6)
-    B, L = q_BL.shape
+    (B, L), (k_frac, k_fill, k_bad, k_cell, k_digit, k_drop) = q_BL.shape, jax.random.split(key, 6)
     sparse_B = jnp.arange(B) % 2 == 1 if sparse_B is None else sparse_B
     drop_BL = jax.random.uniform(k_drop, (B, L)) < jnp.where(sparse_B, 1 / 3, 0.0)[:, None]
     q_BL = jnp.where(drop_BL, 0, q_BL)
@@ -974,8 +984,7 @@ def fill_forced(grids_NL):
     and a digit with one legal cell left in a row, column or box (a hidden single). Costs no forward pass
     (tot.propagate). Contradictions it meets (two cells forced to one digit) are left for dead_end."""
     def fill(c):
-        g_NL = c[0]
-        ok_NLC = legal_digits(g_NL)
+        g_NL, ok_NLC = c[0], legal_digits(c[0])
         single_NUC = MEMBERS @ ok_NLC.astype(jnp.float32) == 1
         hidden_NLC = MEMBERS.T @ single_NUC.astype(jnp.float32) > 0
         forced_NLC = ok_NLC & ((jnp.sum(ok_NLC, axis=-1, keepdims=True) == 1) | hidden_NLC)
@@ -1104,8 +1113,7 @@ def search_step(evaluate, search, c):
     # A finished puzzle's held states change on like the others': harmless, its answer and evals no longer do.
     top_BM, idx_BM = jax.lax.top_k(pool['score'], c['held']['score'].shape[1])
     held = jax.tree.map(lambda x: take_along(x, idx_BM, 1), pool)
-    evals = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0)
-    depth = c['depth'] + 1
+    evals, depth = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0), c['depth'] + 1
     stop = (c['stop'] | found_B | (evals >= search.max_thoughts) | ~jnp.any(top_BM > -jnp.inf, axis=1)
             | (depth >= search.max_depth))
     return {'held': held, 'stop': stop, 'answer': answer, 'evals': evals, 'depth': depth}
@@ -1150,8 +1158,8 @@ def sudoku_decode(cfg, graph, params, batch):
     partial grids made from the batch (for its AUROC)}."""
     q_BL = batch['inputs'] - 1
     if cfg.decoder.startswith('trm'):  # trm: the plain TRM, one trajectory without noise
-        J = 1 if cfg.decoder == 'trm' else cfg.parallel.trajectories
-        preds_SBL, passes_B = parallel_decode(cfg, graph, params, q_BL, cfg.trm.eval_steps or cfg.trm.N_sup, J)
+        preds_SBL, passes_B = parallel_decode(cfg, graph, params, q_BL, cfg.trm.eval_steps or cfg.trm.N_sup,
+                                              cfg.decoder == 'trm')
     else:  # a search: each state it evaluates runs this many supervision steps
         steps = max(cfg.tot.policy_steps, cfg.tot.value_step)
 
@@ -1250,8 +1258,8 @@ def trm_step_metrics(sums, weight):
 
 SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
     ('count', 'sudoku_train_puzzles sudoku_eval_puzzles beam_width max_depth max_thoughts trm.T trm.n trm.N_sup '
-              'parallel.trajectories tot.policy_steps tot.value_step'),
-    ('off', 'trm.eval_steps tot.start_step tot.frontier'),
+              'parallel.trajectories parallel.sure_votes tot.policy_steps tot.value_step'),
+    ('off', 'trm.eval_steps parallel.extra_trajectories tot.start_step tot.frontier'),
     ('nonneg', 'trm.halt_loss_weight trm.train_noise parallel.noise tot.loss_weight tot.logp_weight'),
     ('share', 'trm.halt_explore_prob'), ('decay', 'trm.ema_decay'), ('bool', 'augment tot.rule_checks tot.propagate'),
     (('ints', 0, 81), 'sudoku_blanks'), (('int', 1, 9), 'thoughts_per_step'), (('int', 1, 81), 'thought_cells'),

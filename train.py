@@ -525,8 +525,7 @@ def make_train_step(cfg, task, graph, tx):
                                      has_aux=True)
 
         def micro(acc, xs):  # one microbatch: add its gradient (float32) and loss to the running sums
-            grads, loss = acc
-            mb, carry, key = xs
+            (grads, loss), (mb, carry, key) = acc, xs
             (l, (sums, carry)), g = grad_fn(params, mb, carry, key)
             return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), loss + l), (sums, carry)
 

@@ -152,6 +152,34 @@ def test_parallel_trajectories_are_picked_by_the_halting_head(tmp_path):
     np.testing.assert_array_equal(noisy(q[1:3])[0], got[:, 1:3])
 
 
+def test_adaptive_width_pays_only_for_unsure_puzzles(tmp_path):
+    """parallel.extra_trajectories E: a puzzle whose answer is unsure after J trajectories is picked from all
+    J + E exactly as J + E trajectories at once would pick it, and pays for them; a sure one (parallel.sure_votes
+    pairs with q > 0 give its answer) pays for J only; a puzzle's result does not depend on the batch around it."""
+    b = sudoku_batch(4)
+    q = b['inputs'] - 1
+    cfg = cfg_for(tmp_path, 'trm.N_sup=3')
+    m, params, _ = init_trm(cfg, b)
+    decode = lambda *o: jax.jit(lambda q: model_lib.parallel_decode(
+        cfg_for(tmp_path, 'trm.N_sup=3', 'trm.eval_halt=vote', *o), m, params, q, 3))
+    wide, wide_passes = decode('parallel.trajectories=6', 'parallel.noise=1')(q)
+    got, passes = decode('parallel.trajectories=2', 'parallel.extra_trajectories=4', 'parallel.noise=1',
+                         'parallel.sure_votes=99')(q)  # every puzzle unsure
+    np.testing.assert_array_equal(got, wide)
+    np.testing.assert_array_equal(passes, wide_passes)
+    # Without noise both trajectories agree; the halting bias moved so that two puzzles' answers get q > 0 at
+    # some step (2 votes: sure) and two never (unsure).
+    q_SN = model_lib.trm_steps(cfg, m, params, q, 3).halt_SN
+    bias = lambda path, x: x - jnp.median(q_SN.max(0)) if 'halt_bias' in jax.tree_util.keystr(path) else x
+    params = jax.tree_util.tree_map_with_path(bias, params)
+    adaptive = decode('parallel.trajectories=2', 'parallel.extra_trajectories=4', 'parallel.noise=0',
+                      'parallel.sure_votes=2')
+    got, passes = adaptive(q)
+    np.testing.assert_array_equal(passes, np.where(q_SN.max(0) > jnp.median(q_SN.max(0)), 6, 18))
+    np.testing.assert_array_equal(got, decode('parallel.trajectories=6', 'parallel.noise=0')(q)[0])
+    np.testing.assert_array_equal(adaptive(q[1:3])[0], got[:, 1:3])
+
+
 def test_scoring_overwrites_givens_and_checks_rules():
     q, a = data.generate_sudoku(3, 45, 0, stream='score')
     b = data._sudoku_batch(q, a, 4)  # row 3 is padding and must be skipped
