@@ -358,6 +358,12 @@ def checkpoint_steps(path):
     return path, sorted(int(d.name) for d in found if d.name.isdigit())
 
 
+def unwritable(cfg, run_dir, e):
+    """output_dir refusing a write: the user's to fix on a local disk (DataError), a fault in a bucket (WriteError)."""
+    kind = WriteError if remote(run_dir) else DataError
+    return kind(f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable output_dir')
+
+
 def make_run_dir(cfg, run_dir, log):
     """output_dir/run_name made (local or gs://); a local directory refusing is the user's to fix (DataError), a
     bucket refusing, a fault (WriteError)."""
@@ -368,9 +374,7 @@ def make_run_dir(cfg, run_dir, log):
                              f'cannot see it; create it (gcloud storage buckets create {bucket}) or fix output_dir')
         stored(run_dir).mkdir(parents=True, exist_ok=True)
     except STORAGE_ERRORS as e:
-        raise (WriteError if remote(run_dir) else DataError)(
-            f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable '
-            'output_dir') from None
+        raise unwritable(cfg, run_dir, e) from None
 
 
 def prepare_training(cfg, run_dir, log, barrier=lambda: None):
@@ -391,9 +395,7 @@ def prepare_training(cfg, run_dir, log, barrier=lambda: None):
         probe.write_text('')
         probe.unlink()
     except STORAGE_ERRORS as e:
-        raise (WriteError if remote(run_dir) else DataError)(
-            f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable '
-            'output_dir') from None
+        raise unwritable(cfg, run_dir, e) from None
 
 
 def resume_metrics(run_dir, step, log=print):
@@ -1419,8 +1421,7 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     try:
         os.makedirs(cfg.cache_dir, exist_ok=True)
     except OSError as e:
-        raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable '
-                        'cache_dir') from None
+        raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable cache_dir') from None
     kinds = {'synthetic': SyntheticData, 'hf': StreamData if cfg.hf_streaming else TextData}  # else files, stdlib, tfds
     return (source or kinds.get(cfg.dataset, TextData))(cfg, process_index, process_count, log)
 

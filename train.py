@@ -13,6 +13,7 @@ import contextlib, ctypes, dataclasses, difflib, faulthandler, functools, glob, 
 import os, pkgutil, re, resource, signal, subprocess, sys, tempfile, threading, time
 from typing import Annotated, Any, Callable, Literal, NamedTuple
 
+from absl import flags as absl_flags
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -268,13 +269,11 @@ def check(cfg, task):
                 for a in (to if isinstance(to, tuple) else [to]) if a and a not in cfg.mesh_axes] or [('', '')]
     first, last = cfg.profile_steps
     rules = [
-        (cfg.num_heads % cfg.num_kv_heads, f'num_heads={cfg.num_heads} must be a multiple of num_kv_heads='
-                                           f'{cfg.num_kv_heads}'),
+        (cfg.num_heads % cfg.num_kv_heads, f'num_heads={cfg.num_heads} must be a multiple of num_kv_heads={cfg.num_kv_heads}'),
         (not cfg.head_dim and cfg.d_model % cfg.num_heads, f'd_model={cfg.d_model} is not divisible by num_heads='
                                                            f'{cfg.num_heads}; change one, or set head_dim explicitly'),
         (model_lib.dims(cfg) % 2, f'head dim {model_lib.dims(cfg)} must be even for RoPE; set head_dim'),
-        (len(cfg.mesh) != len(cfg.mesh_axes), f'mesh={mesh} has {len(cfg.mesh)} entries but mesh_axes={axes} names '
-                                              f'{len(cfg.mesh_axes)}'),
+        (len(cfg.mesh) != len(cfg.mesh_axes), f'mesh={mesh} has {len(cfg.mesh)} entries but mesh_axes={axes} names {len(cfg.mesh_axes)}'),
         (unmapped[0][1], f'logical_axis_rules maps {unmapped[0][0]!r} to mesh axis {unmapped[0][1]!r}, which '
                          f'mesh_axes={axes} does not name'),
         ((first, last) != (0, 0) and not 1 <= first <= last <= cfg.steps,
@@ -588,7 +587,10 @@ def evaluator(cfg, task, eval_step, feed):
         t0 = time.perf_counter()
         batches, outs = ds.eval_batches(feed.rows // jax.process_count(), n_batches), []
         for i, b in enumerate(batches):
-            outs.append(to_host(eval_step(state[task.eval_weights], global_batch(b, feed.eval_sharding, feed.rows))))
+            w, x = state[task.eval_weights], global_batch(b, feed.eval_sharding, feed.rows)
+            if i == 0:  # compiled ahead, then every host goes on at once: a collective's first run (Gloo, on CPU) waits 30 s
+                eval_step.lower(w, x).compile(), agree('', cfg.host_timeout)
+            outs.append(to_host(eval_step(w, x)))
             beat()
             if len(batches) > 1 and time.perf_counter() - t0 > 10:  # a search can take minutes: say where it is
                 log(f'eval: {i + 1}/{len(batches)} batches ({time.perf_counter() - t0:.0f}s)')
@@ -629,6 +631,9 @@ def checkpoints(directory, cfg, read_only=False):
     any path, lets a save still in flight land first, then closes the manager."""
     # The step directory is made before save() returns, so a directory that refuses it fails there and
     # then, not in a background thread that the end of the run would wait on.
+    # Its barriers go through the coordination service (with its timeout), not a collective: on CPU (Gloo) a
+    # collective's first run waits only 30 s for the other hosts, and one host can be that far behind at a barrier.
+    absl_flags.FLAGS.mark_as_parsed(), setattr(absl_flags.FLAGS, 'experimental_orbax_use_distributed_barrier', True)
     opts = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints or None, create=not read_only,
                                         cleanup_tmp_directories=not read_only, read_only=read_only,
                                         enable_async_checkpointing=True,
@@ -955,8 +960,7 @@ class Watchdog(threading.Thread):
         # A pipe the signal machinery writes a byte to at once, even while the main thread waits inside a step, where
         # no Python handler runs (set from the main thread).
         self.wakeup, self.write_end = os.pipe()
-        for end in (self.wakeup, self.write_end):
-            os.set_blocking(end, False)
+        os.set_blocking(self.wakeup, False), os.set_blocking(self.write_end, False)
         self.old_wakeup = signal.set_wakeup_fd(self.write_end, warn_on_full_buffer=False)
         self.fixed, self.compile_seconds = cfg.stall_seconds, compile_seconds
         self.step, self.at, self.typical, self.signalled = 0, time.monotonic(), 0.0, None
@@ -980,8 +984,7 @@ class Watchdog(threading.Thread):
         self.done.set()
         self.join()
         signal.set_wakeup_fd(self.old_wakeup)
-        for end in (self.wakeup, self.write_end):
-            os.close(end)
+        os.close(self.wakeup), os.close(self.write_end)
 
     def fire(self, why):
         with open(self.path, 'w') as f:
@@ -1115,6 +1118,7 @@ def train(cfg, task, state, it, ds, job):
     job.writer = data.MetricsWriter(cfg, job.dir, start, log)  # before the compile: a W&B problem shows at once
     try:
         t_xla, m = compile_step(job.built.train_step, state, job.built.feed)
+        agree('', cfg.host_timeout)  # all hosts leave the compile together: a collective's first run (Gloo, on CPU) waits 30 s
         line, compiled = compiled_line(m) if m else ('', None)
         log(f'step compiled in {t_xla:.1f}s; {line}')
         if compiled and jax.local_devices()[0].platform == 'cpu':

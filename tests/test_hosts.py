@@ -187,6 +187,40 @@ def test_a_stalled_host_is_named_with_its_stacks(tmp_path):
     assert 'Thread 0x' in (tmp_path / 'default' / 'stacks-p0.txt').read_text()
 
 
+
+LATE = """
+import os, sys, time
+import train
+def late(f):  # on process 1, each call LATE_S seconds after process 0's
+    def wrapped(*a, **k):
+        time.sleep(float(os.environ['LATE_S']) if train.jax.process_index() == 1 else 0)
+        return f(*a, **k)
+    return wrapped
+for name in os.environ['LATE_AT'].split(','):  # evaluator: the evaluate function it makes
+    f = getattr(train, name)
+    setattr(train, name, (lambda *a, f=f: late(f(*a))) if name == 'evaluator' else late(f))
+sys.exit(train.main(['train.py', *sys.argv[1:]]))
+"""
+
+
+def test_a_host_later_than_gloo_waits_still_trains_and_evaluates(tmp_path):
+    """Process 1 reaches the checkpoint manager (orbax's barrier) and the step's compile 32 s after process 0 each
+    time (a slow bucket read, a busy host): both train and exit 0; then mode=eval with process 1 as late to the eval
+    step's compile: both evaluate. On CPU a collective's first run waits only 30 s for the other hosts (Gloo's own
+    limit, not host_timeout): before, process 0 ended with 'lost process 1 ... Gloo context initialization failed:
+    ... GetKeyValue() timed out'."""
+    for late_at, mode in (('checkpoints,compile_step', 'train'), ('evaluator', 'eval')):
+        port, t0 = free_port(), time.time()
+        env = lambda i: {**ENV, 'JAX_NUM_CPU_DEVICES': '2', 'JAX_COORDINATOR_ADDRESS': f'127.0.0.1:{port}',
+                         'JAX_PROCESS_COUNT': '2', 'JAX_PROCESS_INDEX': str(i), 'LATE_S': '32', 'LATE_AT': late_at}
+        got = ended([subprocess.Popen([sys.executable, '-c', LATE, BASE, *args(
+            tmp_path, *HOSTS, 'steps=2', 'eval_batches=1', 'host_timeout=120', f'mode={mode}')], cwd=ROOT, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(i)) for i in range(2)], timeout=400)
+        print(f'mode={mode}, process 1 late by 32 s at {late_at}: both ended after {time.time() - t0:.0f}s')
+        assert [code for code, _, _ in got] == [0, 0], [err[-2000:] for _, err, _ in got]
+        assert ('eval loss' if mode == 'train' else '"perplexity"') in got[0][2] and time.time() - t0 > 32 * (
+            1 + (mode == 'train'))
+
 HANGS_AT_STEP_4 = """
 import sys, time
 import train
