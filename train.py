@@ -629,11 +629,11 @@ def wait_for_saves(mngr):
 def checkpoints(directory, cfg, read_only=False):
     """The orbax CheckpointManager of a checkpoints/ directory, open for the block. Leaving the block, by
     any path, lets a save still in flight land first, then closes the manager."""
-    # The step directory is made before save() returns, so a directory that refuses it fails there and
-    # then, not in a background thread that the end of the run would wait on.
-    # Its barriers go through the coordination service (with its timeout), not a collective: on CPU (Gloo) a
+    # Orbax's barriers go through the coordination service (with a timeout), not a collective: on CPU (Gloo) a
     # collective's first run waits only 30 s for the other hosts, and one host can be that far behind at a barrier.
     absl_flags.FLAGS.mark_as_parsed(), setattr(absl_flags.FLAGS, 'experimental_orbax_use_distributed_barrier', True)
+    # The step directory is made before save() returns, so a directory that refuses it fails there and
+    # then, not in a background thread that the end of the run would wait on.
     opts = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints or None, create=not read_only,
                                         cleanup_tmp_directories=not read_only, read_only=read_only,
                                         enable_async_checkpointing=True,
