@@ -365,8 +365,7 @@ def unwritable(cfg, run_dir, e):
 
 
 def make_run_dir(cfg, run_dir, log):
-    """output_dir/run_name made (local or gs://); a local directory refusing is the user's to fix (DataError), a
-    bucket refusing, a fault (WriteError)."""
+    """output_dir/run_name made (local or gs://); one that refuses is `unwritable`."""
     bucket = '/'.join(run_dir.split('/')[:3])  # gs://NAME
     try:
         if remote(run_dir) and not stored(bucket).exists():  # gcsfs would create the bucket a typo names

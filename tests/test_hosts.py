@@ -187,7 +187,6 @@ def test_a_stalled_host_is_named_with_its_stacks(tmp_path):
     assert 'Thread 0x' in (tmp_path / 'default' / 'stacks-p0.txt').read_text()
 
 
-
 LATE = """
 import os, sys, time
 import train
@@ -220,6 +219,7 @@ def test_a_host_later_than_gloo_waits_still_trains_and_evaluates(tmp_path):
         assert [code for code, _, _ in got] == [0, 0], [err[-2000:] for _, err, _ in got]
         assert ('eval loss' if mode == 'train' else '"perplexity"') in got[0][2] and time.time() - t0 > 32 * (
             1 + (mode == 'train'))
+
 
 HANGS_AT_STEP_4 = """
 import sys, time
