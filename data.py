@@ -24,6 +24,7 @@ import collections.abc
 import contextlib
 import csv
 import fcntl
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -49,6 +50,7 @@ import numpy as np
 from etils import epath
 from tensorboardX import SummaryWriter
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
+from typing import Callable, NamedTuple
 
 # Special ids of the tokenizers trained here. A tokenizer given by tokenizer_path keeps its own ids
 # (its eos is required; without a bos, eos also starts documents).
@@ -123,6 +125,48 @@ def storage_reason(e):
     text = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
     text = re.sub(r'(https?://[^\s?]+)\?\S*', r'\1', text)
     return re.sub(r'(?i)(token|signature|key)=[^\s&]+', r'\1=...', text)
+
+
+# A Hugging Face checkpoint's files, all load_hf reads or export writes: the weights (one file, or shards and their
+# index), the model's config, its tokenizer (tokenizer.json, or sentencepiece's tokenizer.model), its special tokens
+# and chat template.
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja')
+HF_FILES = ('config.json', 'generation_config.json', '*.safetensors', 'model.safetensors.index.json',
+            'tokenizer.model', *TOKENIZER_FILES)
+HUB_ID = re.compile(r'[\w.-]+/[\w.-]+')
+
+
+def hub_id(name):
+    """Whether load_hf=NAME names a hub model (Qwen/Qwen2.5-0.5B-Instruct), not a directory: org/name, not here."""
+    return bool(name) and not remote(name) and HUB_ID.fullmatch(name) and not os.path.exists(name)
+
+
+@functools.lru_cache
+def hf_dir(name):
+    """load_hf's checkpoint as a directory: a local or gs:// path as it is; a hub id fetched (the files above only)
+    into huggingface_hub's cache, once per process (HF_TOKEN for a gated model; HF_HUB_OFFLINE=1: the cache only)."""
+    if not hub_id(name):
+        return name
+    from huggingface_hub import snapshot_download
+    for logger in ('huggingface_hub', 'filelock'):
+        logging.getLogger(logger).setLevel(logging.CRITICAL)
+    try:
+        return snapshot_download(name, allow_patterns=list(HF_FILES))
+    except Exception as e:  # no network, no such repo, gated, offline and not cached: all one line
+        raise DataError(f'load_hf={name}: no such directory, and the Hugging Face hub did not give that model '
+                        f'({first_line(e, limit=120)}); a gated model needs HF_TOKEN, and offline '
+                        '(HF_HUB_OFFLINE=1) only models already in the hub cache load') from None
+
+
+def read_json(path, what=None):
+    """A JSON file (local or gs://) as an object; a DataError naming the file if it is damaged."""
+    try:
+        value = json.loads(stored(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise DataError(f'{path}: not valid JSON ({first_line(e, typed=False, limit=100)})') from None
+    if not isinstance(value, dict):
+        raise DataError(f'{path}: holds a JSON {type(value).__name__}, not the object {what or "expected"}')
+    return value
 
 
 def check_held(path):
@@ -333,12 +377,13 @@ def check_paths(cfg):
     is_dir, is_file = lambda p: stored(p).is_dir(), lambda p: stored(p).is_file()
     matches = lambda pattern: bool(expand(pattern))
     listed = lambda files: all(matches(f.strip()) for f in files.split(',') if f.strip())
-    wanted = {'load_params': is_dir, 'load_hf': is_dir, 'tokenizer_path': is_file,
+    hf_folder = lambda p: is_dir(hf_dir(p))  # a hub id is fetched first (or is one line saying why not)
+    wanted = {'load_params': is_dir, 'load_hf': hf_folder, 'tokenizer_path': lambda p: stored(p).exists(),
               'data_dir': is_dir, 'dataset_path': matches, 'eval_path': matches, 'hf_data_files': listed}
     for key, exists in wanted.items():
         value = getattr(cfg, key)
         if value and not exists(value):
-            what = ('no such directory' if exists is is_dir else
+            what = ('no such directory' if exists in (is_dir, hf_folder) else
                     'matches no files' if any(c in value for c in '*?[,') else 'no such file')
             raise DataError(f'{key}={value}: {what}; fix the path (or set {key}= to leave it out)')
     if cfg.load_params and not checkpoint_steps(cfg.load_params)[1]:
@@ -428,17 +473,21 @@ def move_up(local_dir, pattern, run_dir, name=None):
             os.remove(f)
 
 
-TOKENIZER_KEYS = ('tokenizer_path', 'vocab_size', 'dataset', 'dataset_path', 'tfds_name', 'train_split', 'hf_path',
+TOKENIZER_KEYS = ('tokenizer_path', 'load_hf', 'vocab_size', 'dataset', 'dataset_path', 'tfds_name', 'train_split', 'hf_path',
                   'hf_name', 'hf_data_files', 'hf_split', 'text_key')
 
 
 def keep_tokenizer(ds, run_dir, resumed, changes):
     """What a checkpoint's token ids mean is part of it: a run keeps its tokenizer as RUN_DIR/tokenizer.model, and
     a resume whose tokenizer differs (other files, vocab_size, tokenizer_path) stops, naming what changed (`changes`:
-    the keys changed since the run's config.yml, as 'key (old -> new)')."""
-    path, model = os.path.join(run_dir, 'tokenizer.model'), ds.tokenizer.serialized_model_proto()
+    the keys changed since the run's config.yml, as 'key (old -> new)'). A Hugging Face tokenizer is kept as
+    RUN_DIR/tokenizer.json with its special tokens and template beside it."""
+    tok = ds.tokenizer
+    path, model = os.path.join(run_dir, tok.primary), tok.files[tok.primary]
     if not (resumed and stored(path).exists()):
-        return write(path, model)
+        for name, content in tok.files.items() if tok.primary == 'tokenizer.json' else [(tok.primary, model)]:
+            write(os.path.join(run_dir, name), content)
+        return None
     if stored(path).read_bytes() != model:
         changed = [c for c in changes if c.split()[0] in TOKENIZER_KEYS] or [
             'the training text (its files changed, so the tokenizer trained on them did)']
@@ -691,8 +740,13 @@ def _announced(log, what):
 # ---- synthetic tokens --------------------------------------------------------------------------
 
 class SyntheticData(_Data):
-    """Uniform random tokens, row r of step s a pure function of (seed, s, r): no files, no tokenizer."""
+    """Uniform random tokens, row r of step s a pure function of (seed, s, r): no files. Its tokenizer is the one
+    tokenizer_path or load_hf's checkpoint names, if any (for generation and export), else none."""
     identity = 'synthetic'
+
+    def __init__(self, cfg, process_index, process_count, log=None):
+        super().__init__(cfg, process_index, process_count, log)
+        self.tokenizer = load_tokenizer(tokenizer_source(cfg), cfg) if tokenizer_source(cfg) else None
 
     def _row(self, stream, step, row):
         rng = np.random.default_rng([self.cfg.seed, stream, step, row])
@@ -1022,28 +1076,136 @@ def _save(path, write):
     os.replace(tmp, path)
 
 
-def _tokenizer(cfg, train_texts, identity, log=None):
-    import sentencepiece as spm
-    path = cfg.tokenizer_path or os.path.join(cfg.cache_dir, f'tokenizer_{identity}_bpe{cfg.vocab_size}.model')
-    if not cfg.tokenizer_path:  # trained once into cache_dir
-        with _locked(cfg.cache_dir):
-            if not os.path.exists(path):
-                with _announced(log, f'training a {cfg.vocab_size}-piece BPE tokenizer on the training text'):
-                    _train_tokenizer(_sentences(train_texts, cfg), cfg.vocab_size, path)
-    elif not epath.Path(path).is_file():
-        raise DataError(f'tokenizer_path={path!r}: file not found (set it to a sentencepiece .model, '
-                        "or '' to train one)")
+class Tokenizer(NamedTuple):
+    """The two kinds of tokenizer behind one face: sentencepiece (trained here, or a .model) and a Hugging Face
+    tokenizer.json (the byte-level BPE of Llama 3 and Qwen, through the `tokenizers` library) with the special tokens
+    and chat template its checkpoint names. Every pipeline, generation and export read only this."""
+    encode: Callable          # text -> ids, no special tokens added
+    decode: Callable          # ids -> text (special tokens dropped)
+    size: int                 # ids it can produce
+    bos_id: int | None        # starts every plain document and prompt; None: they start without one (Qwen)
+    eos_id: int               # ends every document (and a completion)
+    stop_ids: tuple           # ids that end a generation: eos, and generation_config.json's eos_token_id
+    chat_template: str | None  # jinja text rendering a list of messages (tokenizer_config.json), or None
+    special: dict             # what a template may name: bos_token, eos_token, pad_token
+    files: dict               # {file name: bytes}: what export writes; files[primary] is what a run keeps
+    primary: str              # 'tokenizer.model' or 'tokenizer.json'
+
+
+def sentencepiece_tokenizer(sp, max_length):
+    """Ours: bos, eos, pad and unk pieces set when trained (a given .model without a bos starts documents with eos)."""
+    piece = sp.id_to_piece
+    bos = sp.bos_id() if sp.bos_id() >= 0 else sp.eos_id()
+    config = {'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(bos), 'eos_token': piece(sp.eos_id()),
+              'unk_token': piece(sp.unk_id()), 'add_bos_token': True, 'add_eos_token': False,
+              'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
+              'model_max_length': max_length}
+    files = {'tokenizer.model': sp.serialized_model_proto(),
+             'tokenizer_config.json': json.dumps(config, indent=2).encode()}
+    return Tokenizer(sp.encode, sp.decode, sp.get_piece_size(), bos, sp.eos_id(), (sp.eos_id(),), None,
+                     {'bos_token': piece(bos), 'eos_token': piece(sp.eos_id())}, files, 'tokenizer.model')
+
+
+def _token_text(value):
+    """A special token as tokenizer_config.json writes it: its text, or {content: text, ...}, or null."""
+    return value.get('content') if isinstance(value, dict) else value
+
+
+def hf_tokenizer(path):
+    """A Hugging Face tokenizer from its directory (or its tokenizer.json): the special tokens from
+    tokenizer_config.json, the stop ids from generation_config.json too, the chat template from either file
+    transformers keeps it in. bos is prepended where the checkpoint's own tokenizer prepends it."""
+    import tokenizers
+    folder = (os.path.dirname(path) or '.') if path.endswith('.json') else path
+    file = os.path.join(folder, 'tokenizer.json')
     try:
-        sp = (spm.SentencePieceProcessor(model_proto=epath.Path(path).read_bytes()) if '://' in path  # gs://
+        files = {name: stored(os.path.join(folder, name)).read_bytes() for name in TOKENIZER_FILES
+                 if stored(os.path.join(folder, name)).is_file()}
+        tok = tokenizers.Tokenizer.from_str(files['tokenizer.json'].decode())
+    except Exception as e:  # a damaged file: tokenizers' own reason, one line
+        raise DataError(f'{file}: not a Hugging Face tokenizer ({first_line(e, limit=120)})') from None
+    config = read_json(os.path.join(folder, 'tokenizer_config.json')) if 'tokenizer_config.json' in files else {}
+    generation = os.path.join(folder, 'generation_config.json')
+    generation = read_json(generation) if stored(generation).is_file() else {}
+    special = {k: _token_text(config.get(k)) for k in ('bos_token', 'eos_token', 'pad_token')}
+    ids = {k: tok.token_to_id(v) if isinstance(v, str) else None for k, v in special.items()}
+    for key, value in special.items():
+        if isinstance(value, str) and ids[key] is None:
+            raise DataError(f'{folder}/tokenizer_config.json: {key} {value!r} is not a token of tokenizer.json')
+    stops = generation.get('eos_token_id')
+    stops = [stops] if isinstance(stops, int) else [s for s in stops or () if isinstance(s, int)]
+    eos = ids['eos_token'] if ids['eos_token'] is not None else (stops[0] if stops else None)
+    if eos is None:
+        raise DataError(f'{folder}: no eos token (tokenizer_config.json eos_token, generation_config.json '
+                        'eos_token_id), which ends every document: add one')
+    plain, marked = tok.encode('a', add_special_tokens=False).ids, tok.encode('a').ids
+    adds_bos = config.get('add_bos_token', len(marked) > len(plain) and marked[0] == ids['bos_token'])
+    template = config.get('chat_template')
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t.get('template') for t in template if t.get('name') == 'default'), None)
+    if 'chat_template.jinja' in files:
+        template = files['chat_template.jinja'].decode()
+    return Tokenizer(lambda text: tok.encode(text, add_special_tokens=False).ids,
+                     lambda ids: tok.decode(list(ids), skip_special_tokens=True),
+                     tok.get_vocab_size(with_added_tokens=True), ids['bos_token'] if adds_bos else None, eos,
+                     tuple(dict.fromkeys([eos, *stops])), template, {k: v or '' for k, v in special.items()},
+                     files, 'tokenizer.json')
+
+
+def tokenizer_source(cfg):
+    """Where the tokenizer comes from: tokenizer_path, else load_hf's checkpoint if it holds one, else '' (train one
+    here, for text)."""
+    if cfg.tokenizer_path or not cfg.load_hf:
+        return cfg.tokenizer_path
+    folder = hf_dir(cfg.load_hf)
+    has = any(stored(os.path.join(folder, name)).is_file() for name in ('tokenizer.json', 'tokenizer.model'))
+    return folder if has else ''
+
+
+def load_tokenizer(path, cfg):
+    """tokenizer_path (or load_hf's directory): a sentencepiece .model, a tokenizer.json, or a directory holding
+    either; checked against vocab_size (the model's embedding rows: a Hugging Face model's may be more)."""
+    import sentencepiece as spm
+    folder = stored(path).is_dir()
+    if folder or path.endswith('.json'):
+        kind = 'tokenizer.json' if stored(os.path.join(path, 'tokenizer.json')).is_file() or not folder else None
+        if folder and not kind and stored(os.path.join(path, 'tokenizer.model')).is_file():
+            return load_tokenizer(os.path.join(path, 'tokenizer.model'), cfg)
+        if not kind:
+            key = 'tokenizer_path' if cfg.tokenizer_path else 'load_hf'
+            raise DataError(f'{key}={getattr(cfg, key)}: no tokenizer.json or tokenizer.model in {path}; set '
+                            'tokenizer_path= to the model\'s tokenizer')
+        tok = hf_tokenizer(path)
+        if tok.size > cfg.vocab_size:
+            raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {tok.size} tokens: set '
+                            f'vocab_size={tok.size} or more')
+        return tok
+    try:
+        sp = (spm.SentencePieceProcessor(model_proto=stored(path).read_bytes()) if remote(path)
               else spm.SentencePieceProcessor(model_file=path))
     except (OSError, RuntimeError) as e:
         raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({first_line(e, typed=False, limit=120)}); '
-                        "give a .model file, or '' to train one") from None
+                        "give a .model file or a tokenizer.json, or '' to train one") from None
     if (size := sp.get_piece_size()) != cfg.vocab_size:
         raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: set vocab_size={size}')
     if sp.eos_id() < 0:
         raise DataError(f'tokenizer {path} has no eos piece, which ends every document: retrain it with eos_id set')
-    return sp
+    return sentencepiece_tokenizer(sp, cfg.max_target_length)
+
+
+def _tokenizer(cfg, train_texts, identity, log=None):
+    """The run's tokenizer: tokenizer_source(cfg), or a sentencepiece BPE trained once on the text into cache_dir."""
+    path = tokenizer_source(cfg)
+    if not path:  # trained once into cache_dir
+        path = os.path.join(cfg.cache_dir, f'tokenizer_{identity}_bpe{cfg.vocab_size}.model')
+        with _locked(cfg.cache_dir):
+            if not os.path.exists(path):
+                with _announced(log, f'training a {cfg.vocab_size}-piece BPE tokenizer on the training text'):
+                    _train_tokenizer(_sentences(train_texts, cfg), cfg.vocab_size, path)
+    elif not stored(path).exists():
+        raise DataError(f'tokenizer_path={path!r}: file not found (set it to a sentencepiece .model or a '
+                        "tokenizer.json, or '' to train one)")
+    return load_tokenizer(path, cfg)
 
 
 # ---- text: packing ----------------------------------------------------------------------------
@@ -1072,9 +1234,7 @@ class TextData(_Data):
         # The eval records this process reads: disjoint between processes, all of them together. A process
         # left without any (fewer records than processes) reads padding, which weighs nothing.
         self.eval_records = np.arange(process_index, len(self.eval_texts), process_count)
-        self.tokenizer = _tokenizer(cfg, self.train_texts, self.identity, self.log)  # of cfg.vocab_size pieces
-        self.eos_id = self.tokenizer.eos_id()
-        self.bos_id = self.tokenizer.bos_id() if self.tokenizer.bos_id() >= 0 else self.eos_id
+        self.tokenizer = _tokenizer(cfg, self.train_texts, self.identity, self.log)
         self._order = self.train_texts.shuffle(seed=cfg.seed).repeat().map(self.encode)
 
     def _sources(self):
@@ -1082,20 +1242,10 @@ class TextData(_Data):
         sources = {'tfds': _tfds_sources, 'hf': _hf_sources}.get(self.cfg.dataset)
         return sources(self.cfg) if sources else _file_sources(self.cfg, self.log)
 
-    def tokenizer_files(self):
-        """The tokenizer as Hugging Face reads a Llama one: {file name: contents} of tokenizer.model and
-        tokenizer_config.json (train.py writes them, to a disk or a bucket)."""
-        piece = self.tokenizer.id_to_piece
-        config = {'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(self.bos_id), 'eos_token': piece(self.eos_id),
-                  'unk_token': piece(self.tokenizer.unk_id()), 'add_bos_token': True, 'add_eos_token': False,
-                  'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
-                  'model_max_length': self.cfg.max_target_length}
-        return {'tokenizer.model': self.tokenizer.serialized_model_proto(),
-                'tokenizer_config.json': json.dumps(config, indent=2)}
-
     def encode(self, text):
-        """A document's tokens: bos, text, eos (so every token, the first included, is a target)."""
-        return np.asarray([self.bos_id] + self.tokenizer.encode(text) + [self.eos_id], np.int32)
+        """A document's tokens: bos (where the tokenizer has one), text, eos (so every token is a target)."""
+        tok = self.tokenizer
+        return np.asarray([tok.bos_id] * (tok.bos_id is not None) + tok.encode(text) + [tok.eos_id], np.int32)
 
     def _lane(self, row, rows):
         return _pack(super()._lane(row, rows), self.length)
@@ -1134,6 +1284,237 @@ class StreamData(TextData):
         batches = _pack(_Stream(self.cfg, host).map(self.encode), self.length).batch(local_rows, drop_remainder=True)
         return _StreamBatches(batches, self.cfg.prefetch, host, local_rows, self._resumable(state, local_rows),
                               self.identity)
+
+
+# ---- text: supervised fine-tuning (SFT) ---------------------------------------------------------------------------
+# Rows of a dataset=hf split that hold `messages` (a list of {role, content} turns) or `prompt` and `completion` are
+# SFT examples (trl's formats): each is tokenized whole with a mask of its answer's tokens, and rows are made of
+# whole examples, never one cut between rows.
+
+def sft_rows(cfg):
+    """Whether dataset=hf's rows are SFT examples: the first training row holds messages, or prompt and completion."""
+    if cfg.dataset != 'hf' or cfg.hf_streaming:
+        return False
+    split = _hf_split(cfg, 'hf_split')
+    first = split[0] if len(split) else {}
+    return cfg.text_key not in first and ('messages' in first or {'prompt', 'completion'} <= set(first))
+
+
+def chat_renderer(template, special):
+    """A chat template as transformers renders it (jinja2's sandbox, trim_blocks, lstrip_blocks, loop controls,
+    raise_exception and tojson): (messages, add_generation_prompt) -> text."""
+    import jinja2
+    import jinja2.sandbox
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=['jinja2.ext.loopcontrols'])
+    env.filters['tojson'] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
+        x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: time.strftime(fmt))
+    compiled = env.from_string(template)
+    return lambda messages, prompt: compiled.render(messages=messages, add_generation_prompt=prompt, **special)
+
+
+def _turns(messages, where):
+    """messages checked to be a list of {role, content} with text content."""
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
+            for m in messages):
+        raise DataError(f'{where}: messages must be a list of {{"role": ..., "content": "text"}} turns')
+    return messages
+
+
+def chat_spans(messages, render, first, where):
+    """[(text, is_answer)] of a conversation rendered whole by its chat template; the answers are the assistant turns
+    from index `first` on, each the text the template adds for it after the generation prompt (its end-of-turn
+    token included: the model learns to stop). The template must render each turn's prefix as the start of the
+    whole (true of Llama's, Qwen's, ChatML's); one that does not cannot mark the answers, and says so."""
+    answers = [i for i, m in enumerate(messages) if m['role'] == 'assistant' and i >= first]
+    if not answers:
+        raise DataError(f'{where}: no assistant turn to learn from (roles: {[m["role"] for m in messages]})')
+    try:
+        whole, spans, at = render(messages, False), [], 0
+        for i in answers:
+            before, through = render(messages[:i], True), render(messages[:i + 1], False)
+            if not (through.startswith(before) and whole.startswith(through) and len(before) >= at):
+                raise DataError(f'{where}: the chat template renders turn {i} differently inside the whole '
+                                'conversation, so its answer cannot be marked; give prompt/completion rows')
+            spans += [(whole[at:len(before)], False), (whole[len(before):len(through)], True)]
+            at = len(through)
+    except DataError:
+        raise
+    except Exception as e:  # the template's own error (raise_exception, a missing variable)
+        raise DataError(f'{where}: the chat template failed ({first_line(e, limit=120)})') from None
+    return spans + [(whole[at:], False)]
+
+
+def sft_example(record, tok, render, cfg, where):
+    """One SFT record -> (token ids, 1 where the token is an answer's) as int32 / bool arrays: messages through the
+    chat template (which writes bos and end-of-turn tokens itself); prompt + completion as bos, prompt, completion,
+    eos (a conversational prompt/completion, lists of turns, through the template, only the completion's turns
+    answers). A DataError names the row and what is wrong."""
+    record = {k: v for k, v in record.items() if v is not None}  # a column other rows have (datasets fills in None)
+    if 'messages' in record:
+        plain, spans = False, chat_spans(_turns(record['messages'], where), render, 0, where)
+    elif isinstance(record.get('prompt'), list):
+        turns = _turns(record['prompt'], where) + _turns(record.get('completion'), where)
+        plain, spans = False, chat_spans(turns, render, len(record['prompt']), where)
+    elif isinstance(record.get('prompt'), str) and isinstance(record.get('completion'), str):
+        plain, spans = True, [(record['prompt'], False), (record['completion'], True)]
+    else:
+        raise DataError(f'{where}: an SFT row holds messages, or prompt and completion (this one has '
+                        f'{sorted(record)})')
+    ids, answer = [tok.bos_id] if plain and tok.bos_id is not None else [], []
+    answer = [False] * len(ids)
+    for text, is_answer in spans:
+        piece = tok.encode(text)
+        if is_answer and not piece:
+            raise DataError(f'{where}: an empty answer (nothing to learn)')
+        ids, answer = ids + piece, answer + [is_answer] * len(piece)
+    if plain:  # the completion ends with eos, so the model learns to stop
+        ids, answer = ids + [tok.eos_id], answer + [True]
+    return np.asarray(ids, np.int32), np.asarray(answer, bool)
+
+
+class _Plan:
+    """One lane's rows, planned as they are asked for: the lane's examples in order (`ids`, an iterator), each row
+    filled greedily with whole examples while the next fits (packing) or holding one. Past the last example (a
+    finite number of epochs) a row is empty: padding, which weighs nothing in the loss."""
+
+    def __init__(self, ids, lengths, length, packing):
+        self.ids, self.lengths, self.length, self.packing = ids, lengths, length, packing
+        self.rows, self.open, self.used = [], [], 0
+
+    def __getitem__(self, k):
+        while len(self.rows) <= k and self._one_more():
+            pass
+        return self.rows[k] if k < len(self.rows) else []
+
+    def __len__(self):  # every row (a finite plan only)
+        while self._one_more():
+            pass
+        return len(self.rows)
+
+    def _one_more(self):
+        for i in self.ids:
+            pairs = self.lengths[i] - 1
+            full = self.open and (not self.packing or self.used + pairs > self.length)
+            if full:
+                self.rows.append(self.open)
+            self.open, self.used = (([i], pairs) if full else (self.open + [i], self.used + pairs))
+            if full:
+                return True
+        if self.open:
+            self.rows.append(self.open)
+            self.open = []
+            return True
+        return False
+
+
+class SFTData(_Data):
+    """dataset=hf rows that are SFT examples (sft_rows): tokenized once at the start with the run's tokenizer (the
+    model's: load_hf's or tokenizer_path), an example longer than a row skipped and counted in the log. Lane r of R
+    packs (or pads), in order, the examples at positions r, r + R, ... of one order shuffled per epoch from the seed,
+    planned from their lengths (_Plan): its state is a row number, so a resume on any process count is exact, and
+    epochs=N reads every example exactly N times (epoch_steps). The loss counts the answers' tokens (completion_only;
+    else every token); eval the held-out split's the same way, and eval_examples holds its prompts and answers."""
+
+    def __init__(self, cfg, process_index, process_count, log=None):
+        super().__init__(cfg, process_index, process_count, log)
+        if not tokenizer_source(cfg):
+            raise DataError('SFT rows (messages, or prompt and completion) need the model\'s tokenizer: set load_hf= '
+                            '(a checkpoint with its tokenizer) or tokenizer_path=')
+        self.tokenizer = tok = load_tokenizer(tokenizer_source(cfg), cfg)
+        self.render = chat_renderer(tok.chat_template, tok.special) if tok.chat_template else None
+        train = _hf_split(cfg, 'hf_split')
+        train_rows = held_rows = np.arange(len(train))  # the rows' numbers in their files, for the errors
+        if cfg.hf_eval_split:
+            held = _hf_split(cfg, 'hf_eval_split')
+            held_rows = np.arange(len(held))
+        else:  # every 32nd row (~3%, the same every time) held out
+            train_rows, held_rows = train_rows[train_rows % 32 > 0], train_rows[::32]
+            train, held = train.select(train_rows), train.select(held_rows)
+        tokenizer = hashlib.sha1(tok.files[tok.primary]).hexdigest()  # what the ids mean, and how rows are cut
+        self.identity = _hf_identity(cfg, len(train), 'sft', tokenizer, cfg.completion_only, cfg.packing, self.length)
+        self.train_tokens, self.train_ids = self._encoded(train, train_rows, 'hf_split')
+        eval_key = 'hf_eval_split' if cfg.hf_eval_split else 'hf_split'
+        eval_tokens, eval_ids = self._encoded(held, held_rows, eval_key)
+        mine = eval_ids[process_index::process_count]  # each process its share of the held-out examples
+        plan = _Plan(iter(mine), [len(ids) for ids, _ in eval_tokens], self.length, cfg.packing)
+        self.eval_rows = [plan[k] for k in range(len(plan))]
+        self.eval_tokens = eval_tokens
+        self.eval_examples = [self._prompt_and_answer(*eval_tokens[i]) for i in eval_ids]
+        self._plans = {}
+
+    def _encoded(self, split, rows, key):
+        """Every example of a split tokenized ([(ids, answer mask)]), and the indices of those that fit a row.
+        `rows`: their numbers in the files (errors name them)."""
+        cfg, tok, where = self.cfg, self.tokenizer, f'{key}={getattr(self.cfg, key)}'
+        start = time.perf_counter()
+        out = [sft_example(split[i], tok, self.render, cfg, f'{where}: row {rows[i]}') for i in range(len(split))]
+        fits = [i for i, (ids, _) in enumerate(out) if len(ids) - 1 <= self.length]
+        longest = max((len(ids) for ids, _ in out), default=0)
+        if len(out) > len(fits):
+            self.log(f'skipped {len(out) - len(fits)} of {len(out)} examples of {where} longer than '
+                     f'max_target_length={self.length} tokens (the longest: {longest}); raise max_target_length to '
+                     'keep them')
+        if not fits:
+            raise DataError(f'{where}: no example fits max_target_length={self.length} (the shortest has '
+                            f'{min((len(ids) for ids, _ in out), default=0)} tokens); raise it')
+        self.log(f'{where}: {len(fits)} SFT examples, {sum(len(out[i][0]) for i in fits):,} tokens, '
+                 f'{sum(int(out[i][1].sum()) for i in fits):,} of them answers ({time.perf_counter() - start:.1f}s)')
+        return out, np.asarray(fits)
+
+    def _prompt_and_answer(self, ids, answer):
+        """(the tokens before the last answer, that answer's text up to the token that ends it)."""
+        first = last = np.flatnonzero(answer)[-1]
+        while first > 0 and answer[first - 1]:
+            first -= 1
+        answer = ids[first:last + 1].tolist()
+        end = next((i for i, t in enumerate(answer) if t in self.tokenizer.stop_ids), len(answer))
+        return ids[:first], self.tokenizer.decode(answer[:end])
+
+    def plan(self, row, rows, epochs):
+        """Lane `row` of `rows`: its rows of example ids (a _Plan, endless when epochs is 0)."""
+        if (row, rows, epochs) not in self._plans:
+            order = grain.MapDataset.range(len(self.train_ids)).shuffle(seed=self.cfg.seed).repeat()
+            positions = itertools.count(row, rows)
+            if epochs:
+                positions = range(row, epochs * len(self.train_ids), rows)
+            lengths = [len(ids) for ids, _ in self.train_tokens]
+            ids = (self.train_ids[order[k]] for k in positions)
+            self._plans[row, rows, epochs] = _Plan(ids, lengths, self.length, self.cfg.packing)
+        return self._plans[row, rows, epochs]
+
+    def epoch_steps(self, rows, accum, epochs):
+        """The steps that read every training example `epochs` times with `rows` lanes and `accum` rows of each a
+        step: the longest lane's rows (the others end with padding)."""
+        return max(1, -(-max(len(self.plan(r, rows, epochs)) for r in range(rows)) // accum))
+
+    def _lane(self, row, rows):
+        plan = self.plan(row, rows, self.cfg.epochs)
+        row_of = lambda k: self._row([self.train_tokens[i] for i in plan[k]])
+        return grain.MapDataset.range(sys.maxsize).map(row_of).to_iter_dataset(_READ)
+
+    def _row(self, examples):
+        """One row of whole examples (segments 1, 2, ...; positions restart in each), padded with segment 0."""
+        L, row = self.length, {k: np.zeros(self.length, np.int32) for k in ('inputs', 'targets', 'segment_ids',
+                                                                              'positions')}
+        row['loss_mask'], at = np.zeros(L, np.float32), 0
+        for segment, (ids, answer) in enumerate(examples, 1):
+            n = len(ids) - 1
+            row['inputs'][at:at + n], row['targets'][at:at + n] = ids[:-1], ids[1:]
+            row['segment_ids'][at:at + n], row['positions'][at:at + n] = segment, np.arange(n)
+            row['loss_mask'][at:at + n] = answer[1:] if self.cfg.completion_only else 1.0
+            at += n
+        return row
+
+    def eval_batches(self, local_rows, n):
+        """The held-out examples in order, one pass, packed as training packs; batches past them are padding."""
+        rows = [self._row([self.eval_tokens[i] for i in r]) for r in self.eval_rows]
+        return [_stack(rows[b * local_rows:(b + 1) * local_rows], local_rows, self.length) for b in range(n)]
 
 
 # ---- Sudoku: the rules, defined once ------------------------------------------------------------
@@ -1422,13 +1803,43 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     except OSError as e:
         raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable cache_dir') from None
     kinds = {'synthetic': SyntheticData, 'hf': StreamData if cfg.hf_streaming else TextData}  # else files, stdlib, tfds
-    return (source or kinds.get(cfg.dataset, TextData))(cfg, process_index, process_count, log)
+    sft = not source and sft_rows(cfg)
+    if cfg.epochs and not sft:
+        raise DataError(f'epochs={cfg.epochs} counts passes over SFT examples (dataset=hf rows with messages, or prompt '
+                        'and completion); other data runs for steps=')
+    kind = SFTData if sft else source or kinds.get(cfg.dataset, TextData)
+    return kind(cfg, process_index, process_count, log)
+
+
+def make_chat(out, count, seed):
+    """SFT rows (prompt, completion) with exact answers, made from the standard library's one-line `def`s with plain
+    parameters: the function's name, or its last parameter, asked of the line. The task the README fine-tunes the
+    default run's model on (it read these files as code; it has never answered a question)."""
+    plain = re.compile(r'^[ \t]*def (\w+)\(([\w ,*]*\w[\w ,*]*)\):', re.M)
+    lines = sorted({m.group(0).strip() for f in _stdlib_files() for m in plain.finditer(open(f, errors='replace').read())})
+    questions = []
+    for line in lines:
+        name, params = plain.match(line).groups()
+        last = [p.strip(' *') for p in params.split(',') if p.strip(' *')][-1]
+        questions += [(f'What is the name of the function defined by `{line}`?', name),
+                      (f'What is the last parameter of `{line}`?', last)]
+    random.Random(seed).shuffle(questions)
+    if len(questions) < count:
+        raise DataError(f'--count {count}: the standard library gives {len(questions)} questions; ask for fewer')
+    with open(out, 'w') as f:
+        for q, a in questions[:count]:
+            f.write(json.dumps({'prompt': f'Question: {q}\nAnswer: ', 'completion': a}) + '\n')
+    print(f'wrote {count} prompt/completion rows (of {len(questions)} questions about {len(lines)} def lines) to {out}')
 
 
 def main(argv):
     import argparse
     parser = argparse.ArgumentParser(prog='data.py', description='Data utilities.')
     commands = parser.add_subparsers(dest='command', required=True)
+    chat = commands.add_parser('make-chat', help='write SFT rows (prompt, completion) about the stdlib\'s functions')
+    chat.add_argument('out')
+    chat.add_argument('--count', type=int, default=4000)
+    chat.add_argument('--seed', type=int, default=0)
     make = commands.add_parser('make-sudoku', help='write generated puzzles as a CSV in the public layout')
     make.add_argument('out')
     make.add_argument('--count', type=int, default=1000)
@@ -1436,6 +1847,8 @@ def main(argv):
     make.add_argument('--seed', type=int, default=0)
     make.add_argument('--needs-search', action='store_true', help='only puzzles naked and hidden singles cannot finish')
     args = parser.parse_args(argv)
+    if args.command == 'make-chat':
+        return make_chat(args.out, args.count, args.seed)
     start, tried, q, a = time.perf_counter(), 0, np.zeros((0, 81), np.uint8), np.zeros((0, 81), np.uint8)
     while len(q) < args.count:  # the stream's puzzles in order, each kept or not by itself
         # Own stream: a file made with seed S never repeats the generated train set of a run with seed S.

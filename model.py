@@ -201,8 +201,11 @@ def transposed(x, perm):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg):
-        self.scale = param(None, (cfg.d_model,), ('embed',), None, jnp.dtype(cfg.weight_dtype), fill=1.0)
+    """RMSNorm over the last axis: d_model wide, or `size` (qk_norm: each head's K channels, Qwen3)."""
+
+    def __init__(self, cfg, size=None, axis='embed'):
+        wdt = jnp.dtype(cfg.weight_dtype)
+        self.scale = param(None, (size or cfg.d_model,), (axis,), None, wdt, fill=1.0)
         self.eps, self.dtype = cfg.norm_eps, jnp.dtype(cfg.dtype)
 
     def __call__(self, x_BLD):
@@ -211,13 +214,33 @@ class RMSNorm(nnx.Module):
         return x.astype(self.dtype) * self.scale[...].astype(self.dtype)
 
 
-def rope_table(positions_BL, K, theta, num_positions):
+def rope_frequencies(cfg):
+    """RoPE's K/2 inverse frequencies, theta^(-2i/K). rope_scaling.type=llama3 (Llama 3.1 to 3.3) stretches the
+    long wavelengths for a longer context: a wavelength longer than original / low_freq_factor is divided by
+    factor, one shorter than original / high_freq_factor kept, and those between interpolated (transformers'
+    llama3 rule, so imported weights see the angles they were trained with)."""
+    K, s = dims(cfg), cfg.rope_scaling
+    inv_freq_k = 1.0 / cfg.rope_theta ** (np.arange(0, K, 2, dtype=np.float32) / K)
+    if s.type == 'none':
+        return inv_freq_k
+    original = s.original_max_position_embeddings
+    wavelength_k = 2 * np.pi / inv_freq_k
+    stretched_k = np.where(wavelength_k > original / s.low_freq_factor, inv_freq_k / s.factor, inv_freq_k)
+    smooth_k = (original / wavelength_k - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    between_k = (wavelength_k >= original / s.high_freq_factor) & (
+        wavelength_k <= original / s.low_freq_factor
+    )
+    blended_k = (1 - smooth_k) * stretched_k / s.factor + smooth_k * stretched_k
+    return np.where(between_k, blended_k, stretched_k).astype(np.float32)
+
+
+def rope_table(positions_BL, cfg, num_positions):
     """(cos, sin) [B, L, 1, K/2] of the rotary angles (rotate-half convention, Hugging Face Llama), float32.
     Gathered from a table for positions 0..num_positions-1 made with numpy at trace time, once per forward
     for all layers: computed in the graph, XLA:CPU recomputes cos/sin inside every fusion that uses them
     (per head, layer and pass). A position past the table reads NaN
     (jnp.take's fill), never a wrong angle."""
-    inv_freq_k = 1.0 / theta ** (np.arange(0, K, 2, dtype=np.float32) / K)
+    inv_freq_k = rope_frequencies(cfg)
     angles_Tk = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq_k
     return tuple(jnp.take(f(angles_Tk), positions_BL, axis=0)[:, :, None] for f in (np.cos, np.sin))
 
@@ -230,16 +253,21 @@ def rope(x_BLHK, rope_BL1k):
     return jnp.concatenate([x1 * cos_BL1k - x2 * sin_BL1k, x2 * cos_BL1k + x1 * sin_BL1k], axis=-1).astype(x_BLHK.dtype)
 
 
-def kv_cache(cache, k_BLGK, v_BLGK, positions_BL):
+def kv_cache(cache, k_BLGK, v_BLGK, positions_BL, segment_ids_BL):
     """Generation: write this call's keys/values into the layer's [B, T, G, K] cache at their positions
-    (all rows share positions) and let each query see every cached slot at or before its own position.
-    A prompt fills many slots at once (prefill); a decode step fills one, so a new token costs one
-    position. Returns the whole cache's keys, values, the mask, and the updated cache."""
-    start = (0, positions_BL[0, 0], 0, 0)
-    k_BTGK = jax.lax.dynamic_update_slice(cache['k'], k_BLGK.astype(cache['k'].dtype), start)
-    v_BTGK = jax.lax.dynamic_update_slice(cache['v'], v_BLGK.astype(cache['v'].dtype), start)
-    mask_B1LT = (jnp.arange(k_BTGK.shape[1])[None, None, :] <= positions_BL[:, :, None])[:, None]
-    return k_BTGK, v_BTGK, mask_B1LT, {'k': k_BTGK, 'v': v_BTGK}
+    (all rows share positions) and let each query see every cached slot at or before its own position
+    that holds its segment: prompts of several lengths are padded on the left with segment 0, which the
+    real tokens (segment 1) never see. RoPE depends only on the distance between positions, so a padded
+    prompt gives the logits it gives alone. A prompt fills many slots at once (prefill); a decode step
+    fills one, so a new token costs one position. Returns the whole cache's keys, values, the mask, and
+    the updated cache."""
+    start = positions_BL[0, 0]
+    k_BTGK = jax.lax.dynamic_update_slice(cache['k'], k_BLGK.astype(cache['k'].dtype), (0, start, 0, 0))
+    v_BTGK = jax.lax.dynamic_update_slice(cache['v'], v_BLGK.astype(cache['v'].dtype), (0, start, 0, 0))
+    seg_BT = jax.lax.dynamic_update_slice(cache['seg'], segment_ids_BL, (0, start))
+    seen_BLT = jnp.arange(k_BTGK.shape[1])[None, None, :] <= positions_BL[:, :, None]
+    mask_B1LT = (seen_BLT & (seg_BT[:, None, :] == segment_ids_BL[:, :, None]))[:, None]
+    return k_BTGK, v_BTGK, mask_B1LT, {'k': k_BTGK, 'v': v_BTGK, 'seg': seg_BT}
 
 
 def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
@@ -300,6 +328,9 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
 
 
 class Attention(nnx.Module):
+    """GQA attention. Two options cover the families load_hf reads: qkv_bias (Qwen2: biases on the q, k and v
+    projections) and qk_norm (Qwen3: an RMSNorm over each head's q and k before RoPE)."""
+
     def __init__(self, cfg, rngs):
         D, H, G, K, wdt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, dims(cfg), jnp.dtype(cfg.weight_dtype)
         self.cfg = cfg
@@ -307,16 +338,36 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (D, G, K), ('embed', 'kv_heads', 'head_dim'), D ** -0.5, wdt)
         self.wv = param(rngs, (D, G, K), ('embed', 'kv_heads', 'head_dim'), D ** -0.5, wdt)
         self.wo = param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), (H * K) ** -0.5, wdt)
+        if cfg.qkv_bias:
+            self.bq = param(None, (H, K), ('heads', 'head_dim'), None, wdt, fill=0.0)
+            self.bk = param(None, (G, K), ('kv_heads', 'head_dim'), None, wdt, fill=0.0)
+            self.bv = param(None, (G, K), ('kv_heads', 'head_dim'), None, wdt, fill=0.0)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg, K, 'head_dim')
+            self.k_norm = RMSNorm(cfg, K, 'head_dim')
+
+    def project(self, x_BLD, rope_BL1k):
+        """q, k (normed where qk_norm, then rotated) and v, in the compute dtype."""
+        dt = jnp.dtype(self.cfg.dtype)
+        q_BLHK = dot('bld,dhk->blhk', x_BLD, self.wq[...], dt)
+        k_BLGK = dot('bld,dgk->blgk', x_BLD, self.wk[...], dt)
+        v_BLGK = dot('bld,dgk->blgk', x_BLD, self.wv[...], dt)
+        if self.cfg.qkv_bias:
+            q_BLHK = q_BLHK + self.bq[...].astype(dt)
+            k_BLGK = k_BLGK + self.bk[...].astype(dt)
+            v_BLGK = v_BLGK + self.bv[...].astype(dt)
+        if self.cfg.qk_norm:
+            q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
+        return rope(q_BLHK, rope_BL1k), rope(k_BLGK, rope_BL1k), v_BLGK
 
     def __call__(self, x_BLD, positions_BL, rope_BL1k, segment_ids_BL, causal, cache=None):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        q_BLHK = rope(dot('bld,dhk->blhk', x_BLD, self.wq[...], dt), rope_BL1k)
-        k_BLGK = rope(dot('bld,dgk->blgk', x_BLD, self.wk[...], dt), rope_BL1k)
-        v_BLGK = dot('bld,dgk->blgk', x_BLD, self.wv[...], dt)
+        q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD, rope_BL1k)
         # Tokens attend only within their own packed document (segment); padding is segment 0.
         mask_B1LL = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
         if cache is not None:  # generation (train.generate): the cache mask holds causality
-            (k_BLGK, v_BLGK, mask_B1LL, cache), causal = kv_cache(cache, k_BLGK, v_BLGK, positions_BL), False
+            (k_BLGK, v_BLGK, mask_B1LL, cache), causal = (
+                kv_cache(cache, k_BLGK, v_BLGK, positions_BL, segment_ids_BL), False)
         if cfg.attention == 'einsum' or cache is not None:  # a decode step has one query: no kernel needed
             out_BLHK = gqa_attention(q_BLHK, k_BLGK, v_BLGK, mask_B1LL, causal, dt)
         elif cfg.attention == 'splash':
@@ -393,7 +444,7 @@ class Trunk(nnx.Module):
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None):
         P = x_BLD.shape[1] if cache is None else cache['k'].shape[2]  # positions are below the length / cache
-        rope_BL1k = rope_table(positions_BL, dims(self.cfg), self.cfg.rope_theta, P)
+        rope_BL1k = rope_table(positions_BL, self.cfg, P)
 
         # blocks are pytrees: jax transforms take them as arguments
         layer = lambda x_BLD, block, cache: block(x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache)
@@ -529,11 +580,13 @@ def lm_eval_result(cfg, outs, batches, ds, save_to=None):
     return {'loss': loss, 'perplexity': math.exp(min(loss, 50.0))}
 
 
-def generate(cfg, graph, params, prompt_BP, key):
+def generate(cfg, graph, params, prompt_BP, key, real_BP=None):
     """prompt [B, P] -> [B, max_new_tokens] sampled tokens. The prompt fills the KV cache in one pass
     (prefill); then a jitted scan of single-token steps: each new token costs one position, not the
-    whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles once."""
+    whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles once. Prompts of
+    several lengths come padded on the left, real_BP (1 = a prompt token, 0 = padding) saying which."""
     (B, P), O = prompt_BP.shape, cfg.max_new_tokens
+    real_BP = np.ones((B, P), np.int32) if real_BP is None else real_BP
 
     def sample(logits_BV, key):
         logits_BV = logits_BV.astype(jnp.float32)
@@ -543,10 +596,13 @@ def generate(cfg, graph, params, prompt_BP, key):
             logits_BV = jnp.where(logits_BV < jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:], -jnp.inf, logits_BV)
         return jax.random.categorical(key, logits_BV / cfg.temperature).astype(jnp.int32)
 
-    def run_all(params, prompt_BP, key):
+    def run_all(params, prompt_BP, real_BP, key):
         model, ones = nnx.merge(graph, params), lambda L: jnp.ones((B, L), jnp.int32)
-        zeros = jnp.zeros((cfg.num_layers, B, P + O, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype))  # empty cache
-        logits_BPV, cache = model(prompt_BP, jnp.arange(P) * ones(P), ones(P), {'k': zeros, 'v': zeros})
+        shape = (cfg.num_layers, B, P + O)
+        cache = {'k': jnp.zeros((*shape, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype)),  # empty
+                 'v': jnp.zeros((*shape, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype)),
+                 'seg': jnp.zeros(shape, jnp.int32)}
+        logits_BPV, cache = model(prompt_BP, jnp.arange(P) * ones(P), real_BP, cache)
         keys = jax.random.split(key, O)
 
         def step(carry, key):  # feed the last sampled token, sample the next
@@ -556,16 +612,22 @@ def generate(cfg, graph, params, prompt_BP, key):
 
         (_, last_B, _), toks_OB = jax.lax.scan(step, (cache, sample(logits_BPV[:, -1], keys[0]), P), keys[1:])
         return jnp.concatenate([toks_OB.T, last_B[:, None]], axis=1)
-    return jax.jit(run_all)(params, jnp.asarray(prompt_BP, jnp.int32), key)
+    return jax.jit(run_all)(params, jnp.asarray(prompt_BP, jnp.int32), jnp.asarray(real_BP, jnp.int32), key)
+
+
+def until_stop(tokens, stop_ids):
+    """The tokens before the first one that ends a generation (eos, a chat model's end of turn)."""
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in stop_ids), tokens)
 
 
 def lm_generate(cfg, graph, params, ds, rows):
-    """mode=generate: the prompt (bos first) continued by max_new_tokens sampled tokens, cut at eos.
-    Returns (summary, what to print, what RUN_DIR/generation.txt holds)."""
-    prompt_1P = np.asarray([[ds.bos_id] + ds.tokenizer.encode(cfg.prompt)], np.int32)
+    """mode=generate: the prompt (after bos, where the tokenizer has one) continued by max_new_tokens sampled
+    tokens, cut where a stop token (eos) comes. Returns (summary, what to print, what RUN_DIR/generation.txt holds)."""
+    tok = ds.tokenizer
+    prompt_1P = np.asarray([[tok.bos_id] * (tok.bos_id is not None) + tok.encode(cfg.prompt)], np.int32)
     tokens = np.asarray(generate(cfg, graph, params, prompt_1P, jax.random.key(cfg.seed)))[0].tolist()
-    tokens = tokens[:tokens.index(ds.eos_id)] if ds.eos_id in tokens else tokens  # eos ends the document
-    text = ds.tokenizer.decode(tokens)
+    tokens = until_stop(tokens, tok.stop_ids)
+    text = tok.decode(tokens)
     shown = f'prompt: {cfg.prompt}\ncontinuation: {text}'
     if prompt_1P.shape[1] + cfg.max_new_tokens > cfg.max_target_length:
         shown = (f'WARNING: prompt + max_new_tokens = {prompt_1P.shape[1] + cfg.max_new_tokens} tokens, more than the '
@@ -573,27 +635,69 @@ def lm_generate(cfg, graph, params, ds, rows):
     return {'prompt': cfg.prompt, 'tokens': tokens, 'generation': text}, shown, text
 
 
+def lm_answers(cfg, graph, params, ds, save_to):
+    """mode=eval on SFT data, eval_answers=N: the first N held-out examples' prompts answered greedily (up to
+    max_new_tokens, cut at a stop token), batched with their prompts padded on the left to one length (one
+    compile); exact match is the answer's text equal to the reference's, spaces at either end aside. The answers
+    go to save_to/answers.jsonl."""
+    examples = getattr(ds, 'eval_examples', [])[:cfg.eval_answers]
+    if not examples:
+        return {}
+    greedy, B, P = cfg.model_copy(update={'temperature': 0.0}), min(len(examples), 64), max(len(p) for p, _ in examples)
+    rows, exact = [], 0
+    for start in range(0, len(examples), B):
+        chunk = examples[start:start + B]
+        prompt_BP, real_BP = np.zeros((B, P), np.int32), np.zeros((B, P), np.int32)
+        for b, (prompt, _) in enumerate(chunk):
+            prompt_BP[b, P - len(prompt):], real_BP[b, P - len(prompt):] = prompt, 1
+        real_BP[len(chunk):, -1] = 1  # the rows past the last example: one token each, never read
+        out_BO = np.asarray(generate(greedy, graph, params, prompt_BP, jax.random.key(0), real_BP))
+        for (prompt, want), tokens in zip(chunk, out_BO.tolist()):
+            got = ds.tokenizer.decode(until_stop(tokens, ds.tokenizer.stop_ids))
+            exact += got.strip() == want.strip()
+            rows.append({'prompt': ds.tokenizer.decode(prompt.tolist()), 'answer': got, 'reference': want})
+    data.write(os.path.join(save_to, 'answers.jsonl'), ''.join(json.dumps(r) + '\n' for r in rows))
+    return {'exact_match': exact / len(rows), 'answered': len(rows)}
+
+
 def lm_check(cfg):
     """The LM's own config rules: a message naming the key, or ''."""
-    return ('mode=generate needs a tokenizer: use a text dataset (dataset=synthetic has none)'
-            if cfg.mode == 'generate' and cfg.dataset == 'synthetic' else '')
+    return ('mode=generate needs a tokenizer: use a text dataset, or tokenizer_path= (dataset=synthetic has none)'
+            if cfg.mode == 'generate' and cfg.dataset == 'synthetic' and not data.tokenizer_source(cfg) else '')
 
 
 # ==================================================================================================
-# The Hugging Face Llama layout: our parameters <-> LlamaForCausalLM's tensors and config.
+# Hugging Face checkpoints: Llama, Qwen2 and Qwen3 tensors <-> our parameters, config.json <-> our keys.
 # ==================================================================================================
-# Our layer parameter -> HF tensor under model.layers.{i}. HF Linear weights are [out, in]; ours keep the
-# input axis first ('in': wq [D,H,K]) or the output axis last ('out': wo [H,K,D]). Both use rotate-half
-# RoPE, so q and k need no permutation.
-HF_LAYER = (('self_attn.q_proj', ('attn', 'wq'), 'in'), ('self_attn.k_proj', ('attn', 'wk'), 'in'),
-             ('self_attn.v_proj', ('attn', 'wv'), 'in'), ('self_attn.o_proj', ('attn', 'wo'), 'out'),
-             ('mlp.gate_proj', ('mlp', 'w_gate'), 'in'), ('mlp.up_proj', ('mlp', 'w_up'), 'in'),
-             ('mlp.down_proj', ('mlp', 'w_down'), 'out'), ('input_layernorm', ('attn_norm', 'scale'), None),
-             ('post_attention_layernorm', ('mlp_norm', 'scale'), None))
+HF_ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3'}
+# Our layer parameter <- the HF tensor under model.layers.{i}, and the option it comes with (None: always).
+# HF Linear weights are [out, in]; ours keep the input axis first ('in': wq [D,H,K]) or the output axis last
+# ('out': wo [H,K,D]); the rest only reshape (a bias [H*K] is our [H,K]). Both use rotate-half RoPE, so q and
+# k need no permutation.
+HF_LAYER = (
+    ('self_attn.q_proj.weight', ('attn', 'wq'), 'in', None),
+    ('self_attn.k_proj.weight', ('attn', 'wk'), 'in', None),
+    ('self_attn.v_proj.weight', ('attn', 'wv'), 'in', None),
+    ('self_attn.o_proj.weight', ('attn', 'wo'), 'out', None),
+    ('self_attn.q_proj.bias', ('attn', 'bq'), None, 'qkv_bias'),
+    ('self_attn.k_proj.bias', ('attn', 'bk'), None, 'qkv_bias'),
+    ('self_attn.v_proj.bias', ('attn', 'bv'), None, 'qkv_bias'),
+    ('self_attn.q_norm.weight', ('attn', 'q_norm', 'scale'), None, 'qk_norm'),
+    ('self_attn.k_norm.weight', ('attn', 'k_norm', 'scale'), None, 'qk_norm'),
+    ('mlp.gate_proj.weight', ('mlp', 'w_gate'), 'in', None),
+    ('mlp.up_proj.weight', ('mlp', 'w_up'), 'in', None),
+    ('mlp.down_proj.weight', ('mlp', 'w_down'), 'out', None),
+    ('input_layernorm.weight', ('attn_norm', 'scale'), None, None),
+    ('post_attention_layernorm.weight', ('mlp_norm', 'scale'), None, None),
+)
+# Our model key <- its config.json key, in every family.
 HF_KEYS = {'d_model': 'hidden_size', 'mlp_dim': 'intermediate_size', 'num_heads': 'num_attention_heads',
-            'num_kv_heads': 'num_key_value_heads', 'head_dim': 'head_dim', 'num_layers': 'num_hidden_layers',
-            'vocab_size': 'vocab_size', 'norm_eps': 'rms_norm_eps', 'rope_theta': 'rope_theta',
-            'tie_embeddings': 'tie_word_embeddings'}
+           'num_kv_heads': 'num_key_value_heads', 'head_dim': 'head_dim', 'num_layers': 'num_hidden_layers',
+           'vocab_size': 'vocab_size', 'norm_eps': 'rms_norm_eps', 'rope_theta': 'rope_theta',
+           'tie_embeddings': 'tie_word_embeddings'}
+HF_ROPE = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')  # llama3's
+SAFETENSORS_DTYPES = {'BF16': jnp.bfloat16, 'F16': np.float16, 'F32': np.float32}
+SHARD_BYTES = 5 * 2 ** 30  # export: one safetensors file up to this size, then shards with an index (as HF does)
 
 
 def hf_names(cfg):
@@ -604,81 +708,210 @@ def hf_names(cfg):
         out.append(('lm_head.weight', ('lm_head',), None, 'in'))
     for i in range(cfg.num_layers):
         layer, idx = (('layers',), i) if cfg.scan_layers else (('layers', i), None)
-        out += [(f'model.layers.{i}.{hf}.weight', ('trunk', *layer, *ours), idx, how) for hf, ours, how in HF_LAYER]
+        out += [(f'model.layers.{i}.{hf}', ('trunk', *layer, *ours), idx, how)
+                for hf, ours, how, option in HF_LAYER if option is None or getattr(cfg, option)]
     return out
 
 
-def from_hf(cfg, tensors, conf):
-    """A HF Llama checkpoint -> {our params path: array in our axis order, layers stacked}; ValueError
-    naming the key where it and the config disagree."""
-    if not isinstance(conf, dict):
-        raise ValueError(f'config.json holds a JSON {type(conf).__name__}, not the object of a Llama config')
-    conf.setdefault('rope_theta', (conf.get('rope_parameters') or {}).get('rope_theta'))  # transformers 5 nests it
-    conf.setdefault('head_dim', conf.get('hidden_size', 0) // conf.get('num_attention_heads', 1))
-    conf.setdefault('tie_word_embeddings', False)  # LlamaConfig's default
-    for ours, hf in HF_KEYS.items():
-        want = dims(cfg) if ours == 'head_dim' else getattr(cfg, ours)
-        if not (conf.get(hf) == want or isinstance(want, float) and math.isclose(conf.get(hf) or 0, want)):
-            raise ValueError(f'config.json has {hf}={conf.get(hf)} but {ours}={want}; set {ours}={conf.get(hf)}')
-    for key, plain in (('hidden_act', 'silu'), ('attention_bias', False), ('mlp_bias', False), ('rope_scaling', None)):
-        if conf.get(key, plain) != plain:
-            raise ValueError(f'{key}={conf[key]!r} is not supported (plain Llama: {plain!r})')
-    flat = {}
+def hf_rope(conf):
+    """(the RoPE scaling type, its parameters) of a config.json: rope_scaling, or transformers 5's rope_parameters."""
+    rope = conf.get('rope_scaling') or conf.get('rope_parameters') or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f'rope_scaling={rope!r} is not an object')
+    return rope.get('rope_type', rope.get('type', 'default')), rope
+
+
+def hf_keys(conf):
+    """A checkpoint's config.json -> {our model key: value} (rope_scaling's dotted); a ValueError naming what this
+    Transformer cannot run: another architecture, activation or RoPE scaling, a sliding window, or biases beyond
+    Qwen2's q/k/v ones."""
+    by_type = {family: arch for arch, family in HF_ARCHITECTURES.items()}
+    arch = (conf.get('architectures') or [None])[0] or by_type.get(conf.get('model_type'))
+    if arch not in HF_ARCHITECTURES:
+        raise ValueError(f'architecture {arch or conf.get("model_type")} is not one this trainer runs '
+                         f'({", ".join(HF_ARCHITECTURES)})')
+    family, (kind, rope) = HF_ARCHITECTURES[arch], hf_rope(conf)
+    sliding = conf.get('use_sliding_window') or any(t != 'full_attention' for t in conf.get('layer_types') or ())
+    refused = [
+        (conf.get('hidden_act', 'silu') != 'silu', f'hidden_act={conf.get("hidden_act")!r} (the MLP here is SwiGLU)'),
+        (sliding, 'sliding-window attention (use_sliding_window or layer_types): every layer here sees the whole '
+                  'sequence'),
+        (kind not in ('default', 'llama3'), f'rope_scaling of type {kind!r} (RoPE here is plain or llama3-scaled)'),
+        (family != 'qwen2' and conf.get('attention_bias'), 'attention_bias=true (its o_proj bias is not supported)'),
+        (conf.get('mlp_bias'), 'mlp_bias=true (the MLP here has no biases)')]
+    if message := next((says for bad, says in refused if bad), None):
+        raise ValueError(f'{arch} with {message}')
+    missing = [hf for hf in ('hidden_size', 'intermediate_size', 'num_attention_heads', 'num_hidden_layers',
+                             'vocab_size') if conf.get(hf) is None]
+    if missing or kind == 'llama3' and any(rope.get(k) is None for k in HF_ROPE):
+        raise ValueError(f'config.json has no {(missing or ["rope_scaling." + k for k in HF_ROPE])[0]}')
+    keys = {ours: conf.get(hf) for ours, hf in HF_KEYS.items()}
+    keys['num_kv_heads'] = keys['num_kv_heads'] or keys['num_heads']
+    keys['head_dim'] = keys['head_dim'] or keys['d_model'] // keys['num_heads']
+    keys['rope_theta'] = keys['rope_theta'] or rope.get('rope_theta') or 10000.0
+    keys['norm_eps'] = keys['norm_eps'] or 1e-6
+    keys['tie_embeddings'] = bool(keys['tie_embeddings'])
+    keys.update({'qkv_bias': family == 'qwen2', 'qk_norm': family == 'qwen3'})
+    keys['rope_scaling.type'] = 'llama3' if kind == 'llama3' else 'none'
+    keys.update({f'rope_scaling.{k}': rope[k] for k in HF_ROPE if kind == 'llama3'})
+    return keys
+
+
+def hf_config(cfg, source=None):
+    """config.json for our model in the family its options make: qk_norm Qwen3, qkv_bias Qwen2, else Llama (with
+    its rope_scaling). Written over the config.json of the checkpoint the run started from (`source`), if any, so
+    its other entries (token ids, context length) carry over."""
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise ValueError('qkv_bias and qk_norm together make no Hugging Face architecture')
+    family = 'qwen3' if cfg.qk_norm else 'qwen2' if cfg.qkv_bias else 'llama'
+    arch = next(a for a, f in HF_ARCHITECTURES.items() if f == family)
+    conf = {k: v for k, v in (source or {}).items() if k not in ('rope_parameters', 'dtype', 'layer_types')}
+    conf.update({'architectures': [arch], 'model_type': family, 'hidden_act': 'silu', 'mlp_bias': False,
+                 'torch_dtype': cfg.weight_dtype,
+                 'max_position_embeddings': max(cfg.max_target_length, conf.get('max_position_embeddings') or 0),
+                 **{hf: dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in HF_KEYS.items()}})
+    scaling = cfg.rope_scaling
+    conf['rope_scaling'] = None if scaling.type == 'none' else {
+        'rope_type': 'llama3', **{k: getattr(scaling, k) for k in HF_ROPE}}
+    conf.update({'use_sliding_window': False} if family == 'qwen2' else {'attention_bias': False})
+    return conf
+
+
+def safetensors_header(path):
+    """{tensor name: (file, dtype, shape, first byte)} from one safetensors file's header, read alone (8 bytes of
+    size, then JSON): sizes checked against the file, so a damaged or hostile header is an error, not an allocation."""
+    with data.stored(path).open('rb') as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        n = int.from_bytes(f.read(8), 'little')
+        if not 2 <= n <= min(size - 8, 2 ** 27):
+            raise ValueError(f'{path}: not a safetensors file (its header claims {n:,} bytes of {size:,})')
+        header = json.loads(f.read(n))
+    out = {}
+    for name, t in header.items():
+        if name == '__metadata__':
+            continue
+        if t.get('dtype') not in SAFETENSORS_DTYPES:
+            raise ValueError(f'{path}: tensor {name} is {t.get("dtype")}; load_hf reads BF16, F16 and F32')
+        (first, last), dtype = t['data_offsets'], np.dtype(SAFETENSORS_DTYPES[t['dtype']])
+        if last - first != math.prod(t['shape']) * dtype.itemsize or 8 + n + last > size:
+            raise ValueError(f'{path}: tensor {name} runs past the file (damaged or cut short)')
+        out[name] = (path, dtype, tuple(t['shape']), 8 + n + first)
+    return out
+
+
+def hf_tensors(folder):
+    """Every tensor of a checkpoint directory: model.safetensors, or the shards model.safetensors.index.json names
+    (every checkpoint above ~5 GB). Only the headers are read."""
+    index = os.path.join(folder, 'model.safetensors.index.json')
+    files = ['model.safetensors']
+    if data.stored(index).is_file():
+        weight_map = data.read_json(index, 'of a safetensors index').get('weight_map')
+        if not isinstance(weight_map, dict):
+            raise ValueError(f'{index} has no weight_map')
+        files = sorted(set(weight_map.values()))
+    return {k: v for name in files for k, v in safetensors_header(os.path.join(folder, name)).items()}
+
+
+@functools.lru_cache(maxsize=2)
+def hf_array(entry):
+    """One tensor as a lazy array: a memory map of a local file (only the parts indexed are ever read), or the
+    tensor's bytes of a gs:// one (cached while the shards of its parameter are cut from it)."""
+    path, dtype, shape, first = entry
+    if not data.remote(path):
+        return np.memmap(path, dtype, 'r', offset=first, shape=shape)
+    with data.stored(path).open('rb') as f:
+        f.seek(first)
+        return np.frombuffer(f.read(math.prod(shape) * dtype.itemsize), dtype).reshape(shape)
+
+
+def our_layout(w, how, shape):
+    """An HF tensor in our axis order `shape`, still a view: HF [out..., in] -> ours [in, out...] ('in'), HF
+    [out, in...] -> ours [in..., out] ('out'), or a reshape."""
+    if how == 'in':
+        return np.moveaxis(w.reshape(*shape[1:], shape[0]), -1, 0)
+    if how == 'out':
+        return np.moveaxis(w.reshape(shape[-1], *shape[:-1]), 0, -1)
+    return w.reshape(shape)
+
+
+def load_hf(cfg, path, abstract_params):
+    """load_hf=DIR (local, gs:// or a hub id): a Hugging Face checkpoint -> our params, as global arrays placed as
+    abstract_params says. Each process reads only the parts of each tensor its own devices hold (of a local file,
+    through a memory map), so no host ever holds the whole checkpoint. A DataError names what is wrong."""
+    folder = data.hf_dir(path)
+    try:
+        tensors = hf_tensors(folder)
+    except data.STORAGE_ERRORS as e:
+        raise data.DataError(f'load_hf={path}: cannot read {getattr(e, "filename", None) or folder} '
+                             f'({data.storage_reason(e)}); give a directory with config.json and model.safetensors '
+                             '(or its shards and model.safetensors.index.json)') from None
+    except (ValueError, KeyError, TypeError) as e:  # a damaged header or index
+        raise data.DataError(f'load_hf={path}: the checkpoint is damaged ({str(e)[:200]})') from None
+    sources = collections.defaultdict(list)  # our params path -> its tensor, or one per layer of a scanned stack
     for name, p, i, how in hf_names(cfg):
         if name not in tensors:
-            raise ValueError(f'model.safetensors has no tensor {name}')
-        w = tensors[name] if how is None else tensors[name].T  # reshaped to our layout by the caller
-        flat[p] = w if i is None else flat.get(p, []) + [w]
-    return {p: np.asarray(w) for p, w in flat.items()}  # a list of layers stacks on a leading axis
+            raise data.DataError(f'load_hf={path}: the checkpoint has no tensor {name}, which its config.json implies')
+        sources[p].append((tensors[name], how, name))
+
+    def placed(keypath, a):
+        entries = sources[tuple(k.key for k in keypath)]
+        stacked = cfg.scan_layers and keypath[0].key == 'trunk'
+        shape = a.shape[1:] if stacked else a.shape
+        for entry, how, name in entries:
+            if math.prod(entry[2]) != math.prod(shape):
+                raise data.DataError(f'load_hf={path}: the checkpoint disagrees with its config.json: {name} is '
+                                     f'{list(entry[2])} where the config makes {list(shape)}')
+
+        def part(entry, how, index):  # what `index` of our array holds, read from one tensor
+            return np.asarray(our_layout(hf_array(entry), how, shape)[index], a.dtype)
+
+        def shard(index):  # this device's part of our array
+            if not stacked:
+                return part(*entries[0][:2], index)
+            return np.stack([part(*entries[i][:2], index[1:]) for i in range(a.shape[0])[index[0]]])
+        return jax.make_array_from_callback(a.shape, a.sharding, shard)
+    return jax.tree_util.tree_map_with_path(placed, abstract_params)
 
 
-def save_hf(cfg, params, out_dir, token_ids, files):
-    """mode=export: a Hugging Face Llama checkpoint in out_dir (local or gs://, written by the data.MAIN process):
-    config.json with the tokenizer's ids, model.safetensors in the weight dtype (with the metadata transformers
-    wants, format=pt) and the tokenizer's files. `params`: host arrays. Returns the tensors written."""
-    tensors = {}
+def save_hf(cfg, params, out_dir, tokenizer=None, source=None):
+    """mode=export: a Hugging Face checkpoint in out_dir (local or gs://, written by the data.MAIN process) that
+    transformers loads: config.json (hf_config over `source`, the config.json the run started from), the tensors in
+    the weight dtype (one model.safetensors, or shards with an index past SHARD_BYTES; the metadata transformers
+    wants, format=pt), generation_config.json and the tokenizer's files. `params`: host arrays. Returns the tensors."""
+    conf, tensors = hf_config(cfg, source), {}
     for name, path, i, how in hf_names(cfg):
         w = functools.reduce(lambda tree, k: tree[k], path, params)
         w = w if i is None else w[i]
         if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
             w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
-        tensors[name] = np.ascontiguousarray(w)  # safetensors writes an array's buffer as it lies in memory
-    conf = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu', 'attention_bias': False,
-            'mlp_bias': False, 'max_position_embeddings': cfg.max_target_length, 'torch_dtype': cfg.weight_dtype,
-            **{hf: dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in HF_KEYS.items()}}
+        tensors[name] = np.ascontiguousarray(w.reshape(-1) if name.endswith('bias') else w)  # written as laid out
+    files, size = [[]], 0
+    for name, w in tensors.items():  # in order, a new shard when the next tensor would pass SHARD_BYTES
+        if files[-1] and size + w.nbytes > SHARD_BYTES:
+            files, size = files + [[]], 0
+        files[-1].append(name)
+        size += w.nbytes
+    names = ['model.safetensors'] if len(files) == 1 else [
+        f'model-{k + 1:05d}-of-{len(files):05d}.safetensors' for k in range(len(files))]
     if data.MAIN:
         data.stored(out_dir).mkdir(parents=True, exist_ok=True)
-    data.write(os.path.join(out_dir, 'model.safetensors'), safetensors.numpy.save(tensors, metadata={'format': 'pt'}))
-    data.write(os.path.join(out_dir, 'config.json'), json.dumps({**conf, **token_ids}, indent=2))
-    for name, content in files.items():
-        data.write(os.path.join(out_dir, name), content)
+    for name, members in zip(names, files):
+        blob = safetensors.numpy.save({k: tensors[k] for k in members}, metadata={'format': 'pt'})
+        data.write(os.path.join(out_dir, name), blob)
+    if len(files) > 1:
+        weight_map = {k: name for name, members in zip(names, files) for k in members}
+        index = {'metadata': {'total_size': sum(w.nbytes for w in tensors.values())}, 'weight_map': weight_map}
+        data.write(os.path.join(out_dir, 'model.safetensors.index.json'), json.dumps(index, indent=2))
+    ids = {'bos_token_id': None, 'eos_token_id': None}
+    if tokenizer:
+        stops = list(tokenizer.stop_ids)
+        ids = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': stops[0] if len(stops) == 1 else stops}
+        for name, content in tokenizer.files.items():
+            data.write(os.path.join(out_dir, name), content)
+    data.write(os.path.join(out_dir, 'config.json'), json.dumps({**conf, **ids}, indent=2))
+    data.write(os.path.join(out_dir, 'generation_config.json'), json.dumps(ids, indent=2))
     return tensors
-
-
-def load_hf(cfg, path, abstract_params):
-    """load_hf=DIR: a Hugging Face Llama checkpoint -> our params (host arrays shaped and typed as abstract_params);
-    a DataError naming what is wrong."""
-    try:
-        conf = json.loads(data.stored(os.path.join(path, 'config.json')).read_text())
-        flat = from_hf(cfg, safetensors.numpy.load(data.stored(os.path.join(path, 'model.safetensors')).read_bytes()),
-                       conf)
-    except data.STORAGE_ERRORS as e:
-        raise data.DataError(f'load_hf={path}: cannot read {getattr(e, "filename", None) or path} '
-                             f'({data.storage_reason(e)}); give a directory with config.json and one '
-                             'model.safetensors') from None
-    except (safetensors.SafetensorError, json.JSONDecodeError, TypeError, ZeroDivisionError) as e:
-        raise data.DataError(f'load_hf={path}: config.json or model.safetensors is damaged ({str(e)[:200]})') from None
-    except ValueError as e:  # the checkpoint and the config disagree
-        raise data.DataError(f'load_hf={path}: {e}') from None
-
-    def placed(keypath, a):
-        w = flat[tuple(k.key for k in keypath)]
-        if w.size != a.size:
-            raise data.DataError(f'load_hf={path}: model.safetensors disagrees with its config.json: '
-                                 f'{"/".join(str(k.key) for k in keypath)} holds {w.shape} values where the config '
-                                 f'makes {a.shape}')
-        return w.reshape(a.shape).astype(a.dtype)
-    return jax.tree_util.tree_map_with_path(placed, abstract_params)
 
 
 # ==================================================================================================
@@ -706,10 +939,12 @@ class Task(NamedTuple):
     keys: tuple = ()              # its own config keys: (kind, 'key key ...'), kinds as train.kind_type reads them
     dataset: Callable = None      # (cfg, process_index, process_count, log) -> its data; None: the text pipelines
     shown: tuple = ()             # (metric, format) pairs the progress line adds after the loss
+    answers: Callable = None      # (cfg, graph, params, ds, save_to) -> metrics of mode=eval's answers, or {}
 
 
 LM = Task(module=Transformer, loss=lm_loss, flops_per_token=lm_flops_per_token, eval_step=lm_eval_step,
-          eval_result=lm_eval_result, generate=lm_generate, check=lm_check, shown=(('eval_loss', 'eval loss {:.4f}'),))
+          eval_result=lm_eval_result, generate=lm_generate, check=lm_check, answers=lm_answers,
+          shown=(('eval_loss', 'eval loss {:.4f}'),))
 
 
 # ==================================================================================================
@@ -1233,7 +1468,7 @@ def sudoku_generate(cfg, graph, params, ds, rows):
 def sudoku_check(cfg):
     """The puzzle task's own config rules: a message naming the key, or ''."""
     if cfg.mode == 'export' or cfg.load_hf:
-        return f'{"mode=export" if cfg.mode == "export" else "load_hf"} is for task=lm (a TRM solver has no Llama form)'
+        return f'{"mode=export" if cfg.mode == "export" else "load_hf"} is for task=lm (a TRM solver has no HF form)'
     if cfg.mode == 'generate' and data.parse_grid(cfg.prompt) is None:
         return f'prompt={cfg.prompt!r}: give the puzzle as 81 characters, digits 1-9 and . or 0 for blanks, row by row'
     return ''

@@ -93,8 +93,10 @@ TPU_SLICES = {
 
 
 class Keys(pydantic.BaseModel):
-    """Frozen (nothing changes a config once loaded; resolve() makes a new one), strict about names."""
+    """Frozen (nothing changes a config once loaded; resolve() makes a new one), strict about names. `_given`: the
+    keys the user set beyond base.yml (later files, the command line), which a checkpoint's own may not contradict."""
     model_config = pydantic.ConfigDict(frozen=True, extra='forbid', coerce_numbers_to_str=True, allow_inf_nan=False)
+    _given: frozenset = pydantic.PrivateAttr(default=frozenset())
 
 
 KINDS = {'count': Count, 'off': Off, 'positive': Positive, 'nonneg': NonNeg, 'share': Share, 'decay': Decay,
@@ -118,10 +120,13 @@ def kind_type(kind):
 SCHEMA = [
     (Count, 'steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads mlp_dim '
             'max_target_length grad_accum host_timeout num_slices mlp_chunks'),
-    (Off, 'eval_every eval_batches checkpoint_every keep_checkpoints top_k head_dim warmup_steps prefetch seed'),
+    (Off, 'eval_every eval_batches checkpoint_every keep_checkpoints top_k head_dim warmup_steps prefetch seed '
+          'epochs eval_answers'),
+    (Positive, 'rope_scaling.factor rope_scaling.low_freq_factor rope_scaling.high_freq_factor'),
+    (Count, 'rope_scaling.original_max_position_embeddings'), (Literal['none', 'llama3'], 'rope_scaling.type'),
     (Positive, 'rope_theta norm_eps learning_rate adam_eps'),
     (NonNeg, 'temperature weight_decay grad_clip'), (Share, 'min_lr_ratio'), (Decay, 'adam_b1 adam_b2'),
-    (bool, 'print_sharding resume tie_embeddings scan_layers hf_streaming'),
+    (bool, 'print_sharding resume tie_embeddings qkv_bias qk_norm scan_layers hf_streaming packing completion_only'),
     (str, 'run_name output_dir compile_cache_dir load_params export_dir load_hf prompt dataset_path '
           'eval_path tfds_name data_dir train_split eval_split text_key tokenizer_path cache_dir wandb_project '
           'wandb_entity hf_path hf_name hf_data_files hf_split hf_eval_split'),
@@ -233,15 +238,17 @@ def schema_error(err, path, raw):
 def load_config(paths, overrides=()):
     """YAML files (base.yml, then any files of your own, later keys winning) + ['key=value', ...] -> Config,
     all checked by the one schema. Raises ConfigError naming the key on any mistake."""
-    raw, paths = {}, [paths] if isinstance(paths, str) else paths
-    for path in paths:
-        merge(raw, read_yaml(path), path, '')
-    given = [item.partition('=')[0] for item in overrides]
-    for item, key in zip(overrides, given):
+    raw, paths, given = {}, [paths] if isinstance(paths, str) else paths, set()
+    for i, path in enumerate(paths):
+        values = read_yaml(path)
+        merge(raw, values, path, '')
+        given |= set(flat(values)) if i else set()
+    given_keys = [item.partition('=')[0] for item in overrides]
+    for item, key in zip(overrides, given_keys):
         text = item.partition('=')[2]
         if '=' not in item:
             raise ConfigError(f'argument {item!r} is not key=value')
-        if given.count(key) > 1:
+        if given_keys.count(key) > 1:
             raise ConfigError(f'{key} is given twice on the command line; keep one')
         try:
             text.encode()
@@ -250,10 +257,17 @@ def load_config(paths, overrides=()):
         if key not in KEYS:
             raise ConfigError(unknown_key(key, paths[-1]))
         merge(raw, functools.reduce(lambda value, name: {name: value}, reversed(key.split('.')), text), paths[-1], '')
+    return validated(raw, paths[-1], given | set(given_keys))
+
+
+def validated(raw, path, given):
+    """The Config of nested values, checked by the schema (errors name the key as `path` set it)."""
     try:
-        return Config.model_validate(raw)
+        cfg = Config.model_validate(raw)
     except pydantic.ValidationError as e:
-        raise ConfigError(schema_error(e.errors()[0], paths[-1], raw)) from None
+        raise ConfigError(schema_error(e.errors()[0], path, raw)) from None
+    cfg._given = frozenset(given)
+    return cfg
 
 
 def flat(values, prefix=''):
@@ -283,12 +297,46 @@ def check(cfg, task):
         (cfg.per_device_batch == 'auto' and not cfg.compile_topology,
          'per_device_batch=auto is the fit check\'s search: give compile_topology=SLICE, or a number to train'),
         (cfg.load_params and cfg.load_hf, 'load_params and load_hf are both set; keep one'),
+        (cfg.epochs and 'steps' in cfg._given, f'steps={cfg.steps} and epochs={cfg.epochs} are both set: epochs sets '
+                                               'steps from the size of the data; keep one'),
         (not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in ('.', '..'),
          f'run_name={cfg.run_name!r}: give a plain directory name (the run goes to output_dir/run_name)'),
         (True, task.check(cfg))]
     if message := next((says for bad, says in rules if bad and says), None):
         raise ConfigError(message)
     data.check_paths(cfg)
+
+
+def with_values(cfg, values):
+    """cfg with {key or section.key: value} set, checked by the schema again."""
+    raw = cfg.model_dump()
+    for key, value in values.items():
+        *sections, name = key.split('.')
+        functools.reduce(lambda tree, s: tree[s], sections, raw)[name] = value
+    return validated(raw, 'base.yml', cfg._given)
+
+
+def checkpoint_keys(cfg):
+    """load_hf: the model's keys come from the checkpoint's config.json, so the user types none; a key they set that
+    disagrees is one line naming both values, and a model this Transformer cannot run one line naming why."""
+    folder = data.hf_dir(cfg.load_hf)
+    path = os.path.join(folder, 'config.json')
+    try:
+        keys = model_lib.hf_keys(data.read_json(path, 'of a model config'))
+    except data.STORAGE_ERRORS as e:
+        raise ConfigError(f'load_hf={cfg.load_hf}: cannot read {path} ({data.storage_reason(e)}); give a Hugging Face '
+                          'checkpoint directory (config.json, model.safetensors) or a hub id') from None
+    except ValueError as e:
+        raise ConfigError(f'load_hf={cfg.load_hf}: {e}') from None
+    values, names = flat(cfg.model_dump(mode='json')), {**model_lib.HF_KEYS, 'head_dim': 'head_dim'}
+    for key, value in keys.items():
+        mine = values[key] if key != 'head_dim' else model_lib.dims(cfg)
+        same = math.isclose(mine, value) if isinstance(value, float) else mine == value
+        if key in cfg._given and not same:
+            shown = f'{names[key]}={value}' if key in names else f'{key}={value}'
+            raise ConfigError(f'load_hf={cfg.load_hf}: its config.json has {shown} but {key}={mine} is set; drop '
+                              f'{key}= (the checkpoint decides it)')
+    return with_values(cfg, keys)
 
 
 def cpu_has_bf16():
@@ -766,8 +814,8 @@ def restore_or_init(cfg, task, mngr, layout):
         log(f'loaded {part} from {path}/{found[0]}')
         state = init_state(cfg, layout, found[1])
         return {**state, 'step': jnp.int32(found[0])} if cfg.mode != 'train' else state, None, True  # eval: its step
-    if cfg.load_hf:
-        params = jax.device_put(model_lib.load_hf(cfg, cfg.load_hf, layout.abstract['params']), layout.shardings['params'])
+    if cfg.load_hf:  # each host reads what its devices hold
+        params = model_lib.load_hf(cfg, cfg.load_hf, layout.abstract['params'])
         log(f'loaded Hugging Face checkpoint {cfg.load_hf}')
         return init_state(cfg, layout, params), None, True
     return init_state(cfg, layout), None, False
@@ -1160,6 +1208,8 @@ def eval_mode(cfg, task, state, ds, job):
     printed as one JSON line and written to eval.json (and any answers the task writes beside it)."""
     n_batches = None if task.eval_all else cfg.eval_batches
     result = {'step': int(state['step']), **job.evaluate(state, ds, n_batches, save_to=job.dir)}
+    if task.answers and cfg.eval_answers:  # held-out prompts answered, scored by exact match
+        result.update(task.answers(cfg, job.built.graph, state[task.eval_weights], ds, job.dir))
     data.write(os.path.join(job.dir, 'eval.json'), json.dumps(result))
     log(json.dumps(result))
     return result
@@ -1174,16 +1224,19 @@ def generate_mode(cfg, task, state, ds, job):
 
 
 def export_hf(cfg, params, ds, out_dir):
-    """config.json, model.safetensors (weight dtype), tokenizer.model (+ tokenizer_config.json) into out_dir."""
-    ids = {'bos_token_id': ds.bos_id, 'eos_token_id': ds.eos_id} if ds.tokenizer else {}
+    """A Hugging Face checkpoint of params in out_dir (model.save_hf): the family the model's options make, over the
+    config.json of the load_hf checkpoint the run started from, with the run's tokenizer."""
     host = multihost_utils.process_allgather(params, tiled=True)  # whole arrays on every process
+    source = data.read_json(os.path.join(data.hf_dir(cfg.load_hf), 'config.json')) if cfg.load_hf else None
     try:
-        tensors = model_lib.save_hf(cfg, host, out_dir, {'bos_token_id': None, 'eos_token_id': None, **ids},
-                                    ds.tokenizer_files() if ds.tokenizer else {})
+        tensors = model_lib.save_hf(cfg, host, out_dir, ds.tokenizer, source)
     except (data.WriteError, *data.STORAGE_ERRORS) as e:
         reason = e if isinstance(e, data.WriteError) else data.storage_reason(e)
         raise ConfigError(f'export_dir={out_dir}: cannot write there ({reason}); choose a writable directory') from None
-    log(f'exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face Llama checkpoint to {out_dir}')
+    except ValueError as e:
+        raise ConfigError(f'mode=export: {e}') from None
+    arch = model_lib.hf_config(cfg)['architectures'][0]
+    log(f'exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face {arch} checkpoint to {out_dir}')
     return tensors
 
 
@@ -1321,6 +1374,8 @@ def run(cfg, devices=None, caught=None):
     `caught`: the signals main() listens for."""
     task = model_lib.TASKS[cfg.task]  # what is trained: the one place train.py asks
     check(cfg, task)
+    if cfg.load_hf:  # the model's shape from its config.json, then the rules again on it
+        check(cfg := checkpoint_keys(cfg), task)
     if cfg.compile_cache_dir:  # before the first compile; every program is cached, however quick to compile
         jax.config.update('jax_compilation_cache_dir', str(data.stored(cfg.compile_cache_dir)))
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
@@ -1331,17 +1386,21 @@ def run(cfg, devices=None, caught=None):
                     'start every host with the same command', cfg.host_timeout)
     if cfg.compile_topology:
         return (fit_search if cfg.per_device_batch == 'auto' else fit_check)(cfg, task, devices)
-    built, rows = build(cfg, task, devices), cfg.per_device_batch * len(devices) * cfg.grad_accum
+    ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log, task.dataset)
+    same_everywhere({'data': ds.identity}, 'give every host the same data', cfg.host_timeout)
+    if ds.vocab_size != cfg.vocab_size:
+        raise ConfigError(f'vocab_size={cfg.vocab_size}: the data has {ds.vocab_size} tokens; set vocab_size={ds.vocab_size}')
+    rows = cfg.per_device_batch * len(devices) * cfg.grad_accum
+    if cfg.epochs:  # the steps that read every training example `epochs` times
+        cfg = with_values(cfg, {'steps': ds.epoch_steps(rows // cfg.grad_accum, cfg.grad_accum, cfg.epochs)})
+        log(f'epochs={cfg.epochs}: steps={cfg.steps}')
+    built = build(cfg, task, devices)
     batch = (f'batch: {cfg.per_device_batch}/device x {len(devices)} devices x {cfg.grad_accum} accum = {rows} '
              f'examples = {rows * cfg.max_target_length} tokens per step')
     log(f'devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), {jax.process_count()} '
         f'process(es), {cfg.num_slices} slice(s); mesh {dict(built.mesh.shape)}\n{batch}')
     if whole := sharding_table(built.layout, cfg, built.mesh, whole_only=True):
         log('parameters kept whole where their size does not divide by their mesh axes:\n' + '\n'.join(whole))
-    ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log, task.dataset)
-    same_everywhere({'data': ds.identity}, 'give every host the same data', cfg.host_timeout)
-    if ds.vocab_size != cfg.vocab_size:
-        raise ConfigError(f'vocab_size={cfg.vocab_size}: the data has {ds.vocab_size} tokens; set vocab_size={ds.vocab_size}')
     if devices[0].platform == 'cpu':  # the state's shards on this host's devices
         fits_host(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize * len(x.sharding.addressable_devices)
                       for x in jax.tree.leaves(built.layout.abstract)), 'the train state', 'train a smaller model')

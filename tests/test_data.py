@@ -115,7 +115,7 @@ def test_packing_reproduces_documents_and_pads(tmp_path, corpus):
     ds = dataset(files_cfg(tmp_path, corpus))
     n = 40  # far more than the 4 eval documents fill: the tail is padding
     batches = ds.eval_batches(3, n)
-    docs = documents(batches, ds.eos_id)
+    docs = documents(batches, ds.tokenizer.eos_id)
     expected = [ds.encode(ds.eval_texts[i]).tolist() for i in ds.eval_records]
     assert docs == expected
     assert len(docs) == 4 and max(len(d) for d in docs) > 32  # some document spans rows
@@ -146,7 +146,7 @@ def test_two_hosts_read_disjoint_records_covering_all(tmp_path, corpus):
         it = host.train_iter(2)
         batches = rest_of_epoch(host, it, 4, first=2 * p)
         it.close()
-        docs = [d for lane in lanes(batches) for d in documents(lane, host.eos_id)[:3]]
+        docs = [d for lane in lanes(batches) for d in documents(lane, host.tokenizer.eos_id)[:3]]
         expected = [host._order[j].tolist() for j in range(12) if j % 4 in (2 * p, 2 * p + 1)]
         assert sorted(docs) == sorted(expected)
         seen += docs
@@ -205,7 +205,7 @@ def test_hf_stream_reads_every_document_once_and_resumes_there(tmp_path):
     state = {'lanes': json.loads(json.dumps(it.state())), 'source': ds.identity}
     rest = [next(it) for _ in range(40)]
     it.close()
-    docs = documents(first + rest, ds.eos_id)
+    docs = documents(first + rest, ds.tokenizer.eos_id)
     assert len(docs) > 16 and docs == (want * 3)[:len(docs)], 'every document once an epoch, in order'
     resumed = ds.train_iter(2, state=state)
     for batch in rest:
@@ -215,7 +215,7 @@ def test_hf_stream_reads_every_document_once_and_resumes_there(tmp_path):
     shares = []
     for p in range(2):
         host = dataset(cfg, p, 2).train_iter(1)
-        shares.append(documents([next(host) for _ in range(40)], ds.eos_id)[:4])
+        shares.append(documents([next(host) for _ in range(40)], ds.tokenizer.eos_id)[:4])
         host.close()
     assert sorted(map(tuple, shares[0] + shares[1])) == sorted(map(tuple, want))
     with pytest.raises(data.DataError, match='a streaming run resumes on the process count that wrote it'):
@@ -224,7 +224,7 @@ def test_hf_stream_reads_every_document_once_and_resumes_there(tmp_path):
 
 def test_tfds_data_source_with_mock_data(tmp_path, corpus):
     import tensorflow_datasets as tfds
-    tokenizer = dataset(files_cfg(tmp_path, corpus)).tokenizer.serialized_model_proto()
+    tokenizer = dataset(files_cfg(tmp_path, corpus)).tokenizer.files['tokenizer.model']
     (tmp_path / 'tok.model').write_bytes(tokenizer)
     tfds_args = ['dataset=tfds', 'tfds_name=imdb_reviews', 'eval_split=test', 'text_key=text',
                  f'tokenizer_path={tmp_path}/tok.model', f'vocab_size={VOCAB}', 'max_target_length=16', 'prefetch=1']
@@ -234,7 +234,7 @@ def test_tfds_data_source_with_mock_data(tmp_path, corpus):
         it = ds.train_iter(2)
         batches = [next(it) for _ in range(6)]
         it.close()
-    assert len(ds.train_texts) == 6 and any(documents(lane, ds.eos_id) for lane in lanes(batches))
+    assert len(ds.train_texts) == 6 and any(documents(lane, ds.tokenizer.eos_id) for lane in lanes(batches))
     with tfds.testing.mock_data(num_examples=6), pytest.raises(data.DataError, match='text_key'):
         next(dataset(config(tmp_path, *tfds_args, 'text_key=nope', preset=())).train_iter(2))
 
@@ -303,7 +303,7 @@ def test_a_corpus_without_usable_text_says_why(tmp_path, source, text, why):
 
 
 def test_vocab_mismatch(tmp_path, corpus):
-    model = dataset(files_cfg(tmp_path, corpus)).tokenizer.serialized_model_proto()
+    model = dataset(files_cfg(tmp_path, corpus)).tokenizer.files['tokenizer.model']
     (tmp_path / 'tok.model').write_bytes(model)
     with pytest.raises(data.DataError, match=f'vocab_size=512 .*tok.model.* set vocab_size={VOCAB}'):
         dataset(files_cfg(tmp_path, corpus, 'vocab_size=512', f'tokenizer_path={tmp_path}/tok.model'))

@@ -93,9 +93,9 @@ CASES = [
     # Paths that exist but hold the wrong thing.
     ([*TEXT, 'dataset_path={tmp}/corpus/*.txt', 'tokenizer_path={tmp}/text.model'],
      "error: tokenizer_path={tmp}/text.model: not a sentencepiece model (INTERNAL: could not parse ModelProto from "
-     "{tmp}/text.model); give a .model file, or '' to train one"),
-    (['load_hf={tmp}/hf-list'], 'error: load_hf={tmp}/hf-list: config.json holds a JSON list, not the object of a '
-                                'Llama config'),
+     "{tmp}/text.model); give a .model file or a tokenizer.json, or '' to train one"),
+    (['load_hf={tmp}/hf-list'], 'error: {tmp}/hf-list/config.json: holds a JSON list, not the object of a model '
+                                'config'),
     (['task=sudoku', 'sudoku_train_puzzles=8', 'eval_path={tmp}/puzzles.csv.gz'],
      "error: eval_path='{tmp}/puzzles.csv.gz': not a text CSV (compressed? decompress it first)"),
     (['task=sudoku', 'sudoku_train_puzzles=8', 'eval_path={tmp}/long.csv'],

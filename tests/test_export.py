@@ -77,17 +77,18 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
     np.testing.assert_array_equal(np.asarray(apply(ours)), np.asarray(apply(back)))
 
     # A config that disagrees with the checkpoint is one line naming the key; so is a missing directory.
-    with pytest.raises(train.data.DataError, match='hidden_size=64 but d_model=32; set d_model=64'):
-        model_lib.load_hf(config(tmp_path, *keys, 'd_model=32'), hf, layout.abstract['params'])
-    with pytest.raises(train.data.DataError, match='cannot read .*config.json'):
+    with pytest.raises(train.ConfigError, match='its config.json has hidden_size=64 but d_model=32 is set; drop d_model='):
+        train.checkpoint_keys(config(tmp_path, *keys, 'd_model=32', f'load_hf={hf}'))
+    assert train.checkpoint_keys(config(tmp_path, *keys, 'd_model=64', f'load_hf={hf}')).d_model == 64  # agrees
+    with pytest.raises(train.data.DataError, match='cannot read .*nope'):
         model_lib.load_hf(cfg, str(tmp_path / 'nope'), layout.abstract['params'])
     # Tensors that disagree with their own config.json (a hand-edited or half-converted checkpoint).
     import safetensors.numpy
     tensors = safetensors.numpy.load_file(os.path.join(hf, 'model.safetensors'))
     tensors['model.norm.weight'] = tensors['model.norm.weight'][:-1]
     safetensors.numpy.save_file(tensors, os.path.join(hf, 'model.safetensors'))
-    with pytest.raises(train.data.DataError, match=r'disagrees with its config.json: final_norm/scale holds \(63,\) values '
-                                                r'where the config makes \(64,\)'):
+    with pytest.raises(train.data.DataError, match=r'disagrees with its config.json: model.norm.weight is \[63\] where '
+                                                r'the config makes \[64\]'):
         model_lib.load_hf(cfg, hf, layout.abstract['params'])
 
 
@@ -141,7 +142,8 @@ def test_cli_export_and_generate(tmp_path, capsys):
     first, hf = str(tmp_path / 'first'), str(tmp_path / 'hf')
     train.export_hf(cfg, params, train.data.make_dataset(cfg), first)
     train.run(text('mode=export', f'load_hf={first}', f'export_dir={hf}'), jax.devices()[:1])
-    assert sorted(os.listdir(hf)) == ['config.json', 'model.safetensors', 'tokenizer.model', 'tokenizer_config.json']
+    assert sorted(os.listdir(hf)) == ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.model',
+                                      'tokenizer_config.json']
     for name in os.listdir(hf):
         assert open(os.path.join(hf, name), 'rb').read() == open(os.path.join(first, name), 'rb').read(), name
     cfg = text('mode=generate', f'load_hf={hf}', 'prompt=train 3\nab', 'temperature=0', 'max_new_tokens=16',
@@ -151,7 +153,7 @@ def test_cli_export_and_generate(tmp_path, capsys):
         written = f.read()
     tokenizer = train.data.make_dataset(cfg).tokenizer
     assert written == out['generation'] == tokenizer.decode(out['tokens'])
-    assert tokenizer.eos_id() not in out['tokens'] and len(out['tokens']) <= 16
+    assert tokenizer.eos_id not in out['tokens'] and len(out['tokens']) <= 16
     assert 'prompt: train 3\nab' in capsys.readouterr().out
 
 

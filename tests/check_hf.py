@@ -1,0 +1,572 @@
+"""Our Hugging Face loader (load_hf) and exporter (mode=export) against transformers itself.
+
+Run by hand (not collected by pytest: the file name does not start with test_). torch and
+transformers live in their own virtual environment, never in requirements.txt:
+
+    python -m venv /tmp/tv && /tmp/tv/bin/pip install torch==2.13.0 transformers
+    python tests/check_hf.py --torch-python /tmp/tv/bin/python [--out DIR]
+    python tests/check_hf.py --torch-python /tmp/tv/bin/python --export RUN_DIR_OR_EXPORT_DIR
+
+The venv's python (this same file with --worker) builds three tiny random models with transformers,
+Llama 3 (llama3 RoPE scaling, GQA, tied embeddings), Qwen2 (q/k/v biases) and Qwen3 (q/k norms, a
+head_dim that is not hidden / heads), each saved in several safetensors shards with an index, and
+writes their float32 logits on a fixed token batch and a greedy continuation. The main python (the
+one with jax) loads each checkpoint as a run with load_hf= does and compares; then exports it with
+model.save_hf, and the venv loads the export back and compares with the original's logits.
+--export DIR does the same for a directory our mode=export wrote (or its RUN_DIR, holding hf/), and
+answers one prompt with its tokenizer (through its chat template, if it has one).
+"""
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Every model's shape: tiny, so each forward costs milliseconds and the check stays light on a
+# shared machine. initializer_range 0.1 (about 1 / sqrt(hidden)) rather than transformers' 0.02:
+# at 0.02 attention is nearly uniform and the logits nearly flat, hiding a wrong RoPE angle.
+# No bos / eos: transformers' greedy decoding then runs all NEW_TOKENS tokens, as ours does.
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+# name -> (model class, config class, the config's own keys). RoPE goes in as rope_parameters
+# (transformers 5) or rope_scaling + rope_theta (4.x), whichever the installed version takes.
+MODELS = {
+    "llama3": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            attention_bias=False,
+            # original 64: at head_dim 16 and theta 5e5 the wavelengths 6, 32 and 167+ positions
+            # fall in each of the rule's three bands (kept, blended, divided by factor).
+            rope={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            use_sliding_window=False,
+            rope={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        dict(
+            tie_word_embeddings=False,
+            head_dim=32,
+            attention_bias=False,
+            rms_norm_eps=1e-6,
+            rope={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
+}
+BATCH = (2, 128)  # token ids for the logits: every position the llama3 bands act on
+PROMPT_LEN, NEW_TOKENS = 8, 16  # greedy: ids[:1, :PROMPT_LEN] continued by NEW_TOKENS tokens
+SHARD = "100KB"  # each model is ~0.3-0.5 MB in float32: three to five shards and an index
+TOLERANCE = 1e-4  # of the largest logit: float32 sums in another order, nothing more
+PROMPT = "What is the capital of France?"
+# Our export writes shards past model.SHARD_BYTES (5 GiB): lowered for Qwen3 so that its round trip
+# goes through shards and an index too, while the other two write one model.safetensors.
+EXPORT_SHARD_BYTES = {"qwen3": 100_000}
+
+
+# ==================================================================================================
+# The torch side (runs in the venv: torch, transformers, numpy; not jax nor the repo's modules).
+# ==================================================================================================
+def torch_setup():
+    """torch, transformers and numpy, on one thread (the machine is shared) and seeded."""
+    import numpy as np
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    transformers.logging.set_verbosity_error()
+    return np, torch, transformers
+
+
+def tiny_config(transformers, name, rope=None):
+    """MODELS[name]'s config (`rope`: other RoPE parameters, for the control)."""
+    import inspect
+
+    arch, conf_class, keys = MODELS[name]
+    keys, conf_class = dict(keys), getattr(transformers, conf_class)
+    rope = rope or keys["rope"]
+    del keys["rope"]
+    if "rope_parameters" in inspect.signature(conf_class.__init__).parameters:
+        keys["rope_parameters"] = rope
+    else:
+        keys["rope_theta"] = rope["rope_theta"]
+        if rope["rope_type"] != "default":
+            keys["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return getattr(transformers, arch), conf_class(**SHAPE, **keys)
+
+
+def tiny_model(transformers, torch, name):
+    """A random model of MODELS[name], its norms and biases moved off 1 and 0 so that a norm or bias
+    our loader dropped or misplaced would change the logits."""
+    arch, conf = tiny_config(transformers, name)
+    model = arch(conf).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def unscaled_logits(transformers, torch, model, ids):
+    """The control: Llama 3's weights with plain RoPE (its llama3 scaling dropped), on ids: how far
+    off a loader that got the frequency rule wrong would be."""
+    arch, conf = tiny_config(
+        transformers, "llama3", {"rope_type": "default", "rope_theta": 500000.0}
+    )
+    plain = arch(conf).eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        return plain(ids).logits.float().numpy()
+
+
+def greedy(torch, model, prompt_1P, new_tokens):
+    """model.generate's greedy continuation of prompt_1P (the new tokens only, as a list)."""
+    ids = torch.tensor(prompt_1P, dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def worker_make(out):
+    """Part 1's checkpoints under out/NAME/hf, with their logits on out/ids.npy and their greedy
+    continuations of its first row's first PROMPT_LEN tokens; the versions in out/versions.json."""
+    np, torch, transformers = torch_setup()
+    ids = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], BATCH).astype(np.int32)
+    np.save(os.path.join(out, "ids.npy"), ids)
+    ids_t = torch.tensor(ids, dtype=torch.long)
+    for name in MODELS:
+        model, folder = tiny_model(transformers, torch, name), os.path.join(out, name, "hf")
+        model.save_pretrained(folder, max_shard_size=SHARD)
+        with torch.no_grad():
+            np.save(os.path.join(out, name, "logits.npy"), model(ids_t).logits.float().numpy())
+        if name == "llama3":
+            np.save(
+                os.path.join(out, "unscaled_logits.npy"),
+                unscaled_logits(transformers, torch, model, ids_t),
+            )
+        np.save(
+            os.path.join(out, name, "greedy.npy"),
+            np.asarray(greedy(torch, model, ids[:1, :PROMPT_LEN], NEW_TOKENS), np.int32),
+        )
+    with open(os.path.join(out, "versions.json"), "w") as f:
+        json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f)
+
+
+def chat_prompt(tok):
+    """PROMPT as token ids: through the tokenizer's chat template if it has one."""
+    if tok.chat_template:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], add_generation_prompt=True
+        )
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in some versions
+        return [int(i) for i in ids], True
+    return tok(PROMPT)["input_ids"], False
+
+
+def worker_load(job_path):
+    """Each job entry: the checkpoint `dir` loaded with AutoModelForCausalLM (float32), its logits
+    on `ids` saved to `logits`; with `answer`, PROMPT answered greedily with its AutoTokenizer."""
+    np, torch, transformers = torch_setup()
+    with open(job_path) as f:
+        job = json.load(f)
+    for entry in job:
+        model = transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], dtype=torch.float32)
+        ids = torch.tensor(np.load(entry["ids"]), dtype=torch.long)
+        with torch.no_grad():
+            np.save(entry["logits"], model.eval()(ids).logits.float().numpy())
+        if entry.get("answer"):
+            tok = transformers.AutoTokenizer.from_pretrained(entry["dir"])
+            prompt, templated = chat_prompt(tok)
+            tokens = greedy(torch, model, [prompt], NEW_TOKENS)
+            answer = {
+                "prompt_ids": prompt,
+                "templated": templated,
+                "tokens": tokens,
+                "text": tok.decode(tokens, skip_special_tokens=True),
+            }
+            with open(entry["answer"], "w") as f:
+                json.dump(answer, f)
+
+
+def worker(argv):
+    """--worker make OUT | --worker load JOB.json: the torch side, in the venv's python."""
+    {"make": worker_make, "load": worker_load}[argv[0]](*argv[1:])
+
+
+# ==================================================================================================
+# Our side (the main python: jax and the repo).
+# ==================================================================================================
+def machine():
+    """The CPU, its core count and the time, for the header."""
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return f"{now:%Y-%m-%d %H:%M} UTC, {cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+
+
+def run_worker(torch_python, *argv):
+    """This file's worker in the venv; its stderr (transformers' warnings) shown if it fails."""
+    p = subprocess.run(
+        [torch_python, os.path.abspath(__file__), "--worker", *argv], capture_output=True, text=True
+    )
+    if p.returncode:
+        sys.exit(f"torch worker {' '.join(argv)} failed:\n{p.stderr[-4000:]}")
+
+
+def load_ours(hf_dir, max_len=BATCH[1]):
+    """(cfg, graph, params): the checkpoint as a run with load_hf=hf_dir makes them (its config.json
+    setting the model keys), float32 on one device; greedy decoding of NEW_TOKENS tokens."""
+    import jax
+
+    import model
+    import train
+
+    keys = [
+        f"load_hf={hf_dir}",
+        "dtype=float32",
+        "mesh=1,1,1",
+        f"max_target_length={max_len}",
+        "temperature=0",
+        f"max_new_tokens={NEW_TOKENS}",
+        "attention=einsum",  # what attention=auto picks on CPU, without its log line
+    ]
+    cfg, task = train.load_config(os.path.join(ROOT, "base.yml"), keys), model.TASKS["lm"]
+    cfg = train.resolve(train.checkpoint_keys(cfg), task, "cpu")
+    mesh = train.make_mesh(cfg, jax.devices()[:1])
+    layout = train.state_layout(cfg, task, mesh, train.make_optimizer(cfg)[0], 1)
+    with jax.set_mesh(mesh):
+        params = model.load_hf(cfg, hf_dir, layout.abstract["params"])
+    return cfg, model.abstract(cfg)[0], params
+
+
+def our_logits(graph, params, ids):
+    """Our model's float32 logits [B, L, V] on ids, every token in one segment."""
+    import numpy as np
+    from flax import nnx
+
+    positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    return np.asarray(nnx.merge(graph, params)(ids, positions, np.ones_like(ids)))
+
+
+def our_greedy(cfg, graph, params, prompt_1P):
+    """model.generate's greedy continuation (temperature=0), as a list."""
+    import jax
+    import numpy as np
+
+    import model
+
+    prompt = np.asarray(prompt_1P, np.int32)
+    return np.asarray(model.generate(cfg, graph, params, prompt, jax.random.key(0)))[0].tolist()
+
+
+def compare(ours, theirs):
+    """(max |ours - theirs|, that over the largest |logit| of theirs)."""
+    import numpy as np
+
+    diff = float(np.abs(ours - theirs).max())
+    return diff, diff / float(np.abs(theirs).max())
+
+
+def same_greedy(ours, theirs):
+    """Whether the continuations agree: on every token transformers gave (it stops early at eos)."""
+    return len(theirs) > 0 and ours[: len(theirs)] == list(theirs)
+
+
+def shard_files(folder):
+    """The checkpoint's safetensors files, for the table: '3 + index' or '1'."""
+    n = len(glob.glob(os.path.join(folder, "*.safetensors")))
+    return (
+        f"{n} + index"
+        if os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
+        else str(n)
+    )
+
+
+def tensors(folder):
+    """{name: array} of every safetensors file in folder."""
+    import safetensors.numpy
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        out.update(safetensors.numpy.load_file(path))
+    return out
+
+
+def same_tensors(a, b):
+    """Whether two checkpoints hold the same tensor names with bit-identical values."""
+    import numpy as np
+
+    ta, tb = tensors(a), tensors(b)
+    return ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta)
+
+
+def check_model(name, out):
+    """Part 1 for one architecture, ours against transformers' files; then its export with save_hf.
+    Returns the row (round trip still to fill) and the export's directory."""
+    import jax
+    import numpy as np
+
+    import model
+
+    folder, export = os.path.join(out, name, "hf"), os.path.join(out, name, "export")
+    ids = np.load(os.path.join(out, "ids.npy"))
+    cfg, graph, params = load_ours(folder)
+    diff, rel = compare(
+        our_logits(graph, params, ids), np.load(os.path.join(out, name, "logits.npy"))
+    )
+    theirs = np.load(os.path.join(out, name, "greedy.npy")).tolist()
+    ours = our_greedy(cfg, graph, params, ids[:1, :PROMPT_LEN])
+    source = json.load(open(os.path.join(folder, "config.json")))
+    default, model.SHARD_BYTES = model.SHARD_BYTES, EXPORT_SHARD_BYTES.get(name, model.SHARD_BYTES)
+    try:
+        model.save_hf(cfg, jax.tree.map(np.asarray, params), export, tokenizer=None, source=source)
+    finally:
+        model.SHARD_BYTES = default
+    exported = json.load(open(os.path.join(export, "config.json")))
+    return {
+        "name": name,
+        "arch": source["architectures"][0],
+        "files": shard_files(folder),
+        "diff": diff,
+        "rel": rel,
+        "greedy": same_greedy(ours, theirs),
+        "ours": ours,
+        "theirs": theirs,
+        "arch_kept": exported["architectures"] == source["architectures"],
+        "tensors_kept": same_tensors(folder, export),
+        "export_files": shard_files(export),
+    }, export
+
+
+def export_dir(path):
+    """--export's directory: an export (config.json there), or a RUN_DIR holding hf/."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if os.path.exists(os.path.join(path, "hf", "config.json")):
+        return os.path.join(path, "hf")
+    sys.exit(f"--export {path}: neither it nor {path}/hf holds a config.json")
+
+
+def check_export(folder, out, theirs_logits, answer):
+    """--export: ours against transformers on the batch and on the prompt's greedy answer."""
+    import numpy as np
+
+    cfg, graph, params = load_ours(
+        folder, max_len=max(BATCH[1], len(answer["prompt_ids"]) + NEW_TOKENS)
+    )
+    diff, rel = compare(
+        our_logits(graph, params, np.load(os.path.join(out, "export_ids.npy"))), theirs_logits
+    )
+    ours = our_greedy(cfg, graph, params, [answer["prompt_ids"]])
+    arch = json.load(open(os.path.join(folder, "config.json")))["architectures"][0]
+    return {
+        "name": folder,
+        "arch": arch,
+        "files": shard_files(folder),
+        "diff": diff,
+        "rel": rel,
+        "greedy": same_greedy(ours, answer["tokens"]),
+        "ours": ours,
+        "theirs": answer["tokens"],
+    }
+
+
+def table(rows, columns):
+    """rows as a | table with the given (title, format) columns, widths fitted."""
+    cells = [[title for title, _ in columns]] + [[f(r) for _, f in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    lines = [
+        " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in cells
+    ]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+COLUMNS = [
+    ("architecture", lambda r: r["arch"]),
+    ("checkpoint files", lambda r: r["files"]),
+    ("max |logit diff|", lambda r: f"{r['diff']:.3g}"),
+    ("of largest", lambda r: f"{r['rel']:.3g}"),
+    ("greedy equal", lambda r: f"{'yes' if r['greedy'] else 'NO'} ({len(r['theirs'])} tok)"),
+]
+ROUND_TRIP = [
+    ("export files", lambda r: r["export_files"]),
+    ("export round trip diff", lambda r: f"{r['trip']:.3g}"),
+    ("architectures kept", lambda r: "yes" if r["arch_kept"] else "NO"),
+    ("tensors identical", lambda r: "yes" if r["tensors_kept"] else "NO"),
+]
+
+
+def failures(row):
+    """What disagrees in one row beyond TOLERANCE, one line each."""
+    bad, name = [], row["name"]
+    if not row["rel"] < TOLERANCE:
+        bad.append(f"{name}: logits differ by {row['rel']:.3g} of the largest")
+    if not row["greedy"]:
+        bad.append(f"{name}: greedy ours {row['ours']} vs transformers {row['theirs']}")
+    if "trip" in row and not row["trip_rel"] < TOLERANCE:
+        bad.append(f"{name}: the export gives logits {row['trip_rel']:.3g} of the largest off")
+    if "trip" in row and not (row["arch_kept"] and row["tensors_kept"]):
+        bad.append(f"{name}: the export changed its architectures or its tensors")
+    return bad
+
+
+def part1(out, torch_python, export=None):
+    """The three checkpoints checked and exported; the exports (and `export`, if given) read back by
+    transformers in one worker call. Returns the rows, round trip filled."""
+    import numpy as np
+
+    rows, job = [], []
+    for name in MODELS:
+        row, folder = check_model(name, out)
+        rows.append(row)
+        logits = os.path.join(out, name, "export_logits.npy")
+        job.append({"dir": folder, "ids": os.path.join(out, "ids.npy"), "logits": logits})
+    if export:  # Part 2's transformers side rides along: torch is imported once
+        vocab = json.load(open(os.path.join(export, "config.json")))["vocab_size"]
+        ids = np.random.default_rng(1).integers(0, vocab, BATCH).astype(np.int32)
+        np.save(os.path.join(out, "export_ids.npy"), ids)
+        job.append(
+            {
+                "dir": export,
+                "ids": os.path.join(out, "export_ids.npy"),
+                "logits": os.path.join(out, "export_logits.npy"),
+                "answer": os.path.join(out, "export_answer.json"),
+            }
+        )
+    with open(os.path.join(out, "job.json"), "w") as f:
+        json.dump(job, f)
+    run_worker(torch_python, "load", os.path.join(out, "job.json"))
+    for row in rows:  # the export, read by transformers, against the original's transformers logits
+        original = np.load(os.path.join(out, row["name"], "logits.npy"))
+        exported = np.load(os.path.join(out, row["name"], "export_logits.npy"))
+        row["trip"], row["trip_rel"] = compare(exported, original)
+    return rows
+
+
+def report_part1(rows, out):
+    """Part 1's table, and the control that shows the tolerance has teeth."""
+    import numpy as np
+
+    print(
+        f"\nPart 1: transformers checkpoints ({BATCH[0]} x {BATCH[1]} tokens; greedy "
+        f"{NEW_TOKENS} tokens after {PROMPT_LEN}), loaded by ours; exported back by save_hf"
+    )
+    print(table(rows, COLUMNS + ROUND_TRIP))
+    unscaled = np.load(os.path.join(out, "unscaled_logits.npy"))
+    control = compare(unscaled, np.load(os.path.join(out, "llama3", "logits.npy")))[1]
+    print(
+        f"control: the Llama weights with RoPE unscaled (no llama3 rule) move the logits by "
+        f"{control:.3g} of the largest, so the tolerance {TOLERANCE:g} would catch a wrong rule"
+    )
+
+
+def part2(folder, out):
+    """--export: ours on the export against transformers' logits and greedy answer; printed."""
+    import numpy as np
+
+    answer = json.load(open(os.path.join(out, "export_answer.json")))
+    row = check_export(folder, out, np.load(os.path.join(out, "export_logits.npy")), answer)
+    print(f"\nPart 2: {folder} ({BATCH[0]} x {BATCH[1]} random tokens)")
+    print(table([row], COLUMNS))
+    how = "through its chat template" if answer["templated"] else "as plain text (no template)"
+    print(f"prompt {PROMPT!r} {how}, {len(answer['prompt_ids'])} tokens")
+    print(f"transformers answers: {answer['text']!r}")
+    return row
+
+
+def parse(argv):
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--torch-python", help="a python with torch and transformers (the venv's)")
+    parser.add_argument("--out", help="where checkpoints and logits go (default: a temporary dir)")
+    parser.add_argument("--export", help="also check this mode=export dir, or a RUN_DIR with hf/")
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not (args.worker or args.torch_python):
+        parser.error("--torch-python is required (the venv with torch and transformers)")
+    return args
+
+
+def main(argv):
+    """Both parts, the summary, and an AssertionError listing whatever disagrees."""
+    args = parse(argv)
+    if args.worker:
+        return worker(args.worker)
+    # A float32 parity check: on CPU the matmuls are exact float32 (no TF32 as on a GPU).
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, ROOT)
+    import jax
+
+    out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="check-hf-"))
+    export = args.export and export_dir(os.path.abspath(args.export))
+    os.makedirs(out, exist_ok=True)
+    start = time.time()
+    run_worker(args.torch_python, "make", out)
+    versions = json.load(open(os.path.join(out, "versions.json")))
+    print(machine())
+    print(
+        f"python {platform.python_version()}, jax {jax.__version__}, torch {versions['torch']}, "
+        f"transformers {versions['transformers']}; files in {out}"
+    )
+    rows = part1(out, args.torch_python, export)
+    report_part1(rows, out)
+    if export:
+        rows.append(part2(export, out))
+    bad = [failures(row) for row in rows]
+    print(
+        f"\n{sum(not b for b in bad)} of {len(rows)} checkpoints agree (tolerance {TOLERANCE:g} "
+        f"of the largest logit); {time.time() - start:.0f}s"
+    )
+    assert not any(bad), "\n".join(line for lines in bad for line in lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
