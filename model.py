@@ -558,8 +558,9 @@ def lm_loss(cfg, graph, params, mb, carry, key, step=0):
     else:
         logits_BLV = model(mb['inputs'], mb['positions'], mb['segment_ids'])
         ce_BL = cross_entropy(logits_BLV, mb['targets'])
-    tokens = jnp.sum(mb['loss_mask'])
-    return jnp.sum(ce_BL * mb['loss_mask']), ({'weight': tokens, 'tokens': tokens}, carry)
+    # weight: the targets that count (an SFT row's answers); tokens: every real one the step ran (for tokens/s, MFU)
+    weight, tokens = jnp.sum(mb['loss_mask']), jnp.sum(mb['segment_ids'] > 0).astype(jnp.float32)
+    return jnp.sum(ce_BL * mb['loss_mask']), ({'weight': weight, 'tokens': tokens}, carry)
 
 
 def lm_flops_per_token(cfg):
@@ -570,7 +571,7 @@ def lm_flops_per_token(cfg):
 
 def lm_eval_step(cfg, graph, params, batch):
     loss, (sums, _) = lm_loss(cfg, graph, params, batch, None, None)
-    return {'loss': loss, 'tokens': sums['tokens']}
+    return {'loss': loss, 'tokens': sums['weight']}  # eval loss per target that counts
 
 
 def lm_eval_result(cfg, outs, batches, ds, save_to=None):
@@ -640,9 +641,10 @@ def lm_answers(cfg, graph, params, ds, save_to):
     max_new_tokens, cut at a stop token), batched with their prompts padded on the left to one length (one
     compile); exact match is the answer's text equal to the reference's, spaces at either end aside. The answers
     go to save_to/answers.jsonl."""
-    examples = getattr(ds, 'eval_examples', [])[:cfg.eval_answers]
-    if not examples:
-        return {}
+    if not hasattr(ds, 'eval_examples'):
+        raise data.DataError(f'eval_answers={cfg.eval_answers} scores the answers of SFT rows (messages, or prompt and '
+                             'completion); this data has none: set eval_answers=0')
+    examples = ds.eval_examples[:cfg.eval_answers]
     greedy, B, P = cfg.model_copy(update={'temperature': 0.0}), min(len(examples), 64), max(len(p) for p, _ in examples)
     rows, exact = [], 0
     for start in range(0, len(examples), B):

@@ -194,20 +194,20 @@ def worker_make(out):
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f)
 
 
-def chat_prompt(tok):
-    """PROMPT as token ids: through the tokenizer's chat template if it has one."""
+def chat_prompt(tok, prompt):
+    """The prompt as token ids: through the tokenizer's chat template if it has one."""
     if tok.chat_template:
         ids = tok.apply_chat_template(
-            [{"role": "user", "content": PROMPT}], add_generation_prompt=True
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
         )
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in some versions
         return [int(i) for i in ids], True
-    return tok(PROMPT)["input_ids"], False
+    return tok(prompt)["input_ids"], False
 
 
 def worker_load(job_path):
     """Each job entry: the checkpoint `dir` loaded with AutoModelForCausalLM (float32), its logits
-    on `ids` saved to `logits`; with `answer`, PROMPT answered greedily with its AutoTokenizer."""
+    on `ids` saved to `logits`; with `answer`, `prompt` answered greedily with its AutoTokenizer."""
     np, torch, transformers = torch_setup()
     with open(job_path) as f:
         job = json.load(f)
@@ -218,7 +218,7 @@ def worker_load(job_path):
             np.save(entry["logits"], model.eval()(ids).logits.float().numpy())
         if entry.get("answer"):
             tok = transformers.AutoTokenizer.from_pretrained(entry["dir"])
-            prompt, templated = chat_prompt(tok)
+            prompt, templated = chat_prompt(tok, entry["prompt"])
             tokens = greedy(torch, model, [prompt], NEW_TOKENS)
             answer = {
                 "prompt_ids": prompt,
@@ -458,7 +458,7 @@ def failures(row):
     return bad
 
 
-def part1(out, torch_python, export=None):
+def part1(out, torch_python, export=None, prompt=PROMPT):
     """The three checkpoints checked and exported; the exports (and `export`, if given) read back by
     transformers in one worker call. Returns the rows, round trip filled."""
     import numpy as np
@@ -479,6 +479,7 @@ def part1(out, torch_python, export=None):
                 "ids": os.path.join(out, "export_ids.npy"),
                 "logits": os.path.join(out, "export_logits.npy"),
                 "answer": os.path.join(out, "export_answer.json"),
+                "prompt": prompt,
             }
         )
     with open(os.path.join(out, "job.json"), "w") as f:
@@ -508,7 +509,7 @@ def report_part1(rows, out):
     )
 
 
-def part2(folder, out):
+def part2(folder, out, prompt):
     """--export: ours on the export against transformers' logits and greedy answer; printed."""
     import numpy as np
 
@@ -517,7 +518,7 @@ def part2(folder, out):
     print(f"\nPart 2: {folder} ({BATCH[0]} x {BATCH[1]} random tokens)")
     print(table([row], COLUMNS))
     how = "through its chat template" if answer["templated"] else "as plain text (no template)"
-    print(f"prompt {PROMPT!r} {how}, {len(answer['prompt_ids'])} tokens")
+    print(f"prompt {prompt!r} {how}, {len(answer['prompt_ids'])} tokens")
     print(f"transformers answers: {answer['text']!r}")
     return row
 
@@ -528,6 +529,7 @@ def parse(argv):
     parser.add_argument("--torch-python", help="a python with torch and transformers (the venv's)")
     parser.add_argument("--out", help="where checkpoints and logits go (default: a temporary dir)")
     parser.add_argument("--export", help="also check this mode=export dir, or a RUN_DIR with hf/")
+    parser.add_argument("--prompt", default=PROMPT, help="what --export's model answers (greedy)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not (args.worker or args.torch_python):
@@ -556,10 +558,10 @@ def main(argv):
         f"python {platform.python_version()}, jax {jax.__version__}, torch {versions['torch']}, "
         f"transformers {versions['transformers']}; files in {out}"
     )
-    rows = part1(out, args.torch_python, export)
+    rows = part1(out, args.torch_python, export, args.prompt)
     report_part1(rows, out)
     if export:
-        rows.append(part2(export, out))
+        rows.append(part2(export, out, args.prompt))
     bad = [failures(row) for row in rows]
     print(
         f"\n{sum(not b for b in bad)} of {len(rows)} checkpoints agree (tolerance {TOLERANCE:g} "

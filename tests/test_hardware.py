@@ -106,6 +106,27 @@ def test_readme_preset_fits_its_tpu_slice(name, overrides, fast_tpu_compiles, ca
     assert 'fits' in out and 'temporaries' in out
 
 
+# Qwen2.5-0.5B's config.json as published (the hub is not reachable from the tests): what the fine-tuning row loads.
+QWEN25_05B = {'architectures': ['Qwen2ForCausalLM'], 'model_type': 'qwen2', 'hidden_size': 896, 'intermediate_size': 4864,
+              'num_hidden_layers': 24, 'num_attention_heads': 14, 'num_key_value_heads': 2, 'vocab_size': 151936,
+              'rope_theta': 1e6, 'rms_norm_eps': 1e-6, 'tie_word_embeddings': True, 'use_sliding_window': False,
+              'hidden_act': 'silu', 'max_position_embeddings': 32768}
+
+
+def test_readme_fine_tuning_row_fits_a_v5e_8(tmp_path, fast_tpu_compiles, capsys):
+    """The README's Qwen2.5-0.5B SFT row (sequence 1,024, 4 per device, 2 accumulation steps) compiled for a v5e-8
+    from the model's config.json alone (no weights read): it fits the 16 GiB per device."""
+    with open(os.path.join(ROOT, 'README.md')) as f:
+        row = re.search(r'^\| TPU v5e-8 \| `([^`]*)` \|', f.read(), re.M).group(1)
+    (tmp_path / 'qwen').mkdir()
+    (tmp_path / 'qwen' / 'config.json').write_text(json.dumps(QWEN25_05B))
+    keys = [*shlex.split(row), 'max_target_length=1024', f'load_hf={tmp_path}/qwen', f'output_dir={tmp_path}']
+    result = train.run(train.load_config(BASE, keys + ['compile_topology=v5e-8']))
+    out = capsys.readouterr().out
+    assert result['fits'] and 'model: ' not in out, out  # compiled, nothing allocated
+    assert result['bytes_per_device'] <= 0.75 * result['hbm_bytes'], out
+
+
 def test_oversized_config_does_not_fit_v2_8(fast_tpu_compiles, capsys):
     """A 375M model without remat at batch 16 x 1024 per core needs about twice a v2 core's 8 GiB."""
     code = train.main(['train.py', BASE, 'compile_topology=v2-8', 'mesh=1,8,1', 'per_device_batch=16',
