@@ -485,7 +485,8 @@ def keep_tokenizer(ds, run_dir, resumed, changes):
     tok = ds.tokenizer
     path, model = os.path.join(run_dir, tok.primary), tok.files[tok.primary]
     if not (resumed and stored(path).exists()):
-        for name, content in tok.files.items() if tok.primary == 'tokenizer.json' else [(tok.primary, model)]:
+        kept = tok.files if tok.primary == 'tokenizer.json' else {tok.primary: model}  # HF's: its specials too
+        for name, content in kept.items():
             write(os.path.join(run_dir, name), content)
         return None
     if stored(path).read_bytes() != model:

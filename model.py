@@ -645,7 +645,8 @@ def lm_answers(cfg, graph, params, ds, save_to):
         raise data.DataError(f'eval_answers={cfg.eval_answers} scores the answers of SFT rows (messages, or prompt and '
                              'completion); this data has none: set eval_answers=0')
     examples = ds.eval_examples[:cfg.eval_answers]
-    greedy, B, P = cfg.model_copy(update={'temperature': 0.0}), min(len(examples), 64), max(len(p) for p, _ in examples)
+    greedy, P = cfg.model_copy(update={'temperature': 0.0}), max(len(p) for p, _ in examples)
+    B = min(len(examples), 16)  # prompts a call: the prefill keeps [B, heads, P, P] float32 scores
     rows, exact = [], 0
     for start in range(0, len(examples), B):
         chunk = examples[start:start + B]

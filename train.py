@@ -313,7 +313,7 @@ def with_values(cfg, values):
     for key, value in values.items():
         *sections, name = key.split('.')
         functools.reduce(lambda tree, s: tree[s], sections, raw)[name] = value
-    return validated(raw, 'base.yml', cfg._given)
+    return validated(raw, '', cfg._given)
 
 
 def checkpoint_keys(cfg):
@@ -328,15 +328,17 @@ def checkpoint_keys(cfg):
                           'checkpoint directory (config.json, model.safetensors) or a hub id') from None
     except ValueError as e:
         raise ConfigError(f'load_hf={cfg.load_hf}: {e}') from None
-    values, names = flat(cfg.model_dump(mode='json')), {**model_lib.HF_KEYS, 'head_dim': 'head_dim'}
+    values = flat(cfg.model_dump(mode='json'))
     for key, value in keys.items():
-        mine = values[key] if key != 'head_dim' else model_lib.dims(cfg)
+        mine = values[key] if key != 'head_dim' else model_lib.dims(cfg)  # head_dim=0: derived
         same = math.isclose(mine, value) if isinstance(value, float) else mine == value
         if key in cfg._given and not same:
-            shown = f'{names[key]}={value}' if key in names else f'{key}={value}'
-            raise ConfigError(f'load_hf={cfg.load_hf}: its config.json has {shown} but {key}={mine} is set; drop '
-                              f'{key}= (the checkpoint decides it)')
-    return with_values(cfg, keys)
+            raise ConfigError(f'load_hf={cfg.load_hf}: its config.json has {model_lib.HF_KEYS.get(key, key)}={value} '
+                              f'but {key}={mine} is set; drop {key}= (the checkpoint decides it)')
+    try:
+        return with_values(cfg, keys)
+    except ConfigError as e:  # a value of the wrong type or range in config.json
+        raise ConfigError(f'load_hf={cfg.load_hf}: config.json gives {e}') from None
 
 
 def cpu_has_bf16():
