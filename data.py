@@ -1093,6 +1093,11 @@ class Tokenizer(NamedTuple):
     primary: str              # 'tokenizer.model' or 'tokenizer.json'
 
 
+def until_stop(tokens, stop_ids):
+    """The tokens before the first one that ends a generation (eos, a chat model's end of turn)."""
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in stop_ids), tokens)
+
+
 def sentencepiece_tokenizer(sp, max_length):
     """Ours: bos, eos, pad and unk pieces set when trained (a given .model without a bos starts documents with eos)."""
     piece = sp.id_to_piece
@@ -1473,9 +1478,8 @@ class SFTData(_Data):
         first = last = np.flatnonzero(answer)[-1]
         while first > 0 and answer[first - 1]:
             first -= 1
-        answer = ids[first:last + 1].tolist()
-        end = next((i for i, t in enumerate(answer) if t in self.tokenizer.stop_ids), len(answer))
-        return ids[:first], self.tokenizer.decode(answer[:end])
+        answer = until_stop(ids[first:last + 1].tolist(), self.tokenizer.stop_ids)
+        return ids[:first], self.tokenizer.decode(answer)
 
     def plan(self, row, rows, epochs):
         """Lane `row` of `rows`: its rows of example ids (a _Plan, endless when epochs is 0)."""

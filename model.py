@@ -616,18 +616,13 @@ def generate(cfg, graph, params, prompt_BP, key, real_BP=None):
     return jax.jit(run_all)(params, jnp.asarray(prompt_BP, jnp.int32), jnp.asarray(real_BP, jnp.int32), key)
 
 
-def until_stop(tokens, stop_ids):
-    """The tokens before the first one that ends a generation (eos, a chat model's end of turn)."""
-    return next((tokens[:i] for i, t in enumerate(tokens) if t in stop_ids), tokens)
-
-
 def lm_generate(cfg, graph, params, ds, rows):
     """mode=generate: the prompt (after bos, where the tokenizer has one) continued by max_new_tokens sampled
     tokens, cut where a stop token (eos) comes. Returns (summary, what to print, what RUN_DIR/generation.txt holds)."""
     tok = ds.tokenizer
     prompt_1P = np.asarray([[tok.bos_id] * (tok.bos_id is not None) + tok.encode(cfg.prompt)], np.int32)
     tokens = np.asarray(generate(cfg, graph, params, prompt_1P, jax.random.key(cfg.seed)))[0].tolist()
-    tokens = until_stop(tokens, tok.stop_ids)
+    tokens = data.until_stop(tokens, tok.stop_ids)
     text = tok.decode(tokens)
     shown = f'prompt: {cfg.prompt}\ncontinuation: {text}'
     if prompt_1P.shape[1] + cfg.max_new_tokens > cfg.max_target_length:
@@ -656,7 +651,7 @@ def lm_answers(cfg, graph, params, ds, save_to):
         real_BP[len(chunk):, -1] = 1  # the rows past the last example: one token each, never read
         out_BO = np.asarray(generate(greedy, graph, params, prompt_BP, jax.random.key(0), real_BP))
         for (prompt, want), tokens in zip(chunk, out_BO.tolist()):
-            got = ds.tokenizer.decode(until_stop(tokens, ds.tokenizer.stop_ids))
+            got = ds.tokenizer.decode(data.until_stop(tokens, ds.tokenizer.stop_ids))
             exact += got.strip() == want.strip()
             rows.append({'prompt': ds.tokenizer.decode(prompt.tolist()), 'answer': got, 'reference': want})
     data.write(os.path.join(save_to, 'answers.jsonl'), ''.join(json.dumps(r) + '\n' for r in rows))
