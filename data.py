@@ -44,32 +44,35 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import grain
 import numpy as np
 from etils import epath
-from tensorboardX import SummaryWriter
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
-from typing import Callable, NamedTuple
+from tensorboardX import SummaryWriter
 
 # Special ids of the tokenizers trained here. A tokenizer given by tokenizer_path keeps its own ids
 # (its eos is required; without a bos, eos also starts documents).
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 SUDOKU_LEN = 81
-SUDOKU_VOCAB = 11          # TRM tokens: pad 0, blank 1, digits 1..9 -> 2..10 (token = digit + 1)
-_TOKENIZER_SAMPLE_CHARS = 5_000_000   # BPE training on 5 MB takes ~1 s; more text barely changes merges
+SUDOKU_VOCAB = 11  # TRM tokens: pad 0, blank 1, digits 1..9 -> 2..10 (token = digit + 1)
+_TOKENIZER_SAMPLE_CHARS = (
+    5_000_000  # BPE training on 5 MB takes ~1 s; more text barely changes merges
+)
 _EVAL_HEAD_DOCS = 10_000  # documents of a streamed eval split read for eval (its head)
-_SENTENCE_CHARS = 4000     # sentencepiece caps sentence length, so long files are cut at line ends
+_SENTENCE_CHARS = 4000  # sentencepiece caps sentence length, so long files are cut at line ends
 _MAX_SENTENCE_CHARS = 4 * _SENTENCE_CHARS  # what it takes: a line longer than this is skipped
-_SUDOKU_GEN_VERSION = 1    # bump when the generator changes, so cached puzzle sets are regenerated
-_STDLIB_SKIP = {'site-packages', 'dist-packages', 'test', 'tests', 'idle_test', '__pycache__'}
+_SUDOKU_GEN_VERSION = 1  # bump when the generator changes, so cached puzzle sets are regenerated
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
 def first_line(e, typed=True, limit=160):
     """An exception as one line for an error message: its type (typed) and the first line of its text."""
-    text = str(e).splitlines()[0][:limit] if str(e) else ''
-    return f'{type(e).__name__}: {text}' if typed and text else text or type(e).__name__
+    text = str(e).splitlines()[0][:limit] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if typed and text else text or type(e).__name__
 
 
 class DataError(Exception):
@@ -80,12 +83,14 @@ class DataError(Exception):
 # gs://bucket/... (gcsfs underneath, no TensorFlow). GCS has no append and no file locks: append() composes
 # objects, and a run owns a gs:// directory through a lease object (BucketLease). --------------------------
 
-STORAGE_ERRORS = (OSError,)  # what a disk can raise; a bucket adds gcsfs's HTTP and credential errors (use_gcs)
+STORAGE_ERRORS = (
+    OSError,
+)  # what a disk can raise; a bucket adds gcsfs's HTTP and credential errors (use_gcs)
 MAIN = True  # whether this process writes the run's files (train.py: process 0 of a multi-host run only)
-HELD = {}    # run directory -> whether it is still the one this run opened (train.py fills it)
+HELD = {}  # run directory -> whether it is still the one this run opened (train.py fills it)
 # Names tensorstore (orbax's array writer) reads as a URL on gs://: it cuts a query (?) or fragment (#) and
 # decodes %XX, so arrays would land beside the run directory, not in it.
-URL_MANGLED = re.compile(r'[?#%]')
+URL_MANGLED = re.compile(r"[?#%]")
 
 
 class WriteError(Exception):
@@ -94,7 +99,7 @@ class WriteError(Exception):
 
 
 def remote(path):
-    return '://' in str(path)
+    return "://" in str(path)
 
 
 def stored(path):
@@ -110,30 +115,43 @@ def use_gcs():
     global STORAGE_ERRORS
     from gcsfs.retry import HttpError
     from google.auth.exceptions import GoogleAuthError
+
     STORAGE_ERRORS = (OSError, HttpError, GoogleAuthError)
 
 
 def gcs():
     """The gcsfs file system epath itself uses (fsspec keeps one instance, so both see one listings cache)."""
     import fsspec
+
     use_gcs()
-    return fsspec.filesystem('gs')
+    return fsspec.filesystem("gs")
 
 
 def storage_reason(e):
     """An error from a disk or a bucket as a short reason, with any URL's query string (tokens, signatures) cut."""
     text = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
-    text = re.sub(r'(https?://[^\s?]+)\?\S*', r'\1', text)
-    return re.sub(r'(?i)(token|signature|key)=[^\s&]+', r'\1=...', text)
+    text = re.sub(r"(https?://[^\s?]+)\?\S*", r"\1", text)
+    return re.sub(r"(?i)(token|signature|key)=[^\s&]+", r"\1=...", text)
 
 
 # A Hugging Face checkpoint's files, all load_hf reads or export writes: the weights (one file, or shards and their
 # index), the model's config, its tokenizer (tokenizer.json, or sentencepiece's tokenizer.model), its special tokens
 # and chat template.
-TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja')
-HF_FILES = ('config.json', 'generation_config.json', '*.safetensors', 'model.safetensors.index.json',
-            'tokenizer.model', *TOKENIZER_FILES)
-HUB_ID = re.compile(r'[\w.-]+/[\w.-]+')
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.model",
+    *TOKENIZER_FILES,
+)
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def hub_id(name):
@@ -148,14 +166,17 @@ def hf_dir(name):
     if not hub_id(name):
         return name
     from huggingface_hub import snapshot_download
-    for logger in ('huggingface_hub', 'filelock'):
+
+    for logger in ("huggingface_hub", "filelock"):
         logging.getLogger(logger).setLevel(logging.CRITICAL)
     try:
         return snapshot_download(name, allow_patterns=list(HF_FILES))
     except Exception as e:  # no network, no such repo, gated, offline and not cached: all one line
-        raise DataError(f'load_hf={name}: no such directory, and the Hugging Face hub did not give that model '
-                        f'({first_line(e, limit=120)}); a gated model needs HF_TOKEN, and offline '
-                        '(HF_HUB_OFFLINE=1) only models already in the hub cache load') from None
+        raise DataError(
+            f"load_hf={name}: no such directory, and the Hugging Face hub did not give that model "
+            f"({first_line(e, limit=120)}); a gated model needs HF_TOKEN, and offline "
+            "(HF_HUB_OFFLINE=1) only models already in the hub cache load"
+        ) from None
 
 
 def read_json(path, what=None):
@@ -163,9 +184,13 @@ def read_json(path, what=None):
     try:
         value = json.loads(stored(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise DataError(f'{path}: not valid JSON ({first_line(e, typed=False, limit=100)})') from None
+        raise DataError(
+            f"{path}: not valid JSON ({first_line(e, typed=False, limit=100)})"
+        ) from None
     if not isinstance(value, dict):
-        raise DataError(f'{path}: holds a JSON {type(value).__name__}, not the object {what or "expected"}')
+        raise DataError(
+            f"{path}: holds a JSON {type(value).__name__}, not the object {what or 'expected'}"
+        )
     return value
 
 
@@ -174,9 +199,11 @@ def check_held(path):
     its inode, a bucket's by the run's lease on it), stops the run before it writes into what is there now."""
     path = path if remote(path) else os.path.abspath(path)  # orbax names its directory absolutely
     for run_dir, still_ours in HELD.items():
-        if (path == run_dir or path.startswith(run_dir.rstrip('/') + '/')) and not still_ours():
-            raise WriteError(f'{run_dir} was moved or replaced under this run: stopped without writing into what is '
-                             'there now (what the run wrote went with its directory)')
+        if (path == run_dir or path.startswith(run_dir.rstrip("/") + "/")) and not still_ours():
+            raise WriteError(
+                f"{run_dir} was moved or replaced under this run: stopped without writing into what is "
+                "there now (what the run wrote went with its directory)"
+            )
 
 
 def write(path, content):
@@ -187,7 +214,7 @@ def write(path, content):
         try:
             stored(path).write_bytes(content if isinstance(content, bytes) else content.encode())
         except STORAGE_ERRORS as e:
-            raise WriteError(f'{path}: cannot write it ({storage_reason(e)})') from None
+            raise WriteError(f"{path}: cannot write it ({storage_reason(e)})") from None
 
 
 def append(path, text):
@@ -196,20 +223,22 @@ def append(path, text):
     check_held(path)
     try:
         if not remote(path):
-            with open(path, 'a') as f:
+            with open(path, "a") as f:
                 f.write(text)
             return
-        part = f'{path}.part'
+        part = f"{path}.part"
         gcs().pipe_file(part, text.encode())
         gcs().merge(path, [path, part])
         gcs().rm_file(part)
     except STORAGE_ERRORS as e:
-        raise WriteError(f'{path}: cannot write ({storage_reason(e)}); the checkpoints written are intact') from None
+        raise WriteError(
+            f"{path}: cannot write ({storage_reason(e)}); the checkpoints written are intact"
+        ) from None
 
 
 def set_aside(path, tag):
     """Renames path to path.TAG-TIME (never deletes it); returns the new name."""
-    new = f'{path}.{tag}-{time.strftime("%Y%m%d-%H%M%S")}'
+    new = f"{path}.{tag}-{time.strftime('%Y%m%d-%H%M%S')}"
     stored(path).rename(stored(new))
     return new
 
@@ -219,20 +248,23 @@ def check_credentials(paths):
     background write (gcsfs would fall back to anonymous access silently). An emulator (STORAGE_EMULATOR_HOST)
     needs none."""
     used = [key for key, path in paths.items() if remote(path)]
-    if not used or os.environ.get('STORAGE_EMULATOR_HOST'):
+    if not used or os.environ.get("STORAGE_EMULATOR_HOST"):
         return
     import google.auth
+
     use_gcs()
     try:
         google.auth.default()
     except google.auth.exceptions.DefaultCredentialsError as e:
-        raise WriteError(f'{used[0]}={paths[used[0]]}: no Google credentials found ({storage_reason(e)}); on a '
-                         'Cloud TPU VM the VM\'s service account is used, elsewhere run `gcloud auth '
-                         'application-default login` or set GOOGLE_APPLICATION_CREDENTIALS') from None
+        raise WriteError(
+            f"{used[0]}={paths[used[0]]}: no Google credentials found ({storage_reason(e)}); on a "
+            "Cloud TPU VM the VM's service account is used, elsewhere run `gcloud auth "
+            "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
+        ) from None
 
 
 def holder_line():
-    return f'process {os.getpid()} on {socket.gethostname()} since {time.strftime("%Y-%m-%d %H:%M:%S")}'
+    return f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
 
 
 class BucketLease:
@@ -241,6 +273,7 @@ class BucketLease:
     run renews every LEASE_SECONDS / 3 (rewriting it conditional on the generation it last wrote). A killed run
     stops renewing: once its lease has run out, or at once on the same host when its process is gone, the next
     run takes the lock over, again conditional on the generation it read, so two newcomers cannot both win."""
+
     LEASE_SECONDS = 60
 
     def __init__(self, path, log=print):
@@ -252,31 +285,54 @@ class BucketLease:
         try:
             self.generation = self.put(0)
         except FileExistsError:
-            generation = gcs().info(self.path)['generation']
+            generation = gcs().info(self.path)["generation"]
             try:
                 old = json.loads(gcs().cat_file(self.path))
-                live = old['until'] > time.time() and not (old['host'] == self.host and not pid_alive(old['pid']))
+                live = old["until"] > time.time() and not (
+                    old["host"] == self.host and not pid_alive(old["pid"])
+                )
             except (ValueError, TypeError, KeyError):
-                old, live = {'holder': 'an unreadable lease object'}, False
+                old, live = {"holder": "an unreadable lease object"}, False
             if live:
-                return old['holder']
-            self.generation = self.put(generation)  # a stale lease: FileExistsError if another run just took it
-            self.log(f'took over the lock of {old["holder"]} (its lease ran out, its process is gone, or it was '
-                     'unreadable)')
+                return old["holder"]
+            self.generation = self.put(
+                generation
+            )  # a stale lease: FileExistsError if another run just took it
+            self.log(
+                f"took over the lock of {old['holder']} (its lease ran out, its process is gone, or it was "
+                "unreadable)"
+            )
         threading.Thread(target=self.renew, daemon=True).start()
-        return ''
+        return ""
 
     def put(self, if_generation):
         """Writes the lease object only if its generation is still `if_generation` (0: absent); the new one."""
-        body = json.dumps({'holder': self.holder, 'pid': os.getpid(), 'host': self.host,
-                           'until': time.time() + self.LEASE_SECONDS}).encode()
-        bucket, key = self.path.removeprefix('gs://').split('/', 1)
-        multipart = (b'--==0==\nContent-Type: application/json\n\n' + json.dumps({'name': key}).encode() +
-                     b'\n--==0==\nContent-Type: application/json\n\n' + body + b'\n--==0==--')
-        out = gcs().call('POST', f'{gcs()._location}/upload/storage/v1/b/{bucket}/o', uploadType='multipart',
-                         ifGenerationMatch=str(if_generation), data=multipart, json_out=True,
-                         headers={'Content-Type': 'multipart/related; boundary="==0=="'})
-        return out['generation']
+        body = json.dumps(
+            {
+                "holder": self.holder,
+                "pid": os.getpid(),
+                "host": self.host,
+                "until": time.time() + self.LEASE_SECONDS,
+            }
+        ).encode()
+        bucket, key = self.path.removeprefix("gs://").split("/", 1)
+        multipart = (
+            b"--==0==\nContent-Type: application/json\n\n"
+            + json.dumps({"name": key}).encode()
+            + b"\n--==0==\nContent-Type: application/json\n\n"
+            + body
+            + b"\n--==0==--"
+        )
+        out = gcs().call(
+            "POST",
+            f"{gcs()._location}/upload/storage/v1/b/{bucket}/o",
+            uploadType="multipart",
+            ifGenerationMatch=str(if_generation),
+            data=multipart,
+            json_out=True,
+            headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+        )
+        return out["generation"]
 
     def renew(self):
         while not self.stop.wait(self.LEASE_SECONDS / 3):
@@ -284,7 +340,9 @@ class BucketLease:
                 self.generation = self.put(self.generation)
             except Exception as e:  # taken over (FileExistsError) or the bucket unreachable
                 self.lost = storage_reason(e)
-                self.log(f'WARNING: {self.path}: could not renew this run\'s lease on its directory ({self.lost})')
+                self.log(
+                    f"WARNING: {self.path}: could not renew this run's lease on its directory ({self.lost})"
+                )
                 return
 
     def close(self):
@@ -297,7 +355,9 @@ class BucketLease:
             done.join(5)
 
     def release(self):
-        with contextlib.suppress(*STORAGE_ERRORS):  # a bucket gone away: the lease runs out by itself
+        with contextlib.suppress(
+            *STORAGE_ERRORS
+        ):  # a bucket gone away: the lease runs out by itself
             gcs().rm_file(self.path)
 
 
@@ -316,22 +376,22 @@ def own(run_dir, log=print):
     flock (the kernel drops it when the process ends, however it ends), its holder written inside; in a bucket a
     BucketLease. Returns (the lock or None, '' or who holds it already)."""
     if not MAIN:
-        return None, ''
+        return None, ""
     if remote(run_dir):
-        lock = BucketLease(os.path.join(run_dir, '.lock'), log)
+        lock = BucketLease(os.path.join(run_dir, ".lock"), log)
         return lock, lock.acquire()
-    lock = open(os.path.join(run_dir, '.lock'), 'a+')
+    lock = open(os.path.join(run_dir, ".lock"), "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
-        holder = lock.read().strip() or 'another process'
+        holder = lock.read().strip() or "another process"
         lock.close()
         return None, holder
     lock.truncate(0)
-    lock.write(holder_line() + '\n')
+    lock.write(holder_line() + "\n")
     lock.flush()
-    return lock, ''
+    return lock, ""
 
 
 def held(run_dir, lock):
@@ -342,12 +402,22 @@ def held(run_dir, lock):
     def inode():
         with contextlib.suppress(OSError):
             return os.stat(run_dir).st_dev, os.stat(run_dir).st_ino
+
     first = inode()
     return lambda: inode() == first
 
 
-PATH_KEYS = ('output_dir', 'load_params', 'load_hf', 'export_dir', 'dataset_path', 'eval_path', 'tokenizer_path',
-             'hf_data_files', 'compile_cache_dir')
+PATH_KEYS = (
+    "output_dir",
+    "load_params",
+    "load_hf",
+    "export_dir",
+    "dataset_path",
+    "eval_path",
+    "tokenizer_path",
+    "hf_data_files",
+    "compile_cache_dir",
+)
 
 
 def paths_of(cfg):
@@ -358,45 +428,75 @@ def paths_of(cfg):
 def check_paths(cfg):
     """Every path the user typed must exist, whatever else the run does (a resumable run directory would
     otherwise hide a mistyped load_params). Data paths may be globs; any of them may be on gs://."""
-    for key, path in {**paths_of(cfg), 'run_name': cfg.run_name}.items():  # names orbax cannot write as given
-        if '\\' in path and key in ('run_name', 'output_dir'):  # into a JSON spec, unescaped
-            raise DataError(f'{key}={path}: the checkpoint library cannot write under a path with a backslash; choose a '
-                            'name without one')
-        if remote(cfg.output_dir if key == 'run_name' else path) and URL_MANGLED.search(path):
-            raise DataError(f'{key}={path}: tensorstore reads a gs:// path as a URL (it cuts ? and # and decodes %XX), '
-                            'so arrays would land outside it; choose a name without ?, # or %')
-    if cfg.wandb_project and importlib.util.find_spec('wandb') is None:
-        raise DataError(f'wandb_project={cfg.wandb_project}: wandb is not installed: pip install wandb==0.31.0 (or set '
-                        'wandb_project=)')
+    for key, path in {
+        **paths_of(cfg),
+        "run_name": cfg.run_name,
+    }.items():  # names orbax cannot write as given
+        if "\\" in path and key in ("run_name", "output_dir"):  # into a JSON spec, unescaped
+            raise DataError(
+                f"{key}={path}: the checkpoint library cannot write under a path with a backslash; choose a "
+                "name without one"
+            )
+        if remote(cfg.output_dir if key == "run_name" else path) and URL_MANGLED.search(path):
+            raise DataError(
+                f"{key}={path}: tensorstore reads a gs:// path as a URL (it cuts ? and # and decodes %XX), "
+                "so arrays would land outside it; choose a name without ?, # or %"
+            )
+    if cfg.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise DataError(
+            f"wandb_project={cfg.wandb_project}: wandb is not installed: pip install wandb==0.31.0 (or set "
+            "wandb_project=)"
+        )
     check_credentials(paths_of(cfg))
-    for key in ('data_dir', 'cache_dir'):  # array_record's own file layer (no TensorFlow) and flock: local only
+    for key in (
+        "data_dir",
+        "cache_dir",
+    ):  # array_record's own file layer (no TensorFlow) and flock: local only
         if remote(getattr(cfg, key)):
-            raise DataError(f'{key}={getattr(cfg, key)}: prepared datasets are read through a local file layer; '
-                              f'give a local directory (copy the data down with `gcloud storage cp -r`, or mount the '
-                              'bucket with gcsfuse)')
-    is_dir, is_file = lambda p: stored(p).is_dir(), lambda p: stored(p).is_file()
+            raise DataError(
+                f"{key}={getattr(cfg, key)}: prepared datasets are read through a local file layer; "
+                f"give a local directory (copy the data down with `gcloud storage cp -r`, or mount the "
+                "bucket with gcsfuse)"
+            )
+    is_dir, _is_file = lambda p: stored(p).is_dir(), lambda p: stored(p).is_file()
     matches = lambda pattern: bool(expand(pattern))
-    listed = lambda files: all(matches(f.strip()) for f in files.split(',') if f.strip())
-    hf_folder = lambda p: is_dir(hf_dir(p))  # a hub id is fetched first (or is one line saying why not)
-    wanted = {'load_params': is_dir, 'load_hf': hf_folder, 'tokenizer_path': lambda p: stored(p).exists(),
-              'data_dir': is_dir, 'dataset_path': matches, 'eval_path': matches, 'hf_data_files': listed}
+    listed = lambda files: all(matches(f.strip()) for f in files.split(",") if f.strip())
+    hf_folder = lambda p: is_dir(
+        hf_dir(p)
+    )  # a hub id is fetched first (or is one line saying why not)
+    wanted = {
+        "load_params": is_dir,
+        "load_hf": hf_folder,
+        "tokenizer_path": lambda p: stored(p).exists(),
+        "data_dir": is_dir,
+        "dataset_path": matches,
+        "eval_path": matches,
+        "hf_data_files": listed,
+    }
     for key, exists in wanted.items():
         value = getattr(cfg, key)
         if value and not exists(value):
-            what = ('no such directory' if exists in (is_dir, hf_folder) else
-                    'matches no files' if any(c in value for c in '*?[,') else 'no such file')
-            raise DataError(f'{key}={value}: {what}; fix the path (or set {key}= to leave it out)')
+            what = (
+                "no such directory"
+                if exists in (is_dir, hf_folder)
+                else "matches no files"
+                if any(c in value for c in "*?[,")
+                else "no such file"
+            )
+            raise DataError(f"{key}={value}: {what}; fix the path (or set {key}= to leave it out)")
     if cfg.load_params and not checkpoint_steps(cfg.load_params)[1]:
-        raise DataError(f'load_params={cfg.load_params}: no checkpoint there; give a run directory, its '
-                          'checkpoints/ directory or one checkpoints/STEP directory')
+        raise DataError(
+            f"load_params={cfg.load_params}: no checkpoint there; give a run directory, its "
+            "checkpoints/ directory or one checkpoints/STEP directory"
+        )
 
 
 def checkpoint_steps(path):
     """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
     (the checkpoints directory, the steps found there)."""
-    path = path.rstrip('/')
-    if stored(os.path.join(path, 'checkpoints')).is_dir():
-        path = os.path.join(path, 'checkpoints')
+    path = path.rstrip("/")
+    if stored(os.path.join(path, "checkpoints")).is_dir():
+        path = os.path.join(path, "checkpoints")
     if os.path.basename(path).isdigit() and stored(path).is_dir():
         return os.path.dirname(path), [int(os.path.basename(path))]
     found = stored(path).iterdir() if stored(path).is_dir() else []
@@ -406,16 +506,22 @@ def checkpoint_steps(path):
 def unwritable(cfg, run_dir, e):
     """output_dir refusing a write: the user's to fix on a local disk (DataError), a fault in a bucket (WriteError)."""
     kind = WriteError if remote(run_dir) else DataError
-    return kind(f'output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable output_dir')
+    return kind(
+        f"output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable output_dir"
+    )
 
 
 def make_run_dir(cfg, run_dir, log):
     """output_dir/run_name made (local or gs://); one that refuses is `unwritable`."""
-    bucket = '/'.join(run_dir.split('/')[:3])  # gs://NAME
+    bucket = "/".join(run_dir.split("/")[:3])  # gs://NAME
     try:
-        if remote(run_dir) and not stored(bucket).exists():  # gcsfs would create the bucket a typo names
-            raise WriteError(f'output_dir={cfg.output_dir}: bucket {bucket} does not exist or these credentials '
-                             f'cannot see it; create it (gcloud storage buckets create {bucket}) or fix output_dir')
+        if (
+            remote(run_dir) and not stored(bucket).exists()
+        ):  # gcsfs would create the bucket a typo names
+            raise WriteError(
+                f"output_dir={cfg.output_dir}: bucket {bucket} does not exist or these credentials "
+                f"cannot see it; create it (gcloud storage buckets create {bucket}) or fix output_dir"
+            )
         stored(run_dir).mkdir(parents=True, exist_ok=True)
     except STORAGE_ERRORS as e:
         raise unwritable(cfg, run_dir, e) from None
@@ -425,18 +531,20 @@ def prepare_training(cfg, run_dir, log, barrier=lambda: None):
     """mode=train: resume=false moves an earlier run's checkpoints and metrics aside (renamed, never deleted) so the
     new run starts clean; then (`barrier`: once every host is past that) checkpoints/ is made and written once, now
     rather than at the first save."""
-    checkpoints = os.path.join(run_dir, 'checkpoints')
+    checkpoints = os.path.join(run_dir, "checkpoints")
     try:
-        for name in ('checkpoints', 'metrics.jsonl') if not cfg.resume and MAIN else ():
+        for name in ("checkpoints", "metrics.jsonl") if not cfg.resume and MAIN else ():
             if stored(os.path.join(run_dir, name)).exists():
-                moved = set_aside(os.path.join(run_dir, name), 'replaced')
-                log(f'resume=false: moved the earlier {name} aside to {os.path.basename(moved)}')
+                moved = set_aside(os.path.join(run_dir, name), "replaced")
+                log(f"resume=false: moved the earlier {name} aside to {os.path.basename(moved)}")
         barrier()
         if stored(checkpoints).is_file():
-            raise DataError(f'{checkpoints} is a file, where the run keeps its checkpoints: move it away')
+            raise DataError(
+                f"{checkpoints} is a file, where the run keeps its checkpoints: move it away"
+            )
         stored(checkpoints).mkdir(parents=True, exist_ok=True)
-        probe = stored(checkpoints) / f'.writable-{os.getpid()}'
-        probe.write_text('')
+        probe = stored(checkpoints) / f".writable-{os.getpid()}"
+        probe.write_text("")
         probe.unlink()
     except STORAGE_ERRORS as e:
         raise unwritable(cfg, run_dir, e) from None
@@ -445,10 +553,10 @@ def prepare_training(cfg, run_dir, log, barrier=lambda: None):
 def resume_metrics(run_dir, step, log=print):
     """A run starting at `step`: its metrics.jsonl keeps the rows up to it (none from a fresh start), and a bucket's
     run drops the TensorBoard event files written past it (a local run's are read up to the newest row)."""
-    path = os.path.join(run_dir, 'metrics.jsonl')
-    write(path, ''.join(kept_rows(path, step, log)) if step else '')
-    for f in stored(run_dir).glob('events.out.tfevents.steps-*') if remote(run_dir) else ():
-        if int(f.name.split('-')[1]) > step:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    write(path, "".join(kept_rows(path, step, log)) if step else "")
+    for f in stored(run_dir).glob("events.out.tfevents.steps-*") if remote(run_dir) else ():
+        if int(f.name.split("-")[1]) > step:
             f.unlink()
 
 
@@ -458,9 +566,9 @@ def kept_rows(path, step, log=print):
         lines = stored(path).read_text().splitlines(keepends=True)
     except FileNotFoundError:
         return []
-    if lines and not lines[-1].endswith('\n'):
-        log(f'WARNING: {path}: dropped its last line, written only in part: {lines.pop()[:60]!r}')
-    return [r for r in lines if json.loads(r)['step'] <= step]
+    if lines and not lines[-1].endswith("\n"):
+        log(f"WARNING: {path}: dropped its last line, written only in part: {lines.pop()[:60]!r}")
+    return [r for r in lines if json.loads(r)["step"] <= step]
 
 
 def move_up(local_dir, pattern, run_dir, name=None):
@@ -468,13 +576,25 @@ def move_up(local_dir, pattern, run_dir, name=None):
     how what the profiler and TensorBoard can write only locally reaches a bucket's run directory."""
     for f in glob.glob(os.path.join(local_dir, pattern), recursive=True):
         if os.path.isfile(f):
-            with open(f, 'rb') as local:
+            with open(f, "rb") as local:
                 write(os.path.join(run_dir, name or os.path.relpath(f, local_dir)), local.read())
             os.remove(f)
 
 
-TOKENIZER_KEYS = ('tokenizer_path', 'load_hf', 'vocab_size', 'dataset', 'dataset_path', 'tfds_name', 'train_split', 'hf_path',
-                  'hf_name', 'hf_data_files', 'hf_split', 'text_key')
+TOKENIZER_KEYS = (
+    "tokenizer_path",
+    "load_hf",
+    "vocab_size",
+    "dataset",
+    "dataset_path",
+    "tfds_name",
+    "train_split",
+    "hf_path",
+    "hf_name",
+    "hf_data_files",
+    "hf_split",
+    "text_key",
+)
 
 
 def keep_tokenizer(ds, run_dir, resumed, changes):
@@ -485,16 +605,23 @@ def keep_tokenizer(ds, run_dir, resumed, changes):
     tok = ds.tokenizer
     path, model = os.path.join(run_dir, tok.primary), tok.files[tok.primary]
     if not (resumed and stored(path).exists()):
-        kept = tok.files if tok.primary == 'tokenizer.json' else {tok.primary: model}  # HF's: its specials too
+        kept = (
+            tok.files if tok.primary == "tokenizer.json" else {tok.primary: model}
+        )  # HF's: its specials too
         for name, content in kept.items():
             write(os.path.join(run_dir, name), content)
-        return None
+        return
     if stored(path).read_bytes() != model:
         changed = [c for c in changes if c.split()[0] in TOKENIZER_KEYS] or [
-            'the training text (its files changed, so the tokenizer trained on them did)']
-        raise DataError(f'{path}: this run\'s tokenizer would change with {", ".join(changed)}: the checkpoint\'s '
-                          'token ids would mean other text; undo the change, set tokenizer_path=' + path + ' to keep '
-                          'its tokenizer, or start a new run_name (load_params= takes the weights)')
+            "the training text (its files changed, so the tokenizer trained on them did)"
+        ]
+        raise DataError(
+            f"{path}: this run's tokenizer would change with {', '.join(changed)}: the checkpoint's "
+            "token ids would mean other text; undo the change, set tokenizer_path="
+            + path
+            + " to keep "
+            "its tokenizer, or start a new run_name (load_params= takes the weights)"
+        )
 
 
 def open_wandb(cfg, run_dir):
@@ -502,33 +629,48 @@ def open_wandb(cfg, run_dir):
     config. WANDB_MODE=offline writes it under RUN_DIR/wandb for `wandb sync` later (a bucket's run: under the
     system's temporary directory, since wandb writes only to a local disk)."""
     import wandb
-    path = os.path.join(run_dir, 'wandb_id')
+
+    path = os.path.join(run_dir, "wandb_id")
     try:
         run_id = stored(path).read_text().strip() if stored(path).exists() else os.urandom(6).hex()
     except UnicodeDecodeError:
-        run_id = ''
-    if not re.fullmatch(r'[a-z0-9]{1,64}', run_id):
-        raise DataError(f'{path}: not a W&B run id (a run writes 12 hex digits there); restore it to keep logging '
-                          'to the same W&B run, or delete it to start a new one')
-    write(path, run_id + '\n')
-    local = os.path.join(tempfile.gettempdir(), 'wandb', cfg.run_name) if remote(run_dir) else run_dir
+        run_id = ""
+    if not re.fullmatch(r"[a-z0-9]{1,64}", run_id):
+        raise DataError(
+            f"{path}: not a W&B run id (a run writes 12 hex digits there); restore it to keep logging "
+            "to the same W&B run, or delete it to start a new one"
+        )
+    write(path, run_id + "\n")
+    local = (
+        os.path.join(tempfile.gettempdir(), "wandb", cfg.run_name) if remote(run_dir) else run_dir
+    )
     os.makedirs(local, exist_ok=True)
     # wandb's core keeps its logs in its cache directory (~/.cache/wandb) and, where it cannot make that (a home
     # that is not writable), prints them on stderr instead, line after line: then the cache goes beside the run.
-    cache = os.environ.get('WANDB_CACHE_DIR') or os.path.join(
-        os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'wandb')
+    cache = os.environ.get("WANDB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "wandb"
+    )
     with contextlib.suppress(OSError):
         os.makedirs(cache, exist_ok=True)
     if not os.access(cache, os.W_OK):
-        os.environ['WANDB_CACHE_DIR'] = os.path.join(local, 'wandb-cache')
+        os.environ["WANDB_CACHE_DIR"] = os.path.join(local, "wandb-cache")
     try:
-        return wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity or None, id=run_id, resume='allow',
-                          name=cfg.run_name, dir=local, config=cfg.model_dump(mode='json'),
-                          settings=wandb.Settings(silent=True, console='off'))
+        return wandb.init(
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity or None,
+            id=run_id,
+            resume="allow",
+            name=cfg.run_name,
+            dir=local,
+            config=cfg.model_dump(mode="json"),
+            settings=wandb.Settings(silent=True, console="off"),
+        )
     except Exception as e:  # not logged in, no network, a project the entity cannot write to
-        raise DataError(f'wandb_project={cfg.wandb_project}: W&B refused the run ({first_line(e)}): log in with '
-                          '`wandb login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline, or set '
-                          'wandb_project=') from None
+        raise DataError(
+            f"wandb_project={cfg.wandb_project}: W&B refused the run ({first_line(e)}): log in with "
+            "`wandb login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline, or set "
+            "wandb_project="
+        ) from None
 
 
 def quiet_libraries():
@@ -537,14 +679,23 @@ def quiet_libraries():
     the tensorstore reads orbax left in flight fail later, each logged by asyncio and raised once more from
     its abandoned coroutine or into a closed event loop; a refused write leaves orbax's write coroutines
     unawaited, which Python reports at exit."""
-    logging.getLogger('absl').setLevel(logging.CRITICAL)  # orbax logs a failed save it raises to us as well
-    for name in ('gcsfs', 'fsspec', 'google.auth', 'wandb'):  # retries and fallbacks: what matters, we say once
+    logging.getLogger("absl").setLevel(
+        logging.CRITICAL
+    )  # orbax logs a failed save it raises to us as well
+    for name in (
+        "gcsfs",
+        "fsspec",
+        "google.auth",
+        "wandb",
+    ):  # retries and fallbacks: what matters, we say once
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    warnings.filterwarnings('ignore', r"coroutine '.*' was never awaited", RuntimeWarning)
-    logging.getLogger('asyncio').setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     hook = sys.unraisablehook
-    orbax_read = lambda u: 'orbax' in getattr(getattr(u.object, 'cr_code', None), 'co_filename', '')
-    sys.unraisablehook = lambda u: None if str(u.exc_value) == 'Event loop is closed' or orbax_read(u) else hook(u)
+    orbax_read = lambda u: "orbax" in getattr(getattr(u.object, "cr_code", None), "co_filename", "")
+    sys.unraisablehook = lambda u: (
+        None if str(u.exc_value) == "Event loop is closed" or orbax_read(u) else hook(u)
+    )
 
 
 class MetricsWriter:
@@ -553,19 +704,29 @@ class MetricsWriter:
     event file per flush there). A resume drops rows past its checkpoint; W&B cannot: it gets rows once saved."""
 
     def __init__(self, cfg, run_dir, start_step, log=print):
-        self.main, self.remote, self.run_dir, self.rows, self.unsent, self.wandb = MAIN, remote(run_dir), run_dir, [], [], None
+        self.main, self.remote, self.run_dir, self.rows, self.unsent, self.wandb = (
+            MAIN,
+            remote(run_dir),
+            run_dir,
+            [],
+            [],
+            None,
+        )
         if self.main:
             self.wandb = open_wandb(cfg, run_dir) if cfg.wandb_project else None
             resume_metrics(run_dir, start_step, log)
-            self.tb_dir = tempfile.mkdtemp(prefix='tensorboard-') if self.remote else run_dir
+            self.tb_dir = tempfile.mkdtemp(prefix="tensorboard-") if self.remote else run_dir
             self.tb = SummaryWriter(self.tb_dir)
 
     def write(self, m):
         if not self.main:
             return
-        for k, v in m.items():  # a NaN (a metric not measured) would make TensorBoard warn on stderr
-            if k != 'step' and isinstance(v, (int, float)) and math.isfinite(v):
-                self.tb.add_scalar(k, v, m['step'])
+        for (
+            k,
+            v,
+        ) in m.items():  # a NaN (a metric not measured) would make TensorBoard warn on stderr
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                self.tb.add_scalar(k, v, m["step"])
         self.rows.append(m)
         self.unsent += [m] if self.wandb else []
         if not self.remote:
@@ -575,17 +736,26 @@ class MetricsWriter:
         """The rows since the last flush into the run directory (a bucket's event file goes up closed, whole); with
         `saved` (a checkpoint holds every row so far) the rows not yet sent go to W&B too."""
         for m in self.unsent if saved else ():
-            self.wandb.log({k: v for k, v in m.items() if k != 'step'}, step=m['step'])
+            self.wandb.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
         self.unsent = [] if saved else self.unsent
-        rows, self.rows = self.rows, []  # taken first: rows a failed write could not land are not tried again
+        rows, self.rows = (
+            self.rows,
+            [],
+        )  # taken first: rows a failed write could not land are not tried again
         if not rows:  # only process 0 has any
             return
-        append(os.path.join(self.run_dir, 'metrics.jsonl'), ''.join(json.dumps(m) + '\n' for m in rows))
+        append(
+            os.path.join(self.run_dir, "metrics.jsonl"), "".join(json.dumps(m) + "\n" for m in rows)
+        )
         self.tb.flush()
         if self.remote:
             self.tb.close()
-            move_up(self.tb_dir, 'events.out.tfevents.*', self.run_dir,
-                         f'events.out.tfevents.steps-{rows[0]["step"]:010d}-{rows[-1]["step"]:010d}')
+            move_up(
+                self.tb_dir,
+                "events.out.tfevents.*",
+                self.run_dir,
+                f"events.out.tfevents.steps-{rows[0]['step']:010d}-{rows[-1]['step']:010d}",
+            )
             self.tb = SummaryWriter(self.tb_dir)
 
     def close(self):
@@ -600,13 +770,17 @@ class MetricsWriter:
 
 # ---- shared plumbing: lanes, batches, the prefetching iterator --------------------------------
 
-_READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # lanes read on the prefetch thread, not a pool each
+_READ = grain.ReadOptions(
+    num_threads=0, prefetch_buffer_size=0
+)  # lanes read on the prefetch thread, not a pool each
 
 
 def _stack(rows, n, length):
     """A batch of n rows from row dicts; the rows past them are padding (segment 0, loss_mask 0)."""
-    batch = {k: np.zeros((n, length), np.float32 if k == 'loss_mask' else np.int32)
-             for k in ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')}
+    batch = {
+        k: np.zeros((n, length), np.float32 if k == "loss_mask" else np.int32)
+        for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+    }
     for r, row in enumerate(rows):
         for k, v in batch.items():
             v[r] = row[k]
@@ -615,8 +789,13 @@ def _stack(rows, n, length):
 
 def _full_row(inputs, targets):
     """A row holding one example that fills it: one segment, every target counts."""
-    return {'inputs': inputs, 'targets': targets, 'segment_ids': np.ones(len(inputs), np.int32),
-            'positions': np.arange(len(inputs), dtype=np.int32), 'loss_mask': np.ones(len(inputs), np.float32)}
+    return {
+        "inputs": inputs,
+        "targets": targets,
+        "segment_ids": np.ones(len(inputs), np.int32),
+        "positions": np.arange(len(inputs), dtype=np.int32),
+        "loss_mask": np.ones(len(inputs), np.float32),
+    }
 
 
 def _tuples(state):
@@ -631,12 +810,17 @@ class Batches(collections.abc.Iterator):
     thread. state() is each lane's state after the last batch handed out (grain keeps it with every prefetched
     batch); wait_seconds is the time next() spent blocked on data."""
 
-    def __init__(self, lanes, prefetch, state=None, source=''):
-        self.source, self.wait_seconds = source, 0.0  # source: the identity of the data read, saved with the position
-        batches = ZipIterDataset(lanes).map(lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]})
+    def __init__(self, lanes, prefetch, state=None, source=""):
+        self.source, self.wait_seconds = (
+            source,
+            0.0,
+        )  # source: the identity of the data read, saved with the position
+        batches = ZipIterDataset(lanes).map(
+            lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        )
         self._it = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
         if state:
-            self._it.set_state({'parents': [_tuples(s) for s in state]})
+            self._it.set_state({"parents": [_tuples(s) for s in state]})
 
     def __next__(self):
         start = time.perf_counter()
@@ -646,7 +830,7 @@ class Batches(collections.abc.Iterator):
             self.wait_seconds += time.perf_counter() - start
 
     def state(self):
-        return self._it.get_state()['parents']
+        return self._it.get_state()["parents"]
 
     def close(self):
         self._it.close()
@@ -661,18 +845,22 @@ class _StreamBatches(Batches):
         self.source, self.host, self.rows, self.wait_seconds = source, list(host), rows, 0.0
         self._it = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
         if rows_state:
-            state = {'host': None}  # rows holding pieces of several processes' positions are no JSON: no host's
+            state = {
+                "host": None
+            }  # rows holding pieces of several processes' positions are no JSON: no host's
             with contextlib.suppress(json.JSONDecodeError):
-                state = json.loads(''.join(rows_state))
-            if state['host'] != self.host:
-                raise DataError(f'a streaming run resumes on the process count that wrote it (this run has '
-                                f'{host[1]} processes; the checkpoint\'s position is not theirs)')
-            self._it.set_state(_tuples(state['pipeline']))
+                state = json.loads("".join(rows_state))
+            if state["host"] != self.host:
+                raise DataError(
+                    f"a streaming run resumes on the process count that wrote it (this run has "
+                    f"{host[1]} processes; the checkpoint's position is not theirs)"
+                )
+            self._it.set_state(_tuples(state["pipeline"]))
 
     def state(self):
-        text = json.dumps({'host': self.host, 'pipeline': self._it.get_state()})
+        text = json.dumps({"host": self.host, "pipeline": self._it.get_state()})
         n = -(-len(text) // self.rows)
-        return [text[i * n:(i + 1) * n] for i in range(self.rows)]
+        return [text[i * n : (i + 1) * n] for i in range(self.rows)]
 
 
 class _Data:
@@ -681,11 +869,16 @@ class _Data:
     identity: a name of the records read, so a checkpoint's position is applied only to the data it counts;
     and tokenizer (None: the data is token ids already). vocab_size and length (of a row) are cfg's unless the
     data fixes them. `log` (a print function, or None for silence) hears about the slow one-time preparations."""
+
     tokenizer = None
 
     def __init__(self, cfg, process_index, process_count, log=None):
         self.cfg, self.process_index, self.process_count = cfg, process_index, process_count
-        self.vocab_size, self.length, self.log = cfg.vocab_size, cfg.max_target_length, log or (lambda msg: None)
+        self.vocab_size, self.length, self.log = (
+            cfg.vocab_size,
+            cfg.max_target_length,
+            log or (lambda msg: None),
+        )
 
     def _lane(self, row, rows):
         return self._order[row::rows].to_iter_dataset(_READ)
@@ -699,9 +892,16 @@ class _Data:
         lanes = [self._lane(r, rows) for r in range(first, first + local_rows)]
         try:
             return Batches(lanes, self.cfg.prefetch, lanes_state, self.identity)
-        except (KeyError, ValueError, TypeError, IndexError):  # another pipeline's states (older checkpoints)
-            self.log('WARNING: the checkpoint\'s data position does not fit this data: the data order starts again '
-                     'from its beginning')
+        except (
+            KeyError,
+            ValueError,
+            TypeError,
+            IndexError,
+        ):  # another pipeline's states (older checkpoints)
+            self.log(
+                "WARNING: the checkpoint's data position does not fit this data: the data order starts again "
+                "from its beginning"
+            )
             return Batches(lanes, self.cfg.prefetch, source=self.identity)
 
     def _resumable(self, state, local_rows):
@@ -709,22 +909,26 @@ class _Data:
         rows, first = local_rows * self.process_count, local_rows * self.process_index
         if state is None:
             return None
-        if state.get('source') not in (None, self.identity):
-            self.log(f'WARNING: the checkpoint\'s data position is in {state["source"]}, not in this run\'s data '
-                     f'({self.identity}): the data order starts again from its beginning')
+        if state.get("source") not in (None, self.identity):
+            self.log(
+                f"WARNING: the checkpoint's data position is in {state['source']}, not in this run's data "
+                f"({self.identity}): the data order starts again from its beginning"
+            )
             return None
-        if len(state['lanes']) != rows:
-            raise DataError(f'the checkpoint holds the data position of {len(state["lanes"])} rows per microbatch '
-                            f'but this run reads {rows} (per_device_batch x devices): keep {len(state["lanes"])} to '
-                            'resume, or start a new run_name with load_params=RUN_DIR')
-        return state['lanes'][first:first + local_rows]
+        if len(state["lanes"]) != rows:
+            raise DataError(
+                f"the checkpoint holds the data position of {len(state['lanes'])} rows per microbatch "
+                f"but this run reads {rows} (per_device_batch x devices): keep {len(state['lanes'])} to "
+                "resume, or start a new run_name with load_params=RUN_DIR"
+            )
+        return state["lanes"][first : first + local_rows]
 
 
 @contextlib.contextmanager
 def _locked(cache_dir):
     """Serialises preparation between processes sharing cache_dir (e.g. two hosts on one machine); make_dataset
     made cache_dir."""
-    with open(os.path.join(cache_dir, '.lock'), 'w') as f:
+    with open(os.path.join(cache_dir, ".lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # closing the file releases it, however the block ends
         yield
 
@@ -733,21 +937,25 @@ def _locked(cache_dir):
 def _announced(log, what):
     """One line before and one after a slow preparation step (done once, then cached); log=None is silent."""
     log, start = log or (lambda msg: None), time.perf_counter()
-    log(f'{what} (once; cached for later runs) ...')
+    log(f"{what} (once; cached for later runs) ...")
     yield
-    log(f'{what}: done in {time.perf_counter() - start:.1f}s')
+    log(f"{what}: done in {time.perf_counter() - start:.1f}s")
 
 
 # ---- synthetic tokens --------------------------------------------------------------------------
 
+
 class SyntheticData(_Data):
     """Uniform random tokens, row r of step s a pure function of (seed, s, r): no files. Its tokenizer is the one
     tokenizer_path or load_hf's checkpoint names, if any (for generation and export), else none."""
-    identity = 'synthetic'
+
+    identity = "synthetic"
 
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count, log)
-        self.tokenizer = load_tokenizer(tokenizer_source(cfg), cfg) if tokenizer_source(cfg) else None
+        self.tokenizer = (
+            load_tokenizer(tokenizer_source(cfg), cfg) if tokenizer_source(cfg) else None
+        )
 
     def _row(self, stream, step, row):
         rng = np.random.default_rng([self.cfg.seed, stream, step, row])
@@ -755,14 +963,21 @@ class SyntheticData(_Data):
         return _full_row(tokens[:-1], tokens[1:])
 
     def _lane(self, row, rows):
-        return grain.MapDataset.range(sys.maxsize).map(lambda step: self._row(0, step, row)).to_iter_dataset(_READ)
+        return (
+            grain.MapDataset.range(sys.maxsize)
+            .map(lambda step: self._row(0, step, row))
+            .to_iter_dataset(_READ)
+        )
 
     def eval_batches(self, local_rows, n):
         rows = range(self.process_index * local_rows, (self.process_index + 1) * local_rows)
-        return [_stack([self._row(1, i, r) for r in rows], local_rows, self.length) for i in range(n)]
+        return [
+            _stack([self._row(1, i, r) for r in rows], local_rows, self.length) for i in range(n)
+        ]
 
 
 # ---- text: sources ----------------------------------------------------------------------------
+
 
 def _texts(records, key):
     """Random access to the text of each record of a tfds data source, a Hugging Face dataset or a list."""
@@ -772,26 +987,32 @@ def _texts(records, key):
 def _text(record, key):
     """The text of one record (a dict of features): the feature `key`, as str."""
     if key not in record:
-        raise DataError(f'text_key={key!r} is not a feature of the records (they have {sorted(record)}): set '
-                        'text_key to the text feature')
+        raise DataError(
+            f"text_key={key!r} is not a feature of the records (they have {sorted(record)}): set "
+            "text_key to the text feature"
+        )
     text = record[key]
-    return text.decode('utf-8', 'replace') if isinstance(text, bytes) else str(text)
+    return text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
 
 
 def expand(pattern):
     """The files a glob matches, sorted: on a local disk, or in a bucket (gs://bucket/corpus/*.txt, through
     epath); a plain path is a glob that matches itself."""
-    if '://' not in pattern:
-        return sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
-    if not re.search(r'[*?[]', pattern):
+    if "://" not in pattern:
+        return sorted(
+            f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f)
+        )
+    if not re.search(r"[*?[]", pattern):
         return [pattern] if epath.Path(pattern).is_file() else []
-    head = re.split(r'[*?[]', pattern)[0].rsplit('/', 1)[0]  # the directory above the first wildcard
-    return sorted(str(p) for p in epath.Path(head).glob(pattern[len(head) + 1:]) if p.is_file())
+    head = re.split(r"[*?[]", pattern)[0].rsplit("/", 1)[
+        0
+    ]  # the directory above the first wildcard
+    return sorted(str(p) for p in epath.Path(head).glob(pattern[len(head) + 1 :]) if p.is_file())
 
 
 def _stat(path):
     """(size, modification time) of a local file or a bucket's object: part of what names a prepared dataset."""
-    if '://' not in path:
+    if "://" not in path:
         st = os.stat(path)
         return st.st_size, st.st_mtime_ns
     st = epath.Path(path).stat()
@@ -800,46 +1021,62 @@ def _stat(path):
 
 def _glob(pattern, key):
     if not (files := expand(pattern)):
-        raise DataError(f'{key}={pattern!r} matches no files: set it to a glob of text files, '
-                        "e.g. 'corpus/**/*.txt' (quote it on the command line)")
+        raise DataError(
+            f"{key}={pattern!r} matches no files: set it to a glob of text files, "
+            "e.g. 'corpus/**/*.txt' (quote it on the command line)"
+        )
     return files
 
 
 def _stdlib_files():
     """Python's own library source: ships with every Python, so the default run needs no network."""
-    root, files = sysconfig.get_paths()['stdlib'], []
+    root, files = sysconfig.get_paths()["stdlib"], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP)
-        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith('.py')]
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
     if not files:
-        raise DataError(f'dataset=stdlib found no .py files under {root}: use dataset=files or synthetic')
+        raise DataError(
+            f"dataset=stdlib found no .py files under {root}: use dataset=files or synthetic"
+        )
     return files
 
 
 def _corpus_key(cfg):
     """The key=value that names the text a run reads, for messages about the text itself."""
-    if cfg.dataset in ('files', 'stdlib'):
-        return 'dataset=stdlib' if cfg.dataset == 'stdlib' else f'dataset_path={cfg.dataset_path!r}'
-    key = 'tfds_name' if cfg.dataset == 'tfds' else 'hf_data_files' if cfg.hf_data_files else 'hf_path'
-    return f'{key}={getattr(cfg, key)!r}'
+    if cfg.dataset in ("files", "stdlib"):
+        return "dataset=stdlib" if cfg.dataset == "stdlib" else f"dataset_path={cfg.dataset_path!r}"
+    key = (
+        "tfds_name"
+        if cfg.dataset == "tfds"
+        else "hf_data_files"
+        if cfg.hf_data_files
+        else "hf_path"
+    )
+    return f"{key}={getattr(cfg, key)!r}"
 
 
 def _split_files(cfg):
     """(train_files, eval_files): eval_path if set, else ~3% of files picked by a hash of their path."""
     key = _corpus_key(cfg)
-    files = _stdlib_files() if cfg.dataset == 'stdlib' else _glob(cfg.dataset_path, 'dataset_path')
+    files = _stdlib_files() if cfg.dataset == "stdlib" else _glob(cfg.dataset_path, "dataset_path")
     if cfg.eval_path:
-        eval_files = _glob(cfg.eval_path, 'eval_path')
+        eval_files = _glob(cfg.eval_path, "eval_path")
     elif len(files) < 2:
-        raise DataError(f'{key} matches one file; need two or more (some are held out for eval) or set eval_path')
+        raise DataError(
+            f"{key} matches one file; need two or more (some are held out for eval) or set eval_path"
+        )
     else:  # hash the path relative to the files' common root, so the split is the same on every machine
         root = os.path.commonpath(files)
         digest = {f: hashlib.sha1(os.path.relpath(f, root).encode()).digest() for f in files}
-        eval_files = [f for f in files if digest[f][0] < 8] or [min(files, key=digest.get)]  # 8/256 ~ 3%
+        eval_files = [f for f in files if digest[f][0] < 8] or [
+            min(files, key=digest.get)
+        ]  # 8/256 ~ 3%
     held_out = set(eval_files)
     train_files = [f for f in files if f not in held_out]
     if cfg.eval_path and not train_files:
-        raise DataError(f'{key}: every file is also in eval_path={cfg.eval_path!r}; nothing left to train on')
+        raise DataError(
+            f"{key}: every file is also in eval_path={cfg.eval_path!r}; nothing left to train on"
+        )
     return train_files, eval_files
 
 
@@ -847,106 +1084,163 @@ def _file_sources(cfg, log=None):
     """(train texts, eval texts, identity) for dataset=files|stdlib, prepared once into cache_dir by a tfds
     builder over the files, one record (document) per file."""
     import tensorflow_datasets as tfds
+
     train_files, eval_files = _split_files(cfg)
     # The prepared dataset is named by its files (and sizes, mtimes): another glob, another dataset.
-    listing = ''.join('{}\t{}\t{}\t{}\n'.format(split, f if '://' in f else os.path.abspath(f), *_stat(f))
-                      for split, files in (('train', train_files), ('eval', eval_files)) for f in files)
-    name = 'files_' + hashlib.sha1(listing.encode()).hexdigest()[:16]
+    listing = "".join(
+        "{}\t{}\t{}\t{}\n".format(split, f if "://" in f else os.path.abspath(f), *_stat(f))
+        for split, files in (("train", train_files), ("eval", eval_files))
+        for f in files
+    )
+    name = "files_" + hashlib.sha1(listing.encode()).hexdigest()[:16]
 
     # skip_registration: the class is made per call and must not clash in tfds' global registry.
     class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-        VERSION = tfds.core.Version('1.0.0')
+        VERSION = tfds.core.Version("1.0.0")
 
         def _info(self):
-            return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
-                {'text': tfds.features.Text()}))
+            return tfds.core.DatasetInfo(
+                builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()})
+            )
 
         def _split_generators(self, dl_manager):
-            return {'train': self._generate_examples(train_files), 'eval': self._generate_examples(eval_files)}
+            return {
+                "train": self._generate_examples(train_files),
+                "eval": self._generate_examples(eval_files),
+            }
 
         def _generate_examples(self, files):
-            return ((path, {'text': epath.Path(path).read_bytes().decode('utf-8', 'replace')}) for path in files)
+            return (
+                (path, {"text": epath.Path(path).read_bytes().decode("utf-8", "replace")})
+                for path in files
+            )
 
-    with _locked(cfg.cache_dir):  # the builder reads what is prepared when made: after another process built it
-        builder = TextFiles(config=tfds.core.BuilderConfig(name=name), data_dir=cfg.cache_dir,
-                            file_format='array_record')
+    with _locked(
+        cfg.cache_dir
+    ):  # the builder reads what is prepared when made: after another process built it
+        builder = TextFiles(
+            config=tfds.core.BuilderConfig(name=name),
+            data_dir=cfg.cache_dir,
+            file_format="array_record",
+        )
         if not builder.is_prepared():
             tfds.disable_progress_bar()
-            with _announced(log, f'building the text dataset from {len(train_files)} + {len(eval_files)} '
-                                 f'files into {cfg.cache_dir}'), contextlib.redirect_stdout(io.StringIO()):
-                builder.download_and_prepare(file_format='array_record', download_config=tfds.download.DownloadConfig(
-                    compute_stats=tfds.download.ComputeStatsMode.SKIP))
+            with (
+                _announced(
+                    log,
+                    f"building the text dataset from {len(train_files)} + {len(eval_files)} "
+                    f"files into {cfg.cache_dir}",
+                ),
+                contextlib.redirect_stdout(io.StringIO()),
+            ):
+                builder.download_and_prepare(
+                    file_format="array_record",
+                    download_config=tfds.download.DownloadConfig(
+                        compute_stats=tfds.download.ComputeStatsMode.SKIP
+                    ),
+                )
     source = builder.as_data_source()
-    return _texts(source['train'], 'text'), _texts(source['eval'], 'text'), name
+    return _texts(source["train"], "text"), _texts(source["eval"], "text"), name
 
 
 def _tfds_sources(cfg):
     """(train texts, eval texts, identity) for a prepared tfds dataset, read by random access."""
     import tensorflow_datasets as tfds
+
     if not cfg.tfds_name:
-        raise DataError("dataset=tfds needs tfds_name=NAME (a dataset prepared with file_format='array_record')")
+        raise DataError(
+            "dataset=tfds needs tfds_name=NAME (a dataset prepared with file_format='array_record')"
+        )
     splits = [cfg.train_split, cfg.eval_split]
     try:
         builder = tfds.builder(cfg.tfds_name, data_dir=cfg.data_dir or None)
         sources = [builder.as_data_source(split=s) for s in splits]
     except tfds.core.registered.DatasetNotFoundError:
-        raise DataError(f'tfds_name={cfg.tfds_name!r}: no such tfds dataset (see `tfds.list_builders()`)') from None
+        raise DataError(
+            f"tfds_name={cfg.tfds_name!r}: no such tfds dataset (see `tfds.list_builders()`)"
+        ) from None
     except NotImplementedError:  # stored as tfrecord only, or not prepared at all
         if not builder.is_prepared():
-            raise DataError(f'tfds_name={cfg.tfds_name!r} is not prepared in {builder.data_dir} (there is no '
-                            f'network here): prepare it with `tfds build {cfg.tfds_name} --file_format=array_record '
-                            '--data_dir=DIR` and set data_dir=DIR') from None
+            raise DataError(
+                f"tfds_name={cfg.tfds_name!r} is not prepared in {builder.data_dir} (there is no "
+                f"network here): prepare it with `tfds build {cfg.tfds_name} --file_format=array_record "
+                "--data_dir=DIR` and set data_dir=DIR"
+            ) from None
         try:
             import tensorflow  # noqa: F401  (tfrecord files can only be read through tf.data)
         except ImportError:
-            raise DataError(f'tfds_name={cfg.tfds_name!r} is stored as tfrecord, which needs TensorFlow: rebuild '
-                            "it with file_format='array_record' (`tfds build --file_format=array_record`) "
-                            'or pip install tensorflow') from None
+            raise DataError(
+                f"tfds_name={cfg.tfds_name!r} is stored as tfrecord, which needs TensorFlow: rebuild "
+                "it with file_format='array_record' (`tfds build --file_format=array_record`) "
+                "or pip install tensorflow"
+            ) from None
         # tf.data has no random access, so the splits are read once into memory.
         sources = [list(tfds.as_numpy(builder.as_dataset(split=s))) for s in splits]
     except (KeyError, ValueError) as e:
-        raise DataError(f'train_split={cfg.train_split!r} / eval_split={cfg.eval_split!r}: {e}') from None
+        raise DataError(
+            f"train_split={cfg.train_split!r} / eval_split={cfg.eval_split!r}: {e}"
+        ) from None
     if not len(sources[0]):
-        raise DataError(f'train_split={cfg.train_split!r} of {cfg.tfds_name} has no records: choose a split with data')
-    identity = 'tfds_' + builder.info.full_name.replace('/', '_') + f'_{cfg.train_split}'
+        raise DataError(
+            f"train_split={cfg.train_split!r} of {cfg.tfds_name} has no records: choose a split with data"
+        )
+    identity = "tfds_" + builder.info.full_name.replace("/", "_") + f"_{cfg.train_split}"
     return _texts(sources[0], cfg.text_key), _texts(sources[1], cfg.text_key), identity
 
 
 # ---- text: Hugging Face datasets ----------------------------------------------------------------
+
 
 def _hf_split(cfg, key):
     """The split cfg.<key> of dataset=hf (datasets.load_dataset: a hub name, or a builder such as json / parquet / text
     with hf_data_files), prepared into cache_dir/hf. What the hub or the files refuse is one DataError naming
     the key; without network or with HF_HUB_OFFLINE=1 only what is cached loads."""
     if not cfg.hf_path:
-        raise DataError('dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, '
-                        'parquet, text, csv) with hf_data_files')
+        raise DataError(
+            "dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, "
+            "parquet, text, csv) with hf_data_files"
+        )
     try:
         import datasets
     except ImportError:
-        raise DataError('dataset=hf needs the Hugging Face datasets library: pip install datasets==5.2.0') from None
+        raise DataError(
+            "dataset=hf needs the Hugging Face datasets library: pip install datasets==5.2.0"
+        ) from None
     datasets.disable_progress_bars()
-    for name in ('datasets', 'huggingface_hub'):  # their retries and fallbacks: the error below says it once
+    for name in (
+        "datasets",
+        "huggingface_hub",
+    ):  # their retries and fallbacks: the error below says it once
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    files = [f.strip() for f in cfg.hf_data_files.split(',')] if cfg.hf_data_files else None
+    files = [f.strip() for f in cfg.hf_data_files.split(",")] if cfg.hf_data_files else None
     try:
         with _locked(cfg.cache_dir):
-            return datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=files, split=getattr(cfg, key),
-                                         streaming=cfg.hf_streaming, cache_dir=os.path.join(cfg.cache_dir, 'hf'))
+            return datasets.load_dataset(
+                cfg.hf_path,
+                cfg.hf_name or None,
+                data_files=files,
+                split=getattr(cfg, key),
+                streaming=cfg.hf_streaming,
+                cache_dir=os.path.join(cfg.cache_dir, "hf"),
+            )
     except Exception as e:
         raise _hf_error(cfg, e, key) from None
 
 
 def _hf_error(cfg, e, key):
     """What the hub or the files refuse, loading or streaming: a DataError naming the key."""
-    text = first_line(e, typed=False, limit=200) if str(e) else ''
+    text = first_line(e, typed=False, limit=200) if str(e) else ""
     if isinstance(e, ConnectionError):
-        return DataError(f'hf_path={cfg.hf_path}: {text} (offline, only datasets in cache_dir load; a private one '
-                         'needs HF_TOKEN)')
-    if isinstance(e, ValueError) and 'split' in text.lower():  # a split it lacks
-        return DataError(f'{key}={getattr(cfg, key)}: {text}')
-    where = 'hf_data_files' if cfg.hf_data_files else 'hf_path'  # files the builder cannot read, a refused dataset
-    return DataError(f'{where}={getattr(cfg, where)}: {type(e).__name__}: {text}')
+        return DataError(
+            f"hf_path={cfg.hf_path}: {text} (offline, only datasets in cache_dir load; a private one "
+            "needs HF_TOKEN)"
+        )
+    if isinstance(e, ValueError) and "split" in text.lower():  # a split it lacks
+        return DataError(f"{key}={getattr(cfg, key)}: {text}")
+    where = (
+        "hf_data_files" if cfg.hf_data_files else "hf_path"
+    )  # files the builder cannot read, a refused dataset
+    return DataError(f"{where}={getattr(cfg, where)}: {type(e).__name__}: {text}")
 
 
 def _records(cfg, key, stream=None):
@@ -961,22 +1255,26 @@ def _records(cfg, key, stream=None):
 
 def _hf_identity(cfg, *parts):
     """Names what dataset=hf reads (for the tokenizer cache and the checkpoint's data position)."""
-    stats = [(f, *_stat(f)) for p in cfg.hf_data_files.split(',') if p.strip() for f in expand(p.strip())]
-    key = json.dumps([cfg.hf_path, cfg.hf_name, cfg.hf_data_files, cfg.hf_split, cfg.text_key, stats, *parts])
-    return 'hf_' + hashlib.sha1(key.encode()).hexdigest()[:16]
+    stats = [
+        (f, *_stat(f)) for p in cfg.hf_data_files.split(",") if p.strip() for f in expand(p.strip())
+    ]
+    key = json.dumps(
+        [cfg.hf_path, cfg.hf_name, cfg.hf_data_files, cfg.hf_split, cfg.text_key, stats, *parts]
+    )
+    return "hf_" + hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
 def _hf_sources(cfg):
     """(train texts, eval texts, identity) of a random-access dataset=hf: the split's records, and eval from
     hf_eval_split or else every 32nd record (~3%, the same every time) held out of training."""
-    train = _hf_split(cfg, 'hf_split')
+    train = _hf_split(cfg, "hf_split")
     if cfg.hf_eval_split:
-        eval_ = _hf_split(cfg, 'hf_eval_split')
+        eval_ = _hf_split(cfg, "hf_eval_split")
     else:  # spread over the whole split, so it samples the same mix of records as training
         ids = np.arange(len(train))
         train, eval_ = train.select(ids[ids % 32 > 0]), train.select(ids[::32])
     if not len(train):
-        raise DataError(f'hf_split={cfg.hf_split}: no records')
+        raise DataError(f"hf_split={cfg.hf_split}: no records")
     return _texts(train, cfg.text_key), _texts(eval_, cfg.text_key), _hf_identity(cfg, len(train))
 
 
@@ -987,8 +1285,9 @@ class _Stream(grain.IterDataset):
 
     def __init__(self, cfg, host):
         from datasets.distributed import split_dataset_by_node
+
         super().__init__()
-        self.cfg, self.stream = cfg, split_dataset_by_node(_hf_split(cfg, 'hf_split'), *host)
+        self.cfg, self.stream = cfg, split_dataset_by_node(_hf_split(cfg, "hf_split"), *host)
 
     def __iter__(self):
         return _StreamIterator(self)
@@ -997,7 +1296,7 @@ class _Stream(grain.IterDataset):
 class _StreamIterator(grain.DatasetIterator):
     def __init__(self, ds):
         super().__init__()
-        self.ds, self.epoch, self.it = ds, 0, _records(ds.cfg, 'hf_split', ds.stream)
+        self.ds, self.epoch, self.it = ds, 0, _records(ds.cfg, "hf_split", ds.stream)
 
     def __next__(self):
         for _ in range(2):  # the end of an epoch: the next one
@@ -1006,20 +1305,23 @@ class _StreamIterator(grain.DatasetIterator):
             except StopIteration:
                 self.epoch += 1
                 self.ds.stream.set_epoch(self.epoch)
-                self.it = _records(self.ds.cfg, 'hf_split', self.ds.stream)
-        raise DataError('hf_split: this process\'s share of the stream is empty: fewer files than processes?')
+                self.it = _records(self.ds.cfg, "hf_split", self.ds.stream)
+        raise DataError(
+            "hf_split: this process's share of the stream is empty: fewer files than processes?"
+        )
 
     def get_state(self):
-        return {'epoch': self.epoch, 'stream': self.ds.stream.state_dict()}
+        return {"epoch": self.epoch, "stream": self.ds.stream.state_dict()}
 
     def set_state(self, state):
-        self.epoch = state['epoch']
+        self.epoch = state["epoch"]
         self.ds.stream.set_epoch(self.epoch)
-        self.ds.stream.load_state_dict(state['stream'])
-        self.it = _records(self.ds.cfg, 'hf_split', self.ds.stream)
+        self.ds.stream.load_state_dict(state["stream"])
+        self.it = _records(self.ds.cfg, "hf_split", self.ds.stream)
 
 
 # ---- text: tokenizer --------------------------------------------------------------------------
+
 
 def _sentences(texts, cfg):
     """What the tokenizer trains on: up to ~5 MB of the training split in record order, cut at line ends into
@@ -1027,11 +1329,11 @@ def _sentences(texts, cfg):
     sentence stops here, naming why: sentencepiece would fail on it blaming vocab_size."""
     sentences, read = [], 0
     for i in range(len(texts)):
-        text, chunk = texts[i], ''
+        text, chunk = texts[i], ""
         for line in text.splitlines(keepends=True):
             if chunk and len(chunk) + len(line) > _SENTENCE_CHARS:
                 sentences.append(chunk)
-                chunk = ''
+                chunk = ""
             chunk += line
         sentences += [chunk] if chunk else []
         read += len(text)
@@ -1041,38 +1343,62 @@ def _sentences(texts, cfg):
     if any(len(s) <= _MAX_SENTENCE_CHARS for s in text):
         return sentences
     if not read:
-        why = ('every file is empty' if cfg.dataset in ('files', 'stdlib') else
-               f"every record's text (text_key={cfg.text_key!r}) is empty")
+        why = (
+            "every file is empty"
+            if cfg.dataset in ("files", "stdlib")
+            else f"every record's text (text_key={cfg.text_key!r}) is empty"
+        )
     elif not text:
-        why = 'the text is only whitespace'
+        why = "the text is only whitespace"
     else:
-        nul = 'NUL-separated text with ' if any('\0' in s for s in text) else ''
-        why = (f'{nul}no line breaks in {max(map(len, text)):,} characters (sentencepiece takes lines of up to '
-               f'{_MAX_SENTENCE_CHARS:,}): break the text into lines')
-    raise DataError(f'{_corpus_key(cfg)}: no text to train the tokenizer on: {why}')
+        nul = "NUL-separated text with " if any("\0" in s for s in text) else ""
+        why = (
+            f"{nul}no line breaks in {max(map(len, text)):,} characters (sentencepiece takes lines of up to "
+            f"{_MAX_SENTENCE_CHARS:,}): break the text into lines"
+        )
+    raise DataError(f"{_corpus_key(cfg)}: no text to train the tokenizer on: {why}")
 
 
 def _train_tokenizer(sentences, vocab_size, path):
     """Byte-fallback BPE that keeps code layout: no whitespace normalisation, newlines inside pieces."""
     import sentencepiece as spm
+
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size, model_type='bpe',
-            byte_fallback=True, character_coverage=0.9995,   # rare characters go to byte pieces
-            normalization_rule_name='identity', remove_extra_whitespaces=False, add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True, split_digits=False, max_sentence_length=_MAX_SENTENCE_CHARS,
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, num_threads=os.cpu_count() or 1, minloglevel=2)
-    except RuntimeError as e:  # e.g. too little text for this many pieces; spm says which size would fit
-        raise DataError(f'vocab_size={vocab_size}: cannot train a tokenizer of that size on this text '
-                        f'({str(e).split("] ")[-1]})') from None
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type="bpe",
+            byte_fallback=True,
+            character_coverage=0.9995,  # rare characters go to byte pieces
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=False,
+            max_sentence_length=_MAX_SENTENCE_CHARS,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+        )
+    except (
+        RuntimeError
+    ) as e:  # e.g. too little text for this many pieces; spm says which size would fit
+        raise DataError(
+            f"vocab_size={vocab_size}: cannot train a tokenizer of that size on this text "
+            f"({str(e).split('] ')[-1]})"
+        ) from None
     _save(path, lambda f: f.write(model.getvalue()))
 
 
 def _save(path, write):
     """write(file) into a new file that then replaces `path` atomically: a crash never leaves half a cache file."""
-    tmp = f'{path}.tmp{os.getpid()}'
-    with open(tmp, 'wb') as f:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
         write(f)
     os.replace(tmp, path)
 
@@ -1081,16 +1407,21 @@ class Tokenizer(NamedTuple):
     """The two kinds of tokenizer behind one face: sentencepiece (trained here, or a .model) and a Hugging Face
     tokenizer.json (the byte-level BPE of Llama 3 and Qwen, through the `tokenizers` library) with the special tokens
     and chat template its checkpoint names. Every pipeline, generation and export read only this."""
-    encode: Callable          # text -> ids, no special tokens added
-    decode: Callable          # ids -> text (special tokens dropped)
-    size: int                 # ids it can produce
-    bos_id: int | None        # starts every plain document and prompt; None: they start without one (Qwen)
-    eos_id: int               # ends every document (and a completion)
-    stop_ids: tuple           # ids that end a generation: eos, and generation_config.json's eos_token_id
-    chat_template: str | None  # jinja text rendering a list of messages (tokenizer_config.json), or None
-    special: dict             # what a template may name: bos_token, eos_token, pad_token
-    files: dict               # {file name: bytes}: what export writes; files[primary] is what a run keeps
-    primary: str              # 'tokenizer.model' or 'tokenizer.json'
+
+    encode: Callable  # text -> ids, no special tokens added
+    decode: Callable  # ids -> text (special tokens dropped)
+    size: int  # ids it can produce
+    bos_id: (
+        int | None
+    )  # starts every plain document and prompt; None: they start without one (Qwen)
+    eos_id: int  # ends every document (and a completion)
+    stop_ids: tuple  # ids that end a generation: eos, and generation_config.json's eos_token_id
+    chat_template: (
+        str | None
+    )  # jinja text rendering a list of messages (tokenizer_config.json), or None
+    special: dict  # what a template may name: bos_token, eos_token, pad_token
+    files: dict  # {file name: bytes}: what export writes; files[primary] is what a run keeps
+    primary: str  # 'tokenizer.model' or 'tokenizer.json'
 
 
 def until_stop(tokens, stop_ids):
@@ -1102,19 +1433,37 @@ def sentencepiece_tokenizer(sp, max_length):
     """Ours: bos, eos, pad and unk pieces set when trained (a given .model without a bos starts documents with eos)."""
     piece = sp.id_to_piece
     bos = sp.bos_id() if sp.bos_id() >= 0 else sp.eos_id()
-    config = {'tokenizer_class': 'LlamaTokenizer', 'bos_token': piece(bos), 'eos_token': piece(sp.eos_id()),
-              'unk_token': piece(sp.unk_id()), 'add_bos_token': True, 'add_eos_token': False,
-              'add_prefix_space': False,  # ours is trained without sentencepiece's dummy prefix
-              'model_max_length': max_length}
-    files = {'tokenizer.model': sp.serialized_model_proto(),
-             'tokenizer_config.json': json.dumps(config, indent=2).encode()}
-    return Tokenizer(sp.encode, sp.decode, sp.get_piece_size(), bos, sp.eos_id(), (sp.eos_id(),), None,
-                     {'bos_token': piece(bos), 'eos_token': piece(sp.eos_id())}, files, 'tokenizer.model')
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": piece(bos),
+        "eos_token": piece(sp.eos_id()),
+        "unk_token": piece(sp.unk_id()),
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "add_prefix_space": False,  # ours is trained without sentencepiece's dummy prefix
+        "model_max_length": max_length,
+    }
+    files = {
+        "tokenizer.model": sp.serialized_model_proto(),
+        "tokenizer_config.json": json.dumps(config, indent=2).encode(),
+    }
+    return Tokenizer(
+        sp.encode,
+        sp.decode,
+        sp.get_piece_size(),
+        bos,
+        sp.eos_id(),
+        (sp.eos_id(),),
+        None,
+        {"bos_token": piece(bos), "eos_token": piece(sp.eos_id())},
+        files,
+        "tokenizer.model",
+    )
 
 
 def _token_text(value):
     """A special token as tokenizer_config.json writes it: its text, or {content: text, ...}, or null."""
-    return value.get('content') if isinstance(value, dict) else value
+    return value.get("content") if isinstance(value, dict) else value
 
 
 def hf_tokenizer(path):
@@ -1122,40 +1471,63 @@ def hf_tokenizer(path):
     tokenizer_config.json, the stop ids from generation_config.json too, the chat template from either file
     transformers keeps it in. bos is prepended where the checkpoint's own tokenizer prepends it."""
     import tokenizers
-    folder = (os.path.dirname(path) or '.') if path.endswith('.json') else path
-    file = os.path.join(folder, 'tokenizer.json')
+
+    folder = (os.path.dirname(path) or ".") if path.endswith(".json") else path
+    file = os.path.join(folder, "tokenizer.json")
     try:
-        files = {name: stored(os.path.join(folder, name)).read_bytes() for name in TOKENIZER_FILES
-                 if stored(os.path.join(folder, name)).is_file()}
-        tok = tokenizers.Tokenizer.from_str(files['tokenizer.json'].decode())
+        files = {
+            name: stored(os.path.join(folder, name)).read_bytes()
+            for name in TOKENIZER_FILES
+            if stored(os.path.join(folder, name)).is_file()
+        }
+        tok = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode())
     except Exception as e:  # a damaged file: tokenizers' own reason, one line
-        raise DataError(f'{file}: not a Hugging Face tokenizer ({first_line(e, limit=120)})') from None
-    config = read_json(os.path.join(folder, 'tokenizer_config.json')) if 'tokenizer_config.json' in files else {}
-    generation = os.path.join(folder, 'generation_config.json')
+        raise DataError(
+            f"{file}: not a Hugging Face tokenizer ({first_line(e, limit=120)})"
+        ) from None
+    config = (
+        read_json(os.path.join(folder, "tokenizer_config.json"))
+        if "tokenizer_config.json" in files
+        else {}
+    )
+    generation = os.path.join(folder, "generation_config.json")
     generation = read_json(generation) if stored(generation).is_file() else {}
-    special = {k: _token_text(config.get(k)) for k in ('bos_token', 'eos_token', 'pad_token')}
+    special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
     ids = {k: tok.token_to_id(v) if isinstance(v, str) else None for k, v in special.items()}
     for key, value in special.items():
         if isinstance(value, str) and ids[key] is None:
-            raise DataError(f'{folder}/tokenizer_config.json: {key} {value!r} is not a token of tokenizer.json')
-    stops = generation.get('eos_token_id')
+            raise DataError(
+                f"{folder}/tokenizer_config.json: {key} {value!r} is not a token of tokenizer.json"
+            )
+    stops = generation.get("eos_token_id")
     stops = [stops] if isinstance(stops, int) else [s for s in stops or () if isinstance(s, int)]
-    eos = ids['eos_token'] if ids['eos_token'] is not None else (stops[0] if stops else None)
+    eos = ids["eos_token"] if ids["eos_token"] is not None else (stops[0] if stops else None)
     if eos is None:
-        raise DataError(f'{folder}: no eos token (tokenizer_config.json eos_token, generation_config.json '
-                        'eos_token_id), which ends every document: add one')
-    plain, marked = tok.encode('a', add_special_tokens=False).ids, tok.encode('a').ids
-    adds_bos = config.get('add_bos_token', len(marked) > len(plain) and marked[0] == ids['bos_token'])
-    template = config.get('chat_template')
+        raise DataError(
+            f"{folder}: no eos token (tokenizer_config.json eos_token, generation_config.json "
+            "eos_token_id), which ends every document: add one"
+        )
+    plain, marked = tok.encode("a", add_special_tokens=False).ids, tok.encode("a").ids
+    adds_bos = config.get(
+        "add_bos_token", len(marked) > len(plain) and marked[0] == ids["bos_token"]
+    )
+    template = config.get("chat_template")
     if isinstance(template, list):  # several named templates: the default one
-        template = next((t.get('template') for t in template if t.get('name') == 'default'), None)
-    if 'chat_template.jinja' in files:
-        template = files['chat_template.jinja'].decode()
-    return Tokenizer(lambda text: tok.encode(text, add_special_tokens=False).ids,
-                     lambda ids: tok.decode(list(ids), skip_special_tokens=True),
-                     tok.get_vocab_size(with_added_tokens=True), ids['bos_token'] if adds_bos else None, eos,
-                     tuple(dict.fromkeys([eos, *stops])), template, {k: v or '' for k, v in special.items()},
-                     files, 'tokenizer.json')
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if "chat_template.jinja" in files:
+        template = files["chat_template.jinja"].decode()
+    return Tokenizer(
+        lambda text: tok.encode(text, add_special_tokens=False).ids,
+        lambda ids: tok.decode(list(ids), skip_special_tokens=True),
+        tok.get_vocab_size(with_added_tokens=True),
+        ids["bos_token"] if adds_bos else None,
+        eos,
+        tuple(dict.fromkeys([eos, *stops])),
+        template,
+        {k: v or "" for k, v in special.items()},
+        files,
+        "tokenizer.json",
+    )
 
 
 def tokenizer_source(cfg):
@@ -1164,38 +1536,59 @@ def tokenizer_source(cfg):
     if cfg.tokenizer_path or not cfg.load_hf:
         return cfg.tokenizer_path
     folder = hf_dir(cfg.load_hf)
-    has = any(stored(os.path.join(folder, name)).is_file() for name in ('tokenizer.json', 'tokenizer.model'))
-    return folder if has else ''
+    has = any(
+        stored(os.path.join(folder, name)).is_file()
+        for name in ("tokenizer.json", "tokenizer.model")
+    )
+    return folder if has else ""
 
 
 def load_tokenizer(path, cfg):
     """tokenizer_path (or load_hf's directory): a sentencepiece .model, a tokenizer.json, or a directory holding
     either; checked against vocab_size (the model's embedding rows: a Hugging Face model's may be more)."""
     import sentencepiece as spm
+
     folder = stored(path).is_dir()
-    if folder or path.endswith('.json'):
-        kind = 'tokenizer.json' if stored(os.path.join(path, 'tokenizer.json')).is_file() or not folder else None
-        if folder and not kind and stored(os.path.join(path, 'tokenizer.model')).is_file():
-            return load_tokenizer(os.path.join(path, 'tokenizer.model'), cfg)
+    if folder or path.endswith(".json"):
+        kind = (
+            "tokenizer.json"
+            if stored(os.path.join(path, "tokenizer.json")).is_file() or not folder
+            else None
+        )
+        if folder and not kind and stored(os.path.join(path, "tokenizer.model")).is_file():
+            return load_tokenizer(os.path.join(path, "tokenizer.model"), cfg)
         if not kind:
-            key = 'tokenizer_path' if cfg.tokenizer_path else 'load_hf'
-            raise DataError(f'{key}={getattr(cfg, key)}: no tokenizer.json or tokenizer.model in {path}; set '
-                            'tokenizer_path= to the model\'s tokenizer')
+            key = "tokenizer_path" if cfg.tokenizer_path else "load_hf"
+            raise DataError(
+                f"{key}={getattr(cfg, key)}: no tokenizer.json or tokenizer.model in {path}; set "
+                "tokenizer_path= to the model's tokenizer"
+            )
         tok = hf_tokenizer(path)
         if tok.size > cfg.vocab_size:
-            raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {tok.size} tokens: set '
-                            f'vocab_size={tok.size} or more')
+            raise DataError(
+                f"vocab_size={cfg.vocab_size} but tokenizer {path} has {tok.size} tokens: set "
+                f"vocab_size={tok.size} or more"
+            )
         return tok
     try:
-        sp = (spm.SentencePieceProcessor(model_proto=stored(path).read_bytes()) if remote(path)
-              else spm.SentencePieceProcessor(model_file=path))
+        sp = (
+            spm.SentencePieceProcessor(model_proto=stored(path).read_bytes())
+            if remote(path)
+            else spm.SentencePieceProcessor(model_file=path)
+        )
     except (OSError, RuntimeError) as e:
-        raise DataError(f'tokenizer_path={path}: not a sentencepiece model ({first_line(e, typed=False, limit=120)}); '
-                        "give a .model file or a tokenizer.json, or '' to train one") from None
+        raise DataError(
+            f"tokenizer_path={path}: not a sentencepiece model ({first_line(e, typed=False, limit=120)}); "
+            "give a .model file or a tokenizer.json, or '' to train one"
+        ) from None
     if (size := sp.get_piece_size()) != cfg.vocab_size:
-        raise DataError(f'vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: set vocab_size={size}')
+        raise DataError(
+            f"vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: set vocab_size={size}"
+        )
     if sp.eos_id() < 0:
-        raise DataError(f'tokenizer {path} has no eos piece, which ends every document: retrain it with eos_id set')
+        raise DataError(
+            f"tokenizer {path} has no eos piece, which ends every document: retrain it with eos_id set"
+        )
     return sentencepiece_tokenizer(sp, cfg.max_target_length)
 
 
@@ -1203,18 +1596,23 @@ def _tokenizer(cfg, train_texts, identity, log=None):
     """The run's tokenizer: tokenizer_source(cfg), or a sentencepiece BPE trained once on the text into cache_dir."""
     path = tokenizer_source(cfg)
     if not path:  # trained once into cache_dir
-        path = os.path.join(cfg.cache_dir, f'tokenizer_{identity}_bpe{cfg.vocab_size}.model')
+        path = os.path.join(cfg.cache_dir, f"tokenizer_{identity}_bpe{cfg.vocab_size}.model")
         with _locked(cfg.cache_dir):
             if not os.path.exists(path):
-                with _announced(log, f'training a {cfg.vocab_size}-piece BPE tokenizer on the training text'):
+                with _announced(
+                    log, f"training a {cfg.vocab_size}-piece BPE tokenizer on the training text"
+                ):
                     _train_tokenizer(_sentences(train_texts, cfg), cfg.vocab_size, path)
     elif not stored(path).exists():
-        raise DataError(f'tokenizer_path={path!r}: file not found (set it to a sentencepiece .model or a '
-                        "tokenizer.json, or '' to train one)")
+        raise DataError(
+            f"tokenizer_path={path!r}: file not found (set it to a sentencepiece .model or a "
+            "tokenizer.json, or '' to train one)"
+        )
     return load_tokenizer(path, cfg)
 
 
 # ---- text: packing ----------------------------------------------------------------------------
+
 
 def _pack(docs, length):
     """Rows of `length` (input, target) pairs from an IterDataset of token documents: grain's concatenate-then-split.
@@ -1224,11 +1622,17 @@ def _pack(docs, length):
     next row as a new segment, so rows are full until `docs` runs out (eval): then the last row is padded and
     iteration stops. The state is where the row's first document starts (grain replays at most a row to resume).
     """
-    pairs = docs.map(lambda doc: {'inputs': doc[:-1], 'targets': doc[1:]})
-    packed = ConcatThenSplitIterDataset(pairs, length_struct={'inputs': length, 'targets': length})
-    return packed.map(lambda p: {'inputs': p['inputs'], 'targets': p['targets'], 'segment_ids': p['inputs_segment_ids'],
-                                 'positions': p['inputs_positions'],
-                                 'loss_mask': (p['inputs_segment_ids'] > 0).astype(np.float32)})
+    pairs = docs.map(lambda doc: {"inputs": doc[:-1], "targets": doc[1:]})
+    packed = ConcatThenSplitIterDataset(pairs, length_struct={"inputs": length, "targets": length})
+    return packed.map(
+        lambda p: {
+            "inputs": p["inputs"],
+            "targets": p["targets"],
+            "segment_ids": p["inputs_segment_ids"],
+            "positions": p["inputs_positions"],
+            "loss_mask": (p["inputs_segment_ids"] > 0).astype(np.float32),
+        }
+    )
 
 
 class TextData(_Data):
@@ -1245,22 +1649,29 @@ class TextData(_Data):
 
     def _sources(self):
         """(train texts, eval texts, identity) of cfg.dataset, as the *_sources functions make them."""
-        sources = {'tfds': _tfds_sources, 'hf': _hf_sources}.get(self.cfg.dataset)
+        sources = {"tfds": _tfds_sources, "hf": _hf_sources}.get(self.cfg.dataset)
         return sources(self.cfg) if sources else _file_sources(self.cfg, self.log)
 
     def encode(self, text):
         """A document's tokens: bos (where the tokenizer has one), text, eos (so every token is a target)."""
         tok = self.tokenizer
-        return np.asarray([tok.bos_id] * (tok.bos_id is not None) + tok.encode(text) + [tok.eos_id], np.int32)
+        return np.asarray(
+            [tok.bos_id] * (tok.bos_id is not None) + tok.encode(text) + [tok.eos_id], np.int32
+        )
 
     def _lane(self, row, rows):
         return _pack(super()._lane(row, rows), self.length)
 
     def eval_batches(self, local_rows, n):
         # Fixed order and a single pass: batches past the end of the split are padding (loss_mask 0).
-        docs = grain.MapDataset.source(self.eval_records).map(lambda i: self.encode(self.eval_texts[i]))
+        docs = grain.MapDataset.source(self.eval_records).map(
+            lambda i: self.encode(self.eval_texts[i])
+        )
         rows = iter(_pack(docs.to_iter_dataset(_READ), self.length))
-        return [_stack(list(itertools.islice(rows, local_rows)), local_rows, self.length) for _ in range(n)]
+        return [
+            _stack(list(itertools.islice(rows, local_rows)), local_rows, self.length)
+            for _ in range(n)
+        ]
 
 
 class StreamData(TextData):
@@ -1274,22 +1685,36 @@ class StreamData(TextData):
         """The stream's head (~5 MB, what the tokenizer trains on), the head of hf_eval_split, and the identity."""
         cfg = self.cfg
         if not cfg.hf_eval_split and cfg.eval_batches:
-            raise DataError('hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. validation), '
-                            'or eval_batches=0')
+            raise DataError(
+                "hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. validation), "
+                "or eval_batches=0"
+            )
         head, chars = [], 0
-        for record in _records(cfg, 'hf_split'):
+        for record in _records(cfg, "hf_split"):
             head.append(record)
             chars += len(_text(record, cfg.text_key))
             if chars >= _TOKENIZER_SAMPLE_CHARS:
                 break
-        evals = list(itertools.islice(_records(cfg, 'hf_eval_split'), _EVAL_HEAD_DOCS)) if cfg.hf_eval_split else []
-        return _texts(head, cfg.text_key), _texts(evals, cfg.text_key), _hf_identity(cfg, 'stream')
+        evals = (
+            list(itertools.islice(_records(cfg, "hf_eval_split"), _EVAL_HEAD_DOCS))
+            if cfg.hf_eval_split
+            else []
+        )
+        return _texts(head, cfg.text_key), _texts(evals, cfg.text_key), _hf_identity(cfg, "stream")
 
     def train_iter(self, local_rows, state=None):
         host = (self.process_index, self.process_count)
-        batches = _pack(_Stream(self.cfg, host).map(self.encode), self.length).batch(local_rows, drop_remainder=True)
-        return _StreamBatches(batches, self.cfg.prefetch, host, local_rows, self._resumable(state, local_rows),
-                              self.identity)
+        batches = _pack(_Stream(self.cfg, host).map(self.encode), self.length).batch(
+            local_rows, drop_remainder=True
+        )
+        return _StreamBatches(
+            batches,
+            self.cfg.prefetch,
+            host,
+            local_rows,
+            self._resumable(state, local_rows),
+            self.identity,
+        )
 
 
 # ---- text: supervised fine-tuning (SFT) ---------------------------------------------------------------------------
@@ -1297,13 +1722,16 @@ class StreamData(TextData):
 # SFT examples (trl's formats): each is tokenized whole with a mask of its answer's tokens, and rows are made of
 # whole examples, never one cut between rows.
 
+
 def sft_rows(cfg):
     """Whether dataset=hf's rows are SFT examples: the first training row holds messages, or prompt and completion."""
-    if cfg.dataset != 'hf' or cfg.hf_streaming:
+    if cfg.dataset != "hf" or cfg.hf_streaming:
         return False
-    split = _hf_split(cfg, 'hf_split')
+    split = _hf_split(cfg, "hf_split")
     first = split[0] if len(split) else {}
-    return cfg.text_key not in first and ('messages' in first or {'prompt', 'completion'} <= set(first))
+    return cfg.text_key not in first and (
+        "messages" in first or {"prompt", "completion"} <= set(first)
+    )
 
 
 def chat_renderer(template, special):
@@ -1314,21 +1742,31 @@ def chat_renderer(template, special):
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=['jinja2.ext.loopcontrols'])
-    env.filters['tojson'] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
-        x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = (
+        lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
+            x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii
+        )
+    )
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: time.strftime(fmt))
     compiled = env.from_string(template)
-    return lambda messages, prompt: compiled.render(messages=messages, add_generation_prompt=prompt, **special)
+    return lambda messages, prompt: compiled.render(
+        messages=messages, add_generation_prompt=prompt, **special
+    )
 
 
 def _turns(messages, where):
     """messages checked to be a list of {role, content} with text content."""
     if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
-            for m in messages):
-        raise DataError(f'{where}: messages must be a list of {{"role": ..., "content": "text"}} turns')
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise DataError(
+            f'{where}: messages must be a list of {{"role": ..., "content": "text"}} turns'
+        )
     return messages
 
 
@@ -1337,22 +1775,26 @@ def chat_spans(messages, render, first, where):
     from index `first` on, each the text the template adds for it after the generation prompt (its end-of-turn
     token included: the model learns to stop). The template must render each turn's prefix as the start of the
     whole (true of Llama's, Qwen's, ChatML's); one that does not cannot mark the answers, and says so."""
-    answers = [i for i, m in enumerate(messages) if m['role'] == 'assistant' and i >= first]
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
     if not answers:
-        raise DataError(f'{where}: no assistant turn to learn from (roles: {[m["role"] for m in messages]})')
+        raise DataError(
+            f"{where}: no assistant turn to learn from (roles: {[m['role'] for m in messages]})"
+        )
     try:
         whole, spans, at = render(messages, False), [], 0
         for i in answers:
-            before, through = render(messages[:i], True), render(messages[:i + 1], False)
+            before, through = render(messages[:i], True), render(messages[: i + 1], False)
             if not (through.startswith(before) and whole.startswith(through) and len(before) >= at):
-                raise DataError(f'{where}: the chat template renders turn {i} differently inside the whole '
-                                'conversation, so its answer cannot be marked; give prompt/completion rows')
-            spans += [(whole[at:len(before)], False), (whole[len(before):len(through)], True)]
+                raise DataError(
+                    f"{where}: the chat template renders turn {i} differently inside the whole "
+                    "conversation, so its answer cannot be marked; give prompt/completion rows"
+                )
+            spans += [(whole[at : len(before)], False), (whole[len(before) : len(through)], True)]
             at = len(through)
     except DataError:
         raise
     except Exception as e:  # the template's own error (raise_exception, a missing variable)
-        raise DataError(f'{where}: the chat template failed ({first_line(e, limit=120)})') from None
+        raise DataError(f"{where}: the chat template failed ({first_line(e, limit=120)})") from None
     return spans + [(whole[at:], False)]
 
 
@@ -1361,23 +1803,27 @@ def sft_example(record, tok, render, cfg, where):
     chat template (which writes bos and end-of-turn tokens itself); prompt + completion as bos, prompt, completion,
     eos (a conversational prompt/completion, lists of turns, through the template, only the completion's turns
     answers). A DataError names the row and what is wrong."""
-    record = {k: v for k, v in record.items() if v is not None}  # a column other rows have (datasets fills in None)
-    if 'messages' in record:
-        plain, spans = False, chat_spans(_turns(record['messages'], where), render, 0, where)
-    elif isinstance(record.get('prompt'), list):
-        turns = _turns(record['prompt'], where) + _turns(record.get('completion'), where)
-        plain, spans = False, chat_spans(turns, render, len(record['prompt']), where)
-    elif isinstance(record.get('prompt'), str) and isinstance(record.get('completion'), str):
-        plain, spans = True, [(record['prompt'], False), (record['completion'], True)]
+    record = {
+        k: v for k, v in record.items() if v is not None
+    }  # a column other rows have (datasets fills in None)
+    if "messages" in record:
+        plain, spans = False, chat_spans(_turns(record["messages"], where), render, 0, where)
+    elif isinstance(record.get("prompt"), list):
+        turns = _turns(record["prompt"], where) + _turns(record.get("completion"), where)
+        plain, spans = False, chat_spans(turns, render, len(record["prompt"]), where)
+    elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+        plain, spans = True, [(record["prompt"], False), (record["completion"], True)]
     else:
-        raise DataError(f'{where}: an SFT row holds messages, or prompt and completion (this one has '
-                        f'{sorted(record)})')
+        raise DataError(
+            f"{where}: an SFT row holds messages, or prompt and completion (this one has "
+            f"{sorted(record)})"
+        )
     ids, answer = [tok.bos_id] if plain and tok.bos_id is not None else [], []
     answer = [False] * len(ids)
     for text, is_answer in spans:
         piece = tok.encode(text)
         if is_answer and not piece:
-            raise DataError(f'{where}: an empty answer (nothing to learn)')
+            raise DataError(f"{where}: an empty answer (nothing to learn)")
         ids, answer = ids + piece, answer + [is_answer] * len(piece)
     if plain:  # the completion ends with eos, so the model learns to stop
         ids, answer = ids + [tok.eos_id], answer + [True]
@@ -1409,7 +1855,7 @@ class _Plan:
             full = self.open and (not self.packing or self.used + pairs > self.length)
             if full:
                 self.rows.append(self.open)
-            self.open, self.used = (([i], pairs) if full else (self.open + [i], self.used + pairs))
+            self.open, self.used = ([i], pairs) if full else (self.open + [i], self.used + pairs)
             if full:
                 return True
         if self.open:
@@ -1430,24 +1876,34 @@ class SFTData(_Data):
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count, log)
         if not tokenizer_source(cfg):
-            raise DataError('SFT rows (messages, or prompt and completion) need the model\'s tokenizer: set load_hf= '
-                            '(a checkpoint with its tokenizer) or tokenizer_path=')
+            raise DataError(
+                "SFT rows (messages, or prompt and completion) need the model's tokenizer: set load_hf= "
+                "(a checkpoint with its tokenizer) or tokenizer_path="
+            )
         self.tokenizer = tok = load_tokenizer(tokenizer_source(cfg), cfg)
         self.render = chat_renderer(tok.chat_template, tok.special) if tok.chat_template else None
-        train = _hf_split(cfg, 'hf_split')
-        train_rows = held_rows = np.arange(len(train))  # the rows' numbers in their files, for the errors
+        train = _hf_split(cfg, "hf_split")
+        train_rows = held_rows = np.arange(
+            len(train)
+        )  # the rows' numbers in their files, for the errors
         if cfg.hf_eval_split:
-            held = _hf_split(cfg, 'hf_eval_split')
+            held = _hf_split(cfg, "hf_eval_split")
             held_rows = np.arange(len(held))
         else:  # every 32nd row (~3%, the same every time) held out
             train_rows, held_rows = train_rows[train_rows % 32 > 0], train_rows[::32]
             train, held = train.select(train_rows), train.select(held_rows)
-        tokenizer = hashlib.sha1(tok.files[tok.primary]).hexdigest()  # what the ids mean, and how rows are cut
-        self.identity = _hf_identity(cfg, len(train), 'sft', tokenizer, cfg.completion_only, cfg.packing, self.length)
-        self.train_tokens, self.train_ids = self._encoded(train, train_rows, 'hf_split')
-        eval_key = 'hf_eval_split' if cfg.hf_eval_split else 'hf_split'
+        tokenizer = hashlib.sha1(
+            tok.files[tok.primary]
+        ).hexdigest()  # what the ids mean, and how rows are cut
+        self.identity = _hf_identity(
+            cfg, len(train), "sft", tokenizer, cfg.completion_only, cfg.packing, self.length
+        )
+        self.train_tokens, self.train_ids = self._encoded(train, train_rows, "hf_split")
+        eval_key = "hf_eval_split" if cfg.hf_eval_split else "hf_split"
         eval_tokens, eval_ids = self._encoded(held, held_rows, eval_key)
-        mine = eval_ids[process_index::process_count]  # each process its share of the held-out examples
+        mine = eval_ids[
+            process_index::process_count
+        ]  # each process its share of the held-out examples
         plan = _Plan(iter(mine), [len(ids) for ids, _ in eval_tokens], self.length, cfg.packing)
         self.eval_rows = [plan[k] for k in range(len(plan))]
         self.eval_tokens = eval_tokens
@@ -1457,20 +1913,29 @@ class SFTData(_Data):
     def _encoded(self, split, rows, key):
         """Every example of a split tokenized ([(ids, answer mask)]), and the indices of those that fit a row.
         `rows`: their numbers in the files (errors name them)."""
-        cfg, tok, where = self.cfg, self.tokenizer, f'{key}={getattr(self.cfg, key)}'
+        cfg, tok, where = self.cfg, self.tokenizer, f"{key}={getattr(self.cfg, key)}"
         start = time.perf_counter()
-        out = [sft_example(split[i], tok, self.render, cfg, f'{where}: row {rows[i]}') for i in range(len(split))]
+        out = [
+            sft_example(split[i], tok, self.render, cfg, f"{where}: row {rows[i]}")
+            for i in range(len(split))
+        ]
         fits = [i for i, (ids, _) in enumerate(out) if len(ids) - 1 <= self.length]
         longest = max((len(ids) for ids, _ in out), default=0)
         if len(out) > len(fits):
-            self.log(f'skipped {len(out) - len(fits)} of {len(out)} examples of {where} longer than '
-                     f'max_target_length={self.length} tokens (the longest: {longest}); raise max_target_length to '
-                     'keep them')
+            self.log(
+                f"skipped {len(out) - len(fits)} of {len(out)} examples of {where} longer than "
+                f"max_target_length={self.length} tokens (the longest: {longest}); raise max_target_length to "
+                "keep them"
+            )
         if not fits:
-            raise DataError(f'{where}: no example fits max_target_length={self.length} (the shortest has '
-                            f'{min((len(ids) for ids, _ in out), default=0)} tokens); raise it')
-        self.log(f'{where}: {len(fits)} SFT examples, {sum(len(out[i][0]) for i in fits):,} tokens, '
-                 f'{sum(int(out[i][1].sum()) for i in fits):,} of them answers ({time.perf_counter() - start:.1f}s)')
+            raise DataError(
+                f"{where}: no example fits max_target_length={self.length} (the shortest has "
+                f"{min((len(ids) for ids, _ in out), default=0)} tokens); raise it"
+            )
+        self.log(
+            f"{where}: {len(fits)} SFT examples, {sum(len(out[i][0]) for i in fits):,} tokens, "
+            f"{sum(int(out[i][1].sum()) for i in fits):,} of them answers ({time.perf_counter() - start:.1f}s)"
+        )
         return out, np.asarray(fits)
 
     def _prompt_and_answer(self, ids, answer):
@@ -1478,7 +1943,7 @@ class SFTData(_Data):
         first = last = np.flatnonzero(answer)[-1]
         while first > 0 and answer[first - 1]:
             first -= 1
-        answer = until_stop(ids[first:last + 1].tolist(), self.tokenizer.stop_ids)
+        answer = until_stop(ids[first : last + 1].tolist(), self.tokenizer.stop_ids)
         return ids[:first], self.tokenizer.decode(answer)
 
     def plan(self, row, rows, epochs):
@@ -1505,21 +1970,29 @@ class SFTData(_Data):
 
     def _row(self, examples):
         """One row of whole examples (segments 1, 2, ...; positions restart in each), padded with segment 0."""
-        L, row = self.length, {k: np.zeros(self.length, np.int32) for k in ('inputs', 'targets', 'segment_ids',
-                                                                              'positions')}
-        row['loss_mask'], at = np.zeros(L, np.float32), 0
+        L, row = (
+            self.length,
+            {
+                k: np.zeros(self.length, np.int32)
+                for k in ("inputs", "targets", "segment_ids", "positions")
+            },
+        )
+        row["loss_mask"], at = np.zeros(L, np.float32), 0
         for segment, (ids, answer) in enumerate(examples, 1):
             n = len(ids) - 1
-            row['inputs'][at:at + n], row['targets'][at:at + n] = ids[:-1], ids[1:]
-            row['segment_ids'][at:at + n], row['positions'][at:at + n] = segment, np.arange(n)
-            row['loss_mask'][at:at + n] = answer[1:] if self.cfg.completion_only else 1.0
+            row["inputs"][at : at + n], row["targets"][at : at + n] = ids[:-1], ids[1:]
+            row["segment_ids"][at : at + n], row["positions"][at : at + n] = segment, np.arange(n)
+            row["loss_mask"][at : at + n] = answer[1:] if self.cfg.completion_only else 1.0
             at += n
         return row
 
     def eval_batches(self, local_rows, n):
         """The held-out examples in order, one pass, packed as training packs; batches past them are padding."""
         rows = [self._row([self.eval_tokens[i] for i in r]) for r in self.eval_rows]
-        return [_stack(rows[b * local_rows:(b + 1) * local_rows], local_rows, self.length) for b in range(n)]
+        return [
+            _stack(rows[b * local_rows : (b + 1) * local_rows], local_rows, self.length)
+            for b in range(n)
+        ]
 
 
 # ---- Sudoku: the rules, defined once ------------------------------------------------------------
@@ -1527,9 +2000,15 @@ class SFTData(_Data):
 # box, numbered 0..26); two cells are peers when they share a unit. The solver below, the CSV checks,
 # eval scoring and the ToT search (model.py) all read the rules from these tables.
 
-UNITS = np.array([[i // 9, 9 + i % 9, 18 + (i // 27) * 3 + (i % 9) // 3] for i in range(SUDOKU_LEN)])  # [81, 3]
-PEERS = (UNITS[:, None, :] == UNITS[None, :, :]).any(-1) & ~np.eye(SUDOKU_LEN, dtype=bool)  # bool[81, 81]
-MEMBERS = (UNITS[None, :, :] == np.arange(27)[:, None, None]).any(-1).astype(np.float32)  # [27 units, 81 cells]
+UNITS = np.array(
+    [[i // 9, 9 + i % 9, 18 + (i // 27) * 3 + (i % 9) // 3] for i in range(SUDOKU_LEN)]
+)  # [81, 3]
+PEERS = (UNITS[:, None, :] == UNITS[None, :, :]).any(-1) & ~np.eye(
+    SUDOKU_LEN, dtype=bool
+)  # bool[81, 81]
+MEMBERS = (
+    (UNITS[None, :, :] == np.arange(27)[:, None, None]).any(-1).astype(np.float32)
+)  # [27 units, 81 cells]
 
 
 def digits_seen(grids_NL):
@@ -1537,7 +2016,9 @@ def digits_seen(grids_NL):
     Takes numpy or jax arrays (their own array namespace), so data checks and jitted search share it."""
     xp = grids_NL.__array_namespace__()
     onehot_NLC = (grids_NL[..., None] == xp.arange(1, 10)).astype(xp.float32)  # blank -> all zeros
-    return PEERS.astype(np.float32) @ onehot_NLC > 0  # a matmul, not einsum: numpy's einsum does not use BLAS (28x)
+    return (
+        PEERS.astype(np.float32) @ onehot_NLC > 0
+    )  # a matmul, not einsum: numpy's einsum does not use BLAS (28x)
 
 
 def legal_digits(grids_NL):
@@ -1551,10 +2032,15 @@ def dead_end(grids_NL):
     xp = grids_NL.__array_namespace__()
     g_NL = grids_NL.astype(xp.int32)
     seen_NLC, blank_NL = digits_seen(g_NL), g_NL == 0
-    clash_NL = xp.take_along_axis(seen_NLC, xp.maximum(g_NL - 1, 0)[..., None], axis=-1)[..., 0] & ~blank_NL
+    clash_NL = (
+        xp.take_along_axis(seen_NLC, xp.maximum(g_NL - 1, 0)[..., None], axis=-1)[..., 0]
+        & ~blank_NL
+    )
     in_unit = lambda x_NLC: MEMBERS @ xp.astype(x_NLC, xp.float32) > 0
     homeless_NUC = ~in_unit(g_NL[..., None] == xp.arange(1, 10)) & ~in_unit(legal_digits(g_NL))
-    return xp.any(clash_NL | (blank_NL & xp.all(seen_NLC, axis=-1)), axis=-1) | xp.any(homeless_NUC, axis=(-2, -1))
+    return xp.any(clash_NL | (blank_NL & xp.all(seen_NLC, axis=-1)), axis=-1) | xp.any(
+        homeless_NUC, axis=(-2, -1)
+    )
 
 
 def solved(grids_NL):
@@ -1568,8 +2054,12 @@ def by_singles(grids_NL):
     g_NL = np.array(grids_NL, np.int32)
     while True:
         legal_NLC = legal_digits(g_NL)
-        alone_NUC = MEMBERS @ legal_NLC.astype(np.float32) == 1  # a digit with one place left in the unit
-        pick_NLC = legal_NLC & ((legal_NLC.sum(-1, keepdims=True) == 1) | (MEMBERS.T @ alone_NUC.astype(np.float32) > 0))
+        alone_NUC = (
+            MEMBERS @ legal_NLC.astype(np.float32) == 1
+        )  # a digit with one place left in the unit
+        pick_NLC = legal_NLC & (
+            (legal_NLC.sum(-1, keepdims=True) == 1) | (MEMBERS.T @ alone_NUC.astype(np.float32) > 0)
+        )
         if not pick_NLC.any():
             return g_NL
         g_NL = np.where(pick_NLC.any(-1), pick_NLC.argmax(-1) + 1, g_NL)
@@ -1626,7 +2116,7 @@ def solve(grid):
     return (None if solution is None else np.asarray(solution, np.uint8)), count
 
 
-def generate_sudoku(n, blanks, seed, stream='train', start=0):
+def generate_sudoku(n, blanks, seed, stream="train", start=0):
     """(puzzles uint8[n, 81], solutions uint8[n, 81]), each puzzle with exactly one solution.
 
     Cells are blanked in random order while the solution stays unique, until `blanks` blanks or
@@ -1635,11 +2125,13 @@ def generate_sudoku(n, blanks, seed, stream='train', start=0):
     """
     q, a, blanks = np.zeros((n, 81), np.uint8), np.zeros((n, 81), np.uint8), np.atleast_1d(blanks)
     for i in range(start, start + n):
-        rng = random.Random(f'sudoku/{stream}/{seed}/{i}')
+        rng = random.Random(f"sudoku/{stream}/{seed}/{i}")
         # The three diagonal boxes share no row or column, so any filling of them completes to a grid.
         boxes = np.zeros((9, 9), np.int64)
         for b in range(3):
-            boxes[3 * b:3 * b + 3, 3 * b:3 * b + 3] = np.reshape(rng.sample(range(1, 10), 9), (3, 3))
+            boxes[3 * b : 3 * b + 3, 3 * b : 3 * b + 3] = np.reshape(
+                rng.sample(range(1, 10), 9), (3, 3)
+            )
         a[i - start] = solution = _search(boxes.ravel().tolist(), limit=1)[0]
         puzzle = list(solution)
         for cell in rng.sample(range(81), 81):
@@ -1659,38 +2151,60 @@ def augment(q, a, rng):
     each stack, and transposes half the time. rng is a numpy Generator.
     """
     digits = np.concatenate([[0], rng.permutation(9) + 1]).astype(np.uint8)  # blank stays blank
-    order = lambda: (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
-    index_99 = order()[:, None] * 9 + order()[None, :]  # the rows' order drawn first, then the columns'
+    order = lambda: (
+        rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])
+    ).reshape(9)
+    index_99 = (
+        order()[:, None] * 9 + order()[None, :]
+    )  # the rows' order drawn first, then the columns'
     index = (index_99.T if rng.random() < 0.5 else index_99).reshape(81)
     return digits[np.asarray(q)[index]], digits[np.asarray(a)[index]]
 
 
 # ---- Sudoku: CSV files (public sudoku-extreme layout: source,q,a,rating) -------------------------
 
-def read_sudoku_csv(path, key='dataset_path'):
+
+def read_sudoku_csv(path, key="dataset_path"):
     """(puzzles uint8[N, 81], solutions uint8[N, 81]) from a CSV, with or without a header, '.' or '0' for
     blanks; any bad row is a DataError naming its line."""
     if not epath.Path(path).is_file():
-        raise DataError(f'{key}={path!r}: file not found (a CSV with header source,q,a,rating; '
-                        'make one with `python data.py make-sudoku OUT.csv`)')
-    with epath.Path(path).open('rb') as raw, io.TextIOWrapper(raw, newline='') as f:  # a local file or gs://
+        raise DataError(
+            f"{key}={path!r}: file not found (a CSV with header source,q,a,rating; "
+            "make one with `python data.py make-sudoku OUT.csv`)"
+        )
+    with (
+        epath.Path(path).open("rb") as raw,
+        io.TextIOWrapper(raw, newline="") as f,
+    ):  # a local file or gs://
         reader = csv.reader(f)
         try:
             puzzles, solutions, lines = _csv_grids(path, reader)
         except UnicodeDecodeError:
-            raise DataError(f'{key}={path!r}: not a text CSV (compressed? decompress it first)') from None
+            raise DataError(
+                f"{key}={path!r}: not a text CSV (compressed? decompress it first)"
+            ) from None
         except csv.Error as e:  # e.g. a field longer than the csv module's limit: not a puzzle file
-            raise DataError(f'{path}:{reader.line_num}: {e}') from None
+            raise DataError(f"{path}:{reader.line_num}: {e}") from None
     if not puzzles:
-        raise DataError(f'{key}={path!r}: no puzzles in the file')
-    q, a = ((np.frombuffer(''.join(grids).encode('ascii'), np.uint8) - ord('0')).reshape(-1, 81)
-            for grids in (puzzles, solutions))
+        raise DataError(f"{key}={path!r}: no puzzles in the file")
+    q, a = (
+        (np.frombuffer("".join(grids).encode("ascii"), np.uint8) - ord("0")).reshape(-1, 81)
+        for grids in (puzzles, solutions)
+    )
     clash = ((q != 0) & (q != a)).any(axis=1)
-    bad = clash | ~np.concatenate([solved(a[i:i + 65536]) for i in range(0, len(a), 65536)])  # bounded memory
+    bad = clash | ~np.concatenate(
+        [solved(a[i : i + 65536]) for i in range(0, len(a), 65536)]
+    )  # bounded memory
     if bad.any():
         i = int(bad.argmax())
-        raise DataError(f'{path}:{lines[i]}: solution a ' + ('disagrees with a given digit of q' if clash[i] else
-                        'is not a valid Sudoku grid (a row, column or box repeats a digit)'))
+        raise DataError(
+            f"{path}:{lines[i]}: solution a "
+            + (
+                "disagrees with a given digit of q"
+                if clash[i]
+                else "is not a valid Sudoku grid (a row, column or box repeats a digit)"
+            )
+        )
     return q, a
 
 
@@ -1700,23 +2214,34 @@ def _csv_grids(path, reader):
     reference does: the public layout source,question,answer,rating (or a bare puzzle,solution pair)."""
     puzzles, solutions, lines, first = [], [], [], next(reader, [])
     names = [c.strip().lower() for c in first]
-    named = [(names.index(q), names.index(a)) for q, a in (('q', 'a'), ('question', 'answer'), ('puzzle', 'solution'))
-             if q in names and a in names]
+    named = [
+        (names.index(q), names.index(a))
+        for q, a in (("q", "a"), ("question", "answer"), ("puzzle", "solution"))
+        if q in names and a in names
+    ]
     if first and not named and not any(len(c.strip()) == 81 for c in first):
-        raise DataError(f'{path}:1: the header names no puzzle and solution columns (use q,a or question,answer; '
-                        'public layout: source,question,answer,rating)')
-    iq, ia = named[0] if named else (1, 2) if len(first) >= 3 else (0, 1)  # the first row is data without a header
-    for row in filter(None, itertools.chain([] if named else [first], reader)):  # a blank line is no row
-        where = f'{path}:{reader.line_num}'
+        raise DataError(
+            f"{path}:1: the header names no puzzle and solution columns (use q,a or question,answer; "
+            "public layout: source,question,answer,rating)"
+        )
+    iq, ia = (
+        named[0] if named else (1, 2) if len(first) >= 3 else (0, 1)
+    )  # the first row is data without a header
+    for row in filter(
+        None, itertools.chain([] if named else [first], reader)
+    ):  # a blank line is no row
+        where = f"{path}:{reader.line_num}"
         if len(row) <= max(iq, ia):
-            raise DataError(f'{where}: {len(row)} columns, expected at least {max(iq, ia) + 1}')
+            raise DataError(f"{where}: {len(row)} columns, expected at least {max(iq, ia) + 1}")
         q, a = row[iq].strip(), row[ia].strip()
-        for name, text, allowed in (('q', q, '.0123456789'), ('a', a, '123456789')):
+        for name, text, allowed in (("q", q, ".0123456789"), ("a", a, "123456789")):
             if len(text) != 81:
-                raise DataError(f'{where}: {name} has {len(text)} characters, expected 81')
+                raise DataError(f"{where}: {name} has {len(text)} characters, expected 81")
             if illegal := set(text) - set(allowed):
-                raise DataError(f'{where}: {name} has illegal character {min(illegal)!r} (allowed: {allowed})')
-        puzzles.append(q.replace('.', '0'))
+                raise DataError(
+                    f"{where}: {name} has illegal character {min(illegal)!r} (allowed: {allowed})"
+                )
+        puzzles.append(q.replace(".", "0"))
         solutions.append(a)
         lines.append(reader.line_num)
     return puzzles, solutions, lines
@@ -1725,41 +2250,59 @@ def _csv_grids(path, reader):
 def parse_grid(text):
     """A puzzle typed on the command line (81 characters row by row, spaces and newlines ignored, '.' or '0'
     for blanks) -> int32[81] digits, or None if it is not one."""
-    text = text.replace('\n', '').replace(' ', '')
-    if len(text) != SUDOKU_LEN or any(c not in '.0123456789' for c in text):
+    text = text.replace("\n", "").replace(" ", "")
+    if len(text) != SUDOKU_LEN or any(c not in ".0123456789" for c in text):
         return None
-    return np.array([0 if c == '.' else int(c) for c in text], np.int32)
+    return np.array([0 if c == "." else int(c) for c in text], np.int32)
 
 
 def write_sudoku_csv(path, q, a):
     """Writes puzzles and solutions (digit grids) in the public layout; blanks become '.'."""
-    rows = (['generated', ''.join(map(str, puzzle)).replace('0', '.'), ''.join(map(str, solution)), 0]  # 0: unrated
-            for puzzle, solution in zip(np.asarray(q), np.asarray(a)))
-    with open(path, 'w', newline='') as f:
-        csv.writer(f).writerows(itertools.chain([['source', 'q', 'a', 'rating']], rows))
+    rows = (
+        [
+            "generated",
+            "".join(map(str, puzzle)).replace("0", "."),
+            "".join(map(str, solution)),
+            0,
+        ]  # 0: unrated
+        for puzzle, solution in zip(np.asarray(q), np.asarray(a))
+    )
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(itertools.chain([["source", "q", "a", "rating"]], rows))
 
 
 def _puzzles(cfg, split, log=None):
     """(puzzles, solutions) of the train or eval split: its CSV file if set, else generated once into cache_dir."""
-    key, n = ('dataset_path', cfg.sudoku_train_puzzles) if split == 'train' else ('eval_path', cfg.sudoku_eval_puzzles)
+    key, n = (
+        ("dataset_path", cfg.sudoku_train_puzzles)
+        if split == "train"
+        else ("eval_path", cfg.sudoku_eval_puzzles)
+    )
     if getattr(cfg, key):
         return read_sudoku_csv(getattr(cfg, key), key)
-    mix = '-'.join(map(str, cfg.sudoku_blanks))  # 45, or 45-81 for a mix
-    path = os.path.join(cfg.cache_dir, 'sudoku', f'{split}_seed{cfg.seed}_blanks{mix}_n{n}_v{_SUDOKU_GEN_VERSION}.npz')
+    mix = "-".join(map(str, cfg.sudoku_blanks))  # 45, or 45-81 for a mix
+    path = os.path.join(
+        cfg.cache_dir,
+        "sudoku",
+        f"{split}_seed{cfg.seed}_blanks{mix}_n{n}_v{_SUDOKU_GEN_VERSION}.npz",
+    )
     with _locked(cfg.cache_dir):
         if not os.path.exists(path):
-            with _announced(log, f'generating {n} {split} puzzles with {mix} blanks'):
+            with _announced(log, f"generating {n} {split} puzzles with {mix} blanks"):
                 q, a = generate_sudoku(n, cfg.sudoku_blanks, cfg.seed, stream=split)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             _save(path, lambda f: np.savez(f, q=q, a=a))
     with np.load(path) as f:
-        return f['q'], f['a']
+        return f["q"], f["a"]
 
 
 def _sudoku_batch(q, a, rows):
     """Token batch from digit grids (blank 0 -> 1, digit d -> d + 1); rows past len(q) are padding (loss_mask 0)."""
-    return _stack([_full_row(np.asarray(x, np.int32) + 1, np.asarray(y, np.int32) + 1) for x, y in zip(q, a)],
-                  rows, SUDOKU_LEN)
+    return _stack(
+        [_full_row(np.asarray(x, np.int32) + 1, np.asarray(y, np.int32) + 1) for x, y in zip(q, a)],
+        rows,
+        SUDOKU_LEN,
+    )
 
 
 class SudokuData(_Data):
@@ -1768,22 +2311,35 @@ class SudokuData(_Data):
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count, log)
         self.vocab_size, self.length = SUDOKU_VOCAB, SUDOKU_LEN
-        self.train_q, self.train_a = _puzzles(cfg, 'train', log)
-        self.eval_q, self.eval_a = _puzzles(cfg, 'eval', log)
-        if not cfg.eval_path:  # a separate seed stream makes overlap unlikely; this makes it impossible
+        self.train_q, self.train_a = _puzzles(cfg, "train", log)
+        self.eval_q, self.eval_a = _puzzles(cfg, "eval", log)
+        if (
+            not cfg.eval_path
+        ):  # a separate seed stream makes overlap unlikely; this makes it impossible
             seen = {s.tobytes() for s in self.train_a}
             keep = np.array([s.tobytes() not in seen for s in self.eval_a], bool)
             self.eval_q, self.eval_a = self.eval_q[keep], self.eval_a[keep]
-        blanks = ','.join(map(str, cfg.sudoku_blanks))
-        self.identity = (f'sudoku {cfg.dataset_path}' if cfg.dataset_path else
-                         f'sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {blanks} blanks, seed {cfg.seed}')
-        self._order = grain.MapDataset.range(len(self.train_q)).shuffle(seed=cfg.seed).repeat().map_with_index(
-            self._example)
+        blanks = ",".join(map(str, cfg.sudoku_blanks))
+        self.identity = (
+            f"sudoku {cfg.dataset_path}"
+            if cfg.dataset_path
+            else f"sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {blanks} blanks, seed {cfg.seed}"
+        )
+        self._order = (
+            grain.MapDataset.range(len(self.train_q))
+            .shuffle(seed=cfg.seed)
+            .repeat()
+            .map_with_index(self._example)
+        )
 
     def _example(self, position, rid):
         q, a = self.train_q[rid], self.train_a[rid]
-        if self.cfg.augment:  # seeded by position (epoch, record), so a resumed run draws the same shuffles
-            q, a = augment(q, a, np.random.default_rng([self.cfg.seed, position // len(self.train_q), rid]))
+        if (
+            self.cfg.augment
+        ):  # seeded by position (epoch, record), so a resumed run draws the same shuffles
+            q, a = augment(
+                q, a, np.random.default_rng([self.cfg.seed, position // len(self.train_q), rid])
+            )
         return _full_row(q.astype(np.int32) + 1, a.astype(np.int32) + 1)
 
     def eval_batches(self, local_rows, n=None):
@@ -1793,10 +2349,16 @@ class SudokuData(_Data):
         rows = local_rows * self.process_count
         n = -(-len(self.eval_q) // rows) if n is None else n
         starts = [i * rows + self.process_index * local_rows for i in range(n)]
-        return [_sudoku_batch(self.eval_q[s:s + local_rows], self.eval_a[s:s + local_rows], local_rows) for s in starts]
+        return [
+            _sudoku_batch(
+                self.eval_q[s : s + local_rows], self.eval_a[s : s + local_rows], local_rows
+            )
+            for s in starts
+        ]
 
 
 # ---- entry points -----------------------------------------------------------------------------
+
 
 def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     """The dataset this process reads: its share of the records, in a seed-determined order. `log` (a print
@@ -1806,12 +2368,19 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     try:
         os.makedirs(cfg.cache_dir, exist_ok=True)
     except OSError as e:
-        raise DataError(f'cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable cache_dir') from None
-    kinds = {'synthetic': SyntheticData, 'hf': StreamData if cfg.hf_streaming else TextData}  # else files, stdlib, tfds
+        raise DataError(
+            f"cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable cache_dir"
+        ) from None
+    kinds = {
+        "synthetic": SyntheticData,
+        "hf": StreamData if cfg.hf_streaming else TextData,
+    }  # else files, stdlib, tfds
     sft = not source and sft_rows(cfg)
     if cfg.epochs and not sft:
-        raise DataError(f'epochs={cfg.epochs} counts passes over SFT examples (dataset=hf rows with messages, or prompt '
-                        'and completion); other data runs for steps=')
+        raise DataError(
+            f"epochs={cfg.epochs} counts passes over SFT examples (dataset=hf rows with messages, or prompt "
+            "and completion); other data runs for steps="
+        )
     kind = SFTData if sft else source or kinds.get(cfg.dataset, TextData)
     return kind(cfg, process_index, process_count, log)
 
@@ -1820,50 +2389,85 @@ def make_chat(out, count, seed):
     """SFT rows (prompt, completion) with exact answers, made from the standard library's one-line `def`s with plain
     parameters: the function's name, or its last parameter, asked of the line. The task the README fine-tunes the
     default run's model on (it read these files as code; it has never answered a question)."""
-    plain = re.compile(r'^[ \t]*def (\w+)\(([\w ,*]*\w[\w ,*]*)\):', re.M)
-    lines = sorted({m.group(0).strip() for f in _stdlib_files() for m in plain.finditer(open(f, errors='replace').read())})
+    plain = re.compile(r"^[ \t]*def (\w+)\(([\w ,*]*\w[\w ,*]*)\):", re.MULTILINE)
+    lines = sorted(
+        {
+            m.group(0).strip()
+            for f in _stdlib_files()
+            for m in plain.finditer(open(f, errors="replace").read())
+        }
+    )
     questions = []
     for line in lines:
         name, params = plain.match(line).groups()
-        last = [p.strip(' *') for p in params.split(',') if p.strip(' *')][-1]
-        questions += [(f'What is the name of the function defined by `{line}`?', name),
-                      (f'What is the last parameter of `{line}`?', last)]
+        last = [p.strip(" *") for p in params.split(",") if p.strip(" *")][-1]
+        questions += [
+            (f"What is the name of the function defined by `{line}`?", name),
+            (f"What is the last parameter of `{line}`?", last),
+        ]
     random.Random(seed).shuffle(questions)
     if len(questions) < count:
-        raise DataError(f'--count {count}: the standard library gives {len(questions)} questions; ask for fewer')
-    with open(out, 'w') as f:
-        for q, a in questions[:count]:
-            f.write(json.dumps({'prompt': f'Question: {q}\nAnswer: ', 'completion': a}) + '\n')
-    print(f'wrote {count} prompt/completion rows (of {len(questions)} questions about {len(lines)} def lines) to {out}')
+        raise DataError(
+            f"--count {count}: the standard library gives {len(questions)} questions; ask for fewer"
+        )
+    with open(out, "w") as f:
+        f.writelines(
+            json.dumps({"prompt": f"Question: {q}\nAnswer: ", "completion": a}) + "\n"
+            for q, a in questions[:count]
+        )
+    print(
+        f"wrote {count} prompt/completion rows (of {len(questions)} questions about {len(lines)} def lines) to {out}"
+    )
 
 
 def main(argv):
     import argparse
-    parser = argparse.ArgumentParser(prog='data.py', description='Data utilities.')
-    commands = parser.add_subparsers(dest='command', required=True)
-    chat = commands.add_parser('make-chat', help='write SFT rows (prompt, completion) about the stdlib\'s functions')
-    chat.add_argument('out')
-    chat.add_argument('--count', type=int, default=4000)
-    chat.add_argument('--seed', type=int, default=0)
-    make = commands.add_parser('make-sudoku', help='write generated puzzles as a CSV in the public layout')
-    make.add_argument('out')
-    make.add_argument('--count', type=int, default=1000)
-    make.add_argument('--blanks', type=int, default=45, help='81 = minimal puzzles (hardest)')
-    make.add_argument('--seed', type=int, default=0)
-    make.add_argument('--needs-search', action='store_true', help='only puzzles naked and hidden singles cannot finish')
+
+    parser = argparse.ArgumentParser(prog="data.py", description="Data utilities.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    chat = commands.add_parser(
+        "make-chat", help="write SFT rows (prompt, completion) about the stdlib's functions"
+    )
+    chat.add_argument("out")
+    chat.add_argument("--count", type=int, default=4000)
+    chat.add_argument("--seed", type=int, default=0)
+    make = commands.add_parser(
+        "make-sudoku", help="write generated puzzles as a CSV in the public layout"
+    )
+    make.add_argument("out")
+    make.add_argument("--count", type=int, default=1000)
+    make.add_argument("--blanks", type=int, default=45, help="81 = minimal puzzles (hardest)")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument(
+        "--needs-search",
+        action="store_true",
+        help="only puzzles naked and hidden singles cannot finish",
+    )
     args = parser.parse_args(argv)
-    if args.command == 'make-chat':
+    if args.command == "make-chat":
         return make_chat(args.out, args.count, args.seed)
-    start, tried, q, a = time.perf_counter(), 0, np.zeros((0, 81), np.uint8), np.zeros((0, 81), np.uint8)
+    start, tried, q, a = (
+        time.perf_counter(),
+        0,
+        np.zeros((0, 81), np.uint8),
+        np.zeros((0, 81), np.uint8),
+    )
     while len(q) < args.count:  # the stream's puzzles in order, each kept or not by itself
         # Own stream: a file made with seed S never repeats the generated train set of a run with seed S.
-        more_q, more_a = generate_sudoku(args.count - len(q), args.blanks, args.seed, stream='file', start=tried)
-        keep, tried = ~solved(by_singles(more_q)) if args.needs_search else slice(None), tried + len(more_q)
+        more_q, more_a = generate_sudoku(
+            args.count - len(q), args.blanks, args.seed, stream="file", start=tried
+        )
+        keep, tried = (
+            ~solved(by_singles(more_q)) if args.needs_search else slice(None),
+            tried + len(more_q),
+        )
         q, a = np.concatenate([q, more_q[keep]]), np.concatenate([a, more_a[keep]])
     write_sudoku_csv(args.out, q, a)
-    print(f'wrote {args.count} puzzles ({(q == 0).sum(1).mean():.1f} blanks on average) to {args.out} '
-          f'in {time.perf_counter() - start:.1f}s')
+    print(
+        f"wrote {args.count} puzzles ({(q == 0).sum(1).mean():.1f} blanks on average) to {args.out} "
+        f"in {time.perf_counter() - start:.1f}s"
+    )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main(sys.argv[1:])

@@ -27,12 +27,14 @@ axes only; the config keys trm.T and trm.n keep the TRM paper's names.
   W beam width      E thoughts per state                    M states held between search steps
   J trajectories per puzzle (decoder=trm_parallel)          I vocabulary tiles, t entries each
 """
+
 import collections
 import functools
 import json
 import math
 import os
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import flax.core.spmd
 import jax
@@ -50,7 +52,8 @@ from data import MEMBERS, SUDOKU_LEN, dead_end, digits_seen, legal_digits, solve
 # remat=full recomputes everything in the backward pass: least memory. save_dots keeps the projections' outputs
 # (dot's results named 'dot'), in the compute dtype: a policy on the dot primitives themselves would keep their
 # float32 sums, twice the bytes in a bf16 step.
-REMAT_POLICIES = {'full': None, 'save_dots': jax.checkpoint_policies.save_only_these_names('dot')}
+REMAT_POLICIES = {"full": None, "save_dots": jax.checkpoint_policies.save_only_these_names("dot")}
+
 
 # ==================================================================================================
 # The transformer: layers, the LM, its loss and FLOPs.
@@ -63,7 +66,11 @@ def dims(cfg):
 def param(rngs, shape, axes, std, dtype, fill=None):
     """A parameter drawn N(0, std) in `dtype` (or filled with `fill`), annotated with its logical axes.
     train.py places the whole state in one jit, so variables are not sharded one by one as they are made."""
-    value = jnp.full(shape, fill, dtype) if fill is not None else std * jax.random.normal(rngs.params(), shape, dtype)
+    value = (
+        jnp.full(shape, fill, dtype)
+        if fill is not None
+        else std * jax.random.normal(rngs.params(), shape, dtype)
+    )
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
@@ -82,7 +89,11 @@ def dividing_spec(logical, shape, rules, mesh_shape):
     used, out = set(), []
     for name, size in zip(tuple(logical) + (None,) * (len(shape) - len(logical)), shape):
         axes = rules.get(name) or ()
-        axes = [a for a in ((axes,) if isinstance(axes, str) else axes) if a not in used and mesh_shape[a] > 1]
+        axes = [
+            a
+            for a in ((axes,) if isinstance(axes, str) else axes)
+            if a not in used and mesh_shape[a] > 1
+        ]
         while axes and size % math.prod(mesh_shape[a] for a in axes):
             axes.pop()
         used.update(axes)
@@ -107,13 +118,15 @@ def dot(eq, x, w, dtype, out_dtype=None):
     one [rows, in] x [in, out] product (compute dtype, float32 sums), the result in the compute dtype or
     out_dtype. A result in the compute dtype is what remat=save_dots keeps: named 'dot' here, after the cast,
     not the float32 sums before it (twice the bytes in a bf16 step)."""
-    lhs, rhs = eq.split('->')[0].split(',')
+    lhs, rhs = eq.split("->")[0].split(",")
     n = len(set(lhs) & set(rhs))  # the contracted axes
-    assert n and lhs[-n:] == rhs[:n] and eq.endswith('->' + lhs[:-n] + rhs[n:]), f'not a projection: {eq}'
+    assert n and lhs[-n:] == rhs[:n] and eq.endswith("->" + lhs[:-n] + rhs[n:]), (
+        f"not a projection: {eq}"
+    )
     I = math.prod(w.shape[:n])
-    y = product('ni,io->no', x.reshape(-1, I), w.reshape(I, -1), dtype, out_dtype or dtype)
+    y = product("ni,io->no", x.reshape(-1, I), w.reshape(I, -1), dtype, out_dtype or dtype)
     if y.dtype == jnp.dtype(dtype):
-        y = saved_bits(y) if y.dtype.itemsize == 2 else checkpoint_name(y, 'dot')
+        y = saved_bits(y) if y.dtype.itemsize == 2 else checkpoint_name(y, "dot")
     return y.reshape(x.shape[:-n] + w.shape[n:])
 
 
@@ -127,7 +140,7 @@ def saved_bits(y):
 
 
 def saved_bits_fwd(y):
-    bits = checkpoint_name(jax.lax.bitcast_convert_type(y, jnp.uint16), 'dot')
+    bits = checkpoint_name(jax.lax.bitcast_convert_type(y, jnp.uint16), "dot")
     return jax.lax.bitcast_convert_type(bits, y.dtype), None
 
 
@@ -143,7 +156,9 @@ def product(eq, x, w, dtype, out_dtype):
     both backward products are bf16 x bf16 accumulating in float32, as the forward one; the gradients come
     back in x's and w's own dtypes (a float32 master weight gets its gradient unrounded)."""
     if jnp.dtype(dtype) == jnp.float32:
-        return jnp.einsum(eq, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+        return jnp.einsum(
+            eq, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32
+        ).astype(out_dtype)
     return narrow_product(eq, (x.dtype, w.dtype, jnp.dtype(dtype), jnp.dtype(out_dtype)), x, w)
 
 
@@ -160,9 +175,11 @@ def narrow_product_fwd(eq, dtypes, x, w):
 
 def narrow_product_bwd(eq, dtypes, xw, g):
     """x's and w's gradients as einsums of the same form: g with w gives x's axes, x with g gives w's."""
-    (lhs, rhs), out = eq.split('->')[0].split(','), eq.split('->')[1]
+    (lhs, rhs), out = eq.split("->")[0].split(","), eq.split("->")[1]
     (x, w), g = xw, g.astype(dtypes[2])
-    return contract(out, rhs, lhs, g, w).astype(dtypes[0]), contract(lhs, out, rhs, x, g).astype(dtypes[1])
+    return contract(out, rhs, lhs, g, w).astype(dtypes[0]), contract(lhs, out, rhs, x, g).astype(
+        dtypes[1]
+    )
 
 
 narrow_product.defvjp(narrow_product_fwd, narrow_product_bwd)
@@ -175,20 +192,29 @@ def contract(a_spec, b_spec, out_spec, a, b):
     copied transposed: of the two ways (either operand on the left, the result transposed after if its order
     differs) the one that moves fewer bytes. For the MLP's down projection that copies the [rows, d_model]
     gradient, not the [rows, mlp_dim] activation."""
-    out_bytes = 4 * math.prod(dict(zip(a_spec + b_spec, a.shape + b.shape))[c] for c in out_spec)  # float32
+    out_bytes = 4 * math.prod(
+        dict(zip(a_spec + b_spec, a.shape + b.shape))[c] for c in out_spec
+    )  # float32
 
-    def plan(l_spec, l, r_spec, r):  # l on the left: the bytes copied, the operands, l's layout, the result's
+    def plan(
+        l_spec, l, r_spec, r
+    ):  # l on the left: the bytes copied, the operands, l's layout, the result's
         summed = [c for c in l_spec if c in r_spec and c not in out_spec]
-        order = ''.join([c for c in l_spec if c not in summed] + summed)
-        natural = ''.join([c for c in order if c in r_spec and c in out_spec] + [c for c in order if c not in r_spec]
-                          + [c for c in r_spec if c not in l_spec])
+        order = "".join([c for c in l_spec if c not in summed] + summed)
+        natural = "".join(
+            [c for c in order if c in r_spec and c in out_spec]
+            + [c for c in order if c not in r_spec]
+            + [c for c in r_spec if c not in l_spec]
+        )
         cost = (order != l_spec) * l.size * l.dtype.itemsize + (natural != out_spec) * out_bytes
         return cost, l_spec, l, r_spec, r, order, natural
-    _, l_spec, l, r_spec, r, order, natural = min(plan(a_spec, a, b_spec, b), plan(b_spec, b, a_spec, a),
-                                                  key=lambda p: p[0])  # a tie: a on the left
+
+    _, l_spec, l, r_spec, r, order, natural = min(
+        plan(a_spec, a, b_spec, b), plan(b_spec, b, a_spec, a), key=lambda p: p[0]
+    )  # a tie: a on the left
     if order != l_spec:
         l = transposed(l, [l_spec.index(c) for c in order])
-    y = jnp.einsum(f'{order},{r_spec}->{natural}', l, r, preferred_element_type=jnp.float32)
+    y = jnp.einsum(f"{order},{r_spec}->{natural}", l, r, preferred_element_type=jnp.float32)
     return y if natural == out_spec else transposed(y, [natural.index(c) for c in out_spec])
 
 
@@ -203,7 +229,7 @@ def transposed(x, perm):
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis: d_model wide, or `size` (qk_norm: each head's K channels, Qwen3)."""
 
-    def __init__(self, cfg, size=None, axis='embed'):
+    def __init__(self, cfg, size=None, axis="embed"):
         wdt = jnp.dtype(cfg.weight_dtype)
         self.scale = param(None, (size or cfg.d_model,), (axis,), None, wdt, fill=1.0)
         self.eps, self.dtype = cfg.norm_eps, jnp.dtype(cfg.dtype)
@@ -221,12 +247,16 @@ def rope_frequencies(cfg):
     llama3 rule, so imported weights see the angles they were trained with)."""
     K, s = dims(cfg), cfg.rope_scaling
     inv_freq_k = 1.0 / cfg.rope_theta ** (np.arange(0, K, 2, dtype=np.float32) / K)
-    if s.type == 'none':
+    if s.type == "none":
         return inv_freq_k
     original = s.original_max_position_embeddings
     wavelength_k = 2 * np.pi / inv_freq_k
-    stretched_k = np.where(wavelength_k > original / s.low_freq_factor, inv_freq_k / s.factor, inv_freq_k)
-    smooth_k = (original / wavelength_k - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    stretched_k = np.where(
+        wavelength_k > original / s.low_freq_factor, inv_freq_k / s.factor, inv_freq_k
+    )
+    smooth_k = (original / wavelength_k - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
     between_k = (wavelength_k >= original / s.high_freq_factor) & (
         wavelength_k <= original / s.low_freq_factor
     )
@@ -249,8 +279,10 @@ def rope(x_BLHK, rope_BL1k):
     """Rotary embedding of q or k with rope_table's (cos, sin), in float32: the halves x1, x2 of the head
     dimension become x1 cos - x2 sin, x2 cos + x1 sin (HF's x cos + rotate_half(x) sin, the same products)."""
     (cos_BL1k, sin_BL1k), K = rope_BL1k, x_BLHK.shape[-1]
-    x1, x2 = x_BLHK[..., :K // 2].astype(jnp.float32), x_BLHK[..., K // 2:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos_BL1k - x2 * sin_BL1k, x2 * cos_BL1k + x1 * sin_BL1k], axis=-1).astype(x_BLHK.dtype)
+    x1, x2 = x_BLHK[..., : K // 2].astype(jnp.float32), x_BLHK[..., K // 2 :].astype(jnp.float32)
+    return jnp.concatenate(
+        [x1 * cos_BL1k - x2 * sin_BL1k, x2 * cos_BL1k + x1 * sin_BL1k], axis=-1
+    ).astype(x_BLHK.dtype)
 
 
 def kv_cache(cache, k_BLGK, v_BLGK, positions_BL, segment_ids_BL):
@@ -262,12 +294,16 @@ def kv_cache(cache, k_BLGK, v_BLGK, positions_BL, segment_ids_BL):
     fills one, so a new token costs one position. Returns the whole cache's keys, values, the mask, and
     the updated cache."""
     start = positions_BL[0, 0]
-    k_BTGK = jax.lax.dynamic_update_slice(cache['k'], k_BLGK.astype(cache['k'].dtype), (0, start, 0, 0))
-    v_BTGK = jax.lax.dynamic_update_slice(cache['v'], v_BLGK.astype(cache['v'].dtype), (0, start, 0, 0))
-    seg_BT = jax.lax.dynamic_update_slice(cache['seg'], segment_ids_BL, (0, start))
+    k_BTGK = jax.lax.dynamic_update_slice(
+        cache["k"], k_BLGK.astype(cache["k"].dtype), (0, start, 0, 0)
+    )
+    v_BTGK = jax.lax.dynamic_update_slice(
+        cache["v"], v_BLGK.astype(cache["v"].dtype), (0, start, 0, 0)
+    )
+    seg_BT = jax.lax.dynamic_update_slice(cache["seg"], segment_ids_BL, (0, start))
     seen_BLT = jnp.arange(k_BTGK.shape[1])[None, None, :] <= positions_BL[:, :, None]
     mask_B1LT = (seen_BLT & (seg_BT[:, None, :] == segment_ids_BL[:, :, None]))[:, None]
-    return k_BTGK, v_BTGK, mask_B1LT, {'k': k_BTGK, 'v': v_BTGK, 'seg': seg_BT}
+    return k_BTGK, v_BTGK, mask_B1LT, {"k": k_BTGK, "v": v_BTGK, "seg": seg_BT}
 
 
 def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
@@ -278,14 +314,19 @@ def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
     (B, L, H, K), (_, T, G, _) = q_BLHK.shape, k_BTGK.shape
     R = H // G
     q_BGQK = q_BLHK.reshape(B, L, G, R, K).transpose(0, 2, 3, 1, 4).reshape(B, G, R * L, K)
-    move = jnp.transpose if jnp.dtype(dtype) == jnp.float32 else transposed  # bf16 dots need a real copy
+    move = (
+        jnp.transpose if jnp.dtype(dtype) == jnp.float32 else transposed
+    )  # bf16 dots need a real copy
     k_BGTK, v_BGTK = move(k_BTGK, (0, 2, 1, 3)), move(v_BTGK, (0, 2, 1, 3))
-    s_BGRLT = product('bgqk,bgtk->bgqt', q_BGQK, k_BGTK, dtype, jnp.float32).reshape(B, G, R, L, T) * K ** -0.5
+    s_BGRLT = (
+        product("bgqk,bgtk->bgqt", q_BGQK, k_BGTK, dtype, jnp.float32).reshape(B, G, R, L, T)
+        * K**-0.5
+    )
     if causal:
         mask_B1LT = mask_B1LT & (jnp.arange(L)[:, None] >= jnp.arange(T)[None, :])
     s_BGRLT = jnp.where(mask_B1LT[:, :, None], s_BGRLT, -0.7 * jnp.finfo(jnp.float32).max)
     p_BGQT = jax.nn.softmax(s_BGRLT, axis=-1).astype(dtype).reshape(B, G, R * L, T)
-    o_BGQK = product('bgqt,bgtk->bgqk', p_BGQT, v_BGTK, dtype, dtype)
+    o_BGQK = product("bgqt,bgtk->bgqk", p_BGQT, v_BGTK, dtype, dtype)
     return o_BGQK.reshape(B, G, R, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
 
 
@@ -307,24 +348,42 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
 
     def local(q_BLHK, k_BTGK, v_BTGK, seg_BL):
         (B, L, H, K), G = q_BLHK.shape, k_BTGK.shape[2]
-        sizes = splash.BlockSizes(*[splash_block(L)] * 8)  # one tile for every block size the kernel takes
+        sizes = splash.BlockSizes(
+            *[splash_block(L)] * 8
+        )  # one tile for every block size the kernel takes
         head = masks.CausalMask((L, L)) if causal else masks.FullMask((L, L))
-        kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([head] * (H // G)), block_sizes=sizes,
-                                                      interpret=interpret)
-        q_BGRLK = (q_BLHK * K ** -0.5).reshape(B, L, G, H // G, K).transpose(0, 2, 3, 1, 4)
-        o_BGRLK = jax.vmap(jax.vmap(kernel, in_axes=(0, 0, 0, None)))(  # kernel(q_RLK, k_TK, v_TK, segment ids)
-            q_BGRLK, k_BTGK.transpose(0, 2, 1, 3), v_BTGK.transpose(0, 2, 1, 3), splash.SegmentIds(seg_BL, seg_BL))
+        kernel = splash.make_splash_mqa_single_device(
+            masks.MultiHeadMask([head] * (H // G)), block_sizes=sizes, interpret=interpret
+        )
+        q_BGRLK = (q_BLHK * K**-0.5).reshape(B, L, G, H // G, K).transpose(0, 2, 3, 1, 4)
+        o_BGRLK = jax.vmap(
+            jax.vmap(kernel, in_axes=(0, 0, 0, None))
+        )(  # kernel(q_RLK, k_TK, v_TK, segment ids)
+            q_BGRLK,
+            k_BTGK.transpose(0, 2, 1, 3),
+            v_BTGK.transpose(0, 2, 1, 3),
+            splash.SegmentIds(seg_BL, seg_BL),
+        )
         return o_BGRLK.transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
 
     rules, mesh = dict(flax.core.spmd.get_logical_axis_rules()), jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return local(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL)
     spec = lambda logical, x: dividing_spec(logical, x.shape, rules, dict(mesh.shape))
-    q_spec, kv_spec = spec(('batch', None, 'heads'), q_BLHK), spec(('batch', None, 'kv_heads'), k_BTGK)
-    if q_spec[2] != kv_spec[2]:  # heads and kv heads must split alike, or the groups break apart: keep both whole
+    q_spec, kv_spec = (
+        spec(("batch", None, "heads"), q_BLHK),
+        spec(("batch", None, "kv_heads"), k_BTGK),
+    )
+    if (
+        q_spec[2] != kv_spec[2]
+    ):  # heads and kv heads must split alike, or the groups break apart: keep both whole
         q_spec, kv_spec = (PartitionSpec(s[0], None, None, None) for s in (q_spec, kv_spec))
-    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0], None)), out_specs=q_spec,
-                         check_vma=False)(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL)
+    return jax.shard_map(
+        local,
+        in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0], None)),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL)
 
 
 class Attention(nnx.Module):
@@ -332,26 +391,32 @@ class Attention(nnx.Module):
     projections) and qk_norm (Qwen3: an RMSNorm over each head's q and k before RoPE)."""
 
     def __init__(self, cfg, rngs):
-        D, H, G, K, wdt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, dims(cfg), jnp.dtype(cfg.weight_dtype)
+        D, H, G, K, wdt = (
+            cfg.d_model,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            dims(cfg),
+            jnp.dtype(cfg.weight_dtype),
+        )
         self.cfg = cfg
-        self.wq = param(rngs, (D, H, K), ('embed', 'heads', 'head_dim'), D ** -0.5, wdt)
-        self.wk = param(rngs, (D, G, K), ('embed', 'kv_heads', 'head_dim'), D ** -0.5, wdt)
-        self.wv = param(rngs, (D, G, K), ('embed', 'kv_heads', 'head_dim'), D ** -0.5, wdt)
-        self.wo = param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), (H * K) ** -0.5, wdt)
+        self.wq = param(rngs, (D, H, K), ("embed", "heads", "head_dim"), D**-0.5, wdt)
+        self.wk = param(rngs, (D, G, K), ("embed", "kv_heads", "head_dim"), D**-0.5, wdt)
+        self.wv = param(rngs, (D, G, K), ("embed", "kv_heads", "head_dim"), D**-0.5, wdt)
+        self.wo = param(rngs, (H, K, D), ("heads", "head_dim", "embed"), (H * K) ** -0.5, wdt)
         if cfg.qkv_bias:
-            self.bq = param(None, (H, K), ('heads', 'head_dim'), None, wdt, fill=0.0)
-            self.bk = param(None, (G, K), ('kv_heads', 'head_dim'), None, wdt, fill=0.0)
-            self.bv = param(None, (G, K), ('kv_heads', 'head_dim'), None, wdt, fill=0.0)
+            self.bq = param(None, (H, K), ("heads", "head_dim"), None, wdt, fill=0.0)
+            self.bk = param(None, (G, K), ("kv_heads", "head_dim"), None, wdt, fill=0.0)
+            self.bv = param(None, (G, K), ("kv_heads", "head_dim"), None, wdt, fill=0.0)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg, K, 'head_dim')
-            self.k_norm = RMSNorm(cfg, K, 'head_dim')
+            self.q_norm = RMSNorm(cfg, K, "head_dim")
+            self.k_norm = RMSNorm(cfg, K, "head_dim")
 
     def project(self, x_BLD, rope_BL1k):
         """q, k (normed where qk_norm, then rotated) and v, in the compute dtype."""
         dt = jnp.dtype(self.cfg.dtype)
-        q_BLHK = dot('bld,dhk->blhk', x_BLD, self.wq[...], dt)
-        k_BLGK = dot('bld,dgk->blgk', x_BLD, self.wk[...], dt)
-        v_BLGK = dot('bld,dgk->blgk', x_BLD, self.wv[...], dt)
+        q_BLHK = dot("bld,dhk->blhk", x_BLD, self.wq[...], dt)
+        k_BLGK = dot("bld,dgk->blgk", x_BLD, self.wk[...], dt)
+        v_BLGK = dot("bld,dgk->blgk", x_BLD, self.wv[...], dt)
         if self.cfg.qkv_bias:
             q_BLHK = q_BLHK + self.bq[...].astype(dt)
             k_BLGK = k_BLGK + self.bk[...].astype(dt)
@@ -367,15 +432,25 @@ class Attention(nnx.Module):
         mask_B1LL = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
         if cache is not None:  # generation (train.generate): the cache mask holds causality
             (k_BLGK, v_BLGK, mask_B1LL, cache), causal = (
-                kv_cache(cache, k_BLGK, v_BLGK, positions_BL, segment_ids_BL), False)
-        if cfg.attention == 'einsum' or cache is not None:  # a decode step has one query: no kernel needed
+                kv_cache(cache, k_BLGK, v_BLGK, positions_BL, segment_ids_BL),
+                False,
+            )
+        if (
+            cfg.attention == "einsum" or cache is not None
+        ):  # a decode step has one query: no kernel needed
             out_BLHK = gqa_attention(q_BLHK, k_BLGK, v_BLGK, mask_B1LL, causal, dt)
-        elif cfg.attention == 'splash':
+        elif cfg.attention == "splash":
             out_BLHK = splash_attention(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, causal)
         else:  # GQA: dot_product_attention shares each kv head across H/G query heads itself.
             out_BLHK = jax.nn.dot_product_attention(
-                q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=causal, implementation=cfg.attention)
-        return dot('blhk,hkd->bld', out_BLHK, self.wo[...], dt), cache
+                q_BLHK,
+                k_BLGK,
+                v_BLGK,
+                mask=mask_B1LL,
+                is_causal=causal,
+                implementation=cfg.attention,
+            )
+        return dot("blhk,hkd->bld", out_BLHK, self.wo[...], dt), cache
 
 
 class SwiGLU(nnx.Module):
@@ -387,20 +462,26 @@ class SwiGLU(nnx.Module):
 
     def __init__(self, cfg, D, F, axis, rngs):
         wdt, self.dtype = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
-        self.chunks = cfg.mlp_chunks if cfg.remat == 'full' else 1
-        self.w_gate, self.w_up = (param(rngs, (D, F), (axis, 'mlp'), D ** -0.5, wdt) for _ in range(2))
-        self.w_down = param(rngs, (F, D), ('mlp', axis), F ** -0.5, wdt)
+        self.chunks = cfg.mlp_chunks if cfg.remat == "full" else 1
+        self.w_gate, self.w_up = (
+            param(rngs, (D, F), (axis, "mlp"), D**-0.5, wdt) for _ in range(2)
+        )
+        self.w_down = param(rngs, (F, D), ("mlp", axis), F**-0.5, wdt)
 
     def __call__(self, x_BLD):
         (B, L, D), n = x_BLD.shape, math.gcd(self.chunks, x_BLD.shape[1])
         if n == 1:
             return self.mlp(x_BLD)
-        y_nBlD = jax.lax.map(jax.checkpoint(self.mlp), x_BLD.reshape(B, n, L // n, D).swapaxes(0, 1))
+        y_nBlD = jax.lax.map(
+            jax.checkpoint(self.mlp), x_BLD.reshape(B, n, L // n, D).swapaxes(0, 1)
+        )
         return y_nBlD.swapaxes(0, 1).reshape(B, L, -1)
 
     def mlp(self, x_BLD):
-        gate_BLF, up_BLF = (dot('bld,df->blf', x_BLD, w[...], self.dtype) for w in (self.w_gate, self.w_up))
-        return dot('blf,fd->bld', jax.nn.silu(gate_BLF) * up_BLF, self.w_down[...], self.dtype)
+        gate_BLF, up_BLF = (
+            dot("bld,df->blf", x_BLD, w[...], self.dtype) for w in (self.w_gate, self.w_up)
+        )
+        return dot("blf,fd->bld", jax.nn.silu(gate_BLF) * up_BLF, self.w_down[...], self.dtype)
 
 
 class Block(nnx.Module):
@@ -408,24 +489,30 @@ class Block(nnx.Module):
     `length` positions) swaps attention for a SwiGLU across the positions (TRM-MLP): for a fixed-size grid
     the mixing pattern can be learned outright, which the TRM paper found best on Sudoku."""
 
-    def __init__(self, cfg, rngs, causal=True, mixer='attention', length=None):
+    def __init__(self, cfg, rngs, causal=True, mixer="attention", length=None):
         self.causal, self.attn_norm, self.mlp_norm = causal, RMSNorm(cfg), RMSNorm(cfg)
-        if mixer == 'mlp':  # hidden width L x mlp_dim / d_model: the channel MLP's expansion
-            self.token_mlp = SwiGLU(cfg, length, length * cfg.mlp_dim // cfg.d_model, 'length', rngs)
+        if mixer == "mlp":  # hidden width L x mlp_dim / d_model: the channel MLP's expansion
+            self.token_mlp = SwiGLU(
+                cfg, length, length * cfg.mlp_dim // cfg.d_model, "length", rngs
+            )
         else:
             self.attn = Attention(cfg, rngs)
-        self.mlp = SwiGLU(cfg, cfg.d_model, cfg.mlp_dim, 'embed', rngs)
+        self.mlp = SwiGLU(cfg, cfg.d_model, cfg.mlp_dim, "embed", rngs)
 
     def __call__(self, x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache=None):
-        x_BLD = constrain(x_BLD, ('batch', 'length', None))
-        if hasattr(self, 'token_mlp'):  # mixing over L, as the last axis: XLA:CPU's dot has no bf16 x bf16
+        x_BLD = constrain(x_BLD, ("batch", "length", None))
+        if hasattr(
+            self, "token_mlp"
+        ):  # mixing over L, as the last axis: XLA:CPU's dot has no bf16 x bf16
             # -> f32 kernel for contracting the middle axis
             h_BLD = jnp.swapaxes(self.token_mlp(jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)), 1, 2)
         else:
-            h_BLD, cache = self.attn(self.attn_norm(x_BLD), positions_BL, rope_BL1k, segment_ids_BL, self.causal, cache)
+            h_BLD, cache = self.attn(
+                self.attn_norm(x_BLD), positions_BL, rope_BL1k, segment_ids_BL, self.causal, cache
+            )
         x_BLD = x_BLD + h_BLD
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
-        return constrain(x_BLD, ('batch', 'length', None)), cache
+        return constrain(x_BLD, ("batch", "length", None)), cache
 
 
 class Trunk(nnx.Module):
@@ -433,24 +520,34 @@ class Trunk(nnx.Module):
     (made by nnx.vmap), run by jax.lax.scan: one compiled layer, whatever the depth. Otherwise a list of
     blocks, unrolled. remat wraps each layer in jax.checkpoint with the chosen policy."""
 
-    def __init__(self, cfg, rngs, causal=True, mixer='attention', length=None):
+    def __init__(self, cfg, rngs, causal=True, mixer="attention", length=None):
         self.cfg = cfg
         make = lambda rngs: Block(cfg, rngs, causal, mixer, length)
         if cfg.scan_layers:
-            stacked = nnx.vmap(make, in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+            stacked = nnx.vmap(
+                make, in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"}
+            )
             self.layers = nnx.split_rngs(splits=cfg.num_layers)(stacked)(rngs)
         else:
             self.layers = nnx.List([make(rngs) for _ in range(cfg.num_layers)])
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None):
-        P = x_BLD.shape[1] if cache is None else cache['k'].shape[2]  # positions are below the length / cache
+        P = (
+            x_BLD.shape[1] if cache is None else cache["k"].shape[2]
+        )  # positions are below the length / cache
         rope_BL1k = rope_table(positions_BL, self.cfg, P)
 
         # blocks are pytrees: jax transforms take them as arguments
-        layer = lambda x_BLD, block, cache: block(x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache)
-        if self.cfg.remat != 'none':
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)
-        if self.cfg.scan_layers:  # the cache (if any) is stacked like the parameters: scanned along with them
+        layer = lambda x_BLD, block, cache: block(
+            x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache
+        )
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(
+                layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers
+            )
+        if (
+            self.cfg.scan_layers
+        ):  # the cache (if any) is stacked like the parameters: scanned along with them
             return jax.lax.scan(lambda x_BLD, xs: layer(x_BLD, *xs), x_BLD, (self.layers, cache))
         caches = []
         for i, block in enumerate(self.layers):
@@ -466,23 +563,23 @@ class Transformer(nnx.Module):
     def __init__(self, cfg, rngs):
         D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
         self.cfg = cfg
-        self.embed = param(rngs, (V, D), ('vocab', 'embed'), 1.0, wdt)
+        self.embed = param(rngs, (V, D), ("vocab", "embed"), 1.0, wdt)
         self.trunk, self.final_norm = Trunk(cfg, rngs), RMSNorm(cfg)
         if not cfg.tie_embeddings:
-            self.lm_head = param(rngs, (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
+            self.lm_head = param(rngs, (D, V), ("embed", "vocab"), D**-0.5, wdt)
 
     def __call__(self, tokens_BL, positions_BL, segment_ids_BL, cache=None, logits=True):
         dt = jnp.dtype(self.cfg.dtype)
         # Gather from a whole (all-gathered) table: a gather whose table is sharded over vocab and embed
         # while its indices are sharded over batch makes XLA replicate everything anyway, less cleanly.
         x_BLD = jnp.take(constrain(self.embed[...], (None, None)), tokens_BL, axis=0).astype(dt)
-        x_BLD = constrain(x_BLD, ('batch', 'length', None))
+        x_BLD = constrain(x_BLD, ("batch", "length", None))
         x_BLD, new_cache = self.trunk(x_BLD, positions_BL, segment_ids_BL, cache)
         x_BLD = self.final_norm(x_BLD)
         if not logits:
             return x_BLD
         # Logits in the compute dtype, summed in float32; cross_entropy takes their softmax in float32.
-        logits_BLV = product('bld,dv->blv', x_BLD, self.head(), dt, dt)
+        logits_BLV = product("bld,dv->blv", x_BLD, self.head(), dt, dt)
         return logits_BLV if cache is None else (logits_BLV, new_cache)
 
     def head(self):
@@ -496,8 +593,12 @@ def cross_entropy(logits_NV, targets_N):
     float32 use is fused into its own pass: no float32 copy of the [rows, V] logits is ever stored, forward or
     backward (optax's loss on float32 logits kept two such buffers: 3.3 GiB a device at the 0.9B preset on v4-8)."""
     top_N = jax.lax.stop_gradient(jnp.max(logits_NV, axis=-1).astype(jnp.float32))
-    lse_N = top_N + jnp.log(jnp.sum(jnp.exp(logits_NV.astype(jnp.float32) - top_N[..., None]), axis=-1))
-    return lse_N - jnp.take_along_axis(logits_NV, targets_N[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    lse_N = top_N + jnp.log(
+        jnp.sum(jnp.exp(logits_NV.astype(jnp.float32) - top_N[..., None]), axis=-1)
+    )
+    return lse_N - jnp.take_along_axis(logits_NV, targets_N[..., None], axis=-1)[..., 0].astype(
+        jnp.float32
+    )
 
 
 def tiled_cross_entropy(x_ND, head_DV, targets_N, tile, dtype):
@@ -506,17 +607,26 @@ def tiled_cross_entropy(x_ND, head_DV, targets_N, tile, dtype):
     float32 logits never exist whole; the backward pass recomputes each tile's (jax.checkpoint) instead of
     keeping them. Equal to the untiled loss up to float32 rounding."""
     (N, D), V = x_ND.shape, head_DV.shape[1]
-    w_IDt = head_DV.reshape(D, V // tile, tile).transpose(1, 0, 2)  # I tiles of t vocabulary entries
+    w_IDt = head_DV.reshape(D, V // tile, tile).transpose(
+        1, 0, 2
+    )  # I tiles of t vocabulary entries
 
     @jax.checkpoint
     def one(carry, xs):
         (top_N, total_N, target_N), (w_Dt, i) = carry, xs
-        logits_Nt = dot('nd,dt->nt', x_ND, w_Dt, dtype, jnp.float32)
+        logits_Nt = dot("nd,dt->nt", x_ND, w_Dt, dtype, jnp.float32)
         new_top_N = jnp.maximum(top_N, jnp.max(logits_Nt, axis=1))
-        total_N = total_N * jnp.exp(top_N - new_top_N) + jnp.sum(jnp.exp(logits_Nt - new_top_N[:, None]), axis=1)
+        total_N = total_N * jnp.exp(top_N - new_top_N) + jnp.sum(
+            jnp.exp(logits_Nt - new_top_N[:, None]), axis=1
+        )
         # the target's logit, from the tile that holds it
         picked_N = jnp.take_along_axis(logits_Nt, (targets_N % tile)[:, None], axis=1)[:, 0]
-        return (new_top_N, total_N, target_N + jnp.where(targets_N // tile == i, picked_N, 0.0)), None
+        return (
+            new_top_N,
+            total_N,
+            target_N + jnp.where(targets_N // tile == i, picked_N, 0.0),
+        ), None
+
     start = (jnp.full(N, -jnp.inf), jnp.zeros(N), jnp.zeros(N))
     (top_N, total_N, target_N), _ = jax.lax.scan(one, start, (w_IDt, jnp.arange(V // tile)))
     return top_N + jnp.log(total_N) - target_N
@@ -541,7 +651,12 @@ def layer_flops(cfg, L, causal):
     """Forward FLOPs per token of one block: the projections, the MLP, and the attention scores and
     values over L keys (halved when causal: the mask keeps half the square)."""
     D, F, H, G, K = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, dims(cfg)
-    return 2 * D * (H + 2 * G) * K + 2 * H * K * D + 2 * 3 * D * F + 2 * 2 * L * H * K / (2 if causal else 1)
+    return (
+        2 * D * (H + 2 * G) * K
+        + 2 * H * K * D
+        + 2 * 3 * D * F
+        + 2 * 2 * L * H * K / (2 if causal else 1)
+    )
 
 
 # ==================================================================================================
@@ -552,33 +667,41 @@ def lm_loss(cfg, graph, params, mb, carry, key, step=0):
     The step divides by sums['weight'] (the token count of the whole step), so accumulation is exact."""
     model = nnx.merge(graph, params)
     if cfg.vocab_tile:  # the head and its loss in vocabulary tiles: no [rows, V] logits in memory
-        x_BLD = model(mb['inputs'], mb['positions'], mb['segment_ids'], logits=False)
-        ce_BL = tiled_cross_entropy(x_BLD.reshape(-1, x_BLD.shape[-1]), model.head(), mb['targets'].reshape(-1),
-                                    cfg.vocab_tile, jnp.dtype(cfg.dtype)).reshape(mb['targets'].shape)
+        x_BLD = model(mb["inputs"], mb["positions"], mb["segment_ids"], logits=False)
+        ce_BL = tiled_cross_entropy(
+            x_BLD.reshape(-1, x_BLD.shape[-1]),
+            model.head(),
+            mb["targets"].reshape(-1),
+            cfg.vocab_tile,
+            jnp.dtype(cfg.dtype),
+        ).reshape(mb["targets"].shape)
     else:
-        logits_BLV = model(mb['inputs'], mb['positions'], mb['segment_ids'])
-        ce_BL = cross_entropy(logits_BLV, mb['targets'])
+        logits_BLV = model(mb["inputs"], mb["positions"], mb["segment_ids"])
+        ce_BL = cross_entropy(logits_BLV, mb["targets"])
     # weight: the targets that count (an SFT row's answers); tokens: every real one the step ran (for tokens/s, MFU)
-    weight, tokens = jnp.sum(mb['loss_mask']), jnp.sum(mb['segment_ids'] > 0).astype(jnp.float32)
-    return jnp.sum(ce_BL * mb['loss_mask']), ({'weight': weight, 'tokens': tokens}, carry)
+    weight, tokens = jnp.sum(mb["loss_mask"]), jnp.sum(mb["segment_ids"] > 0).astype(jnp.float32)
+    return jnp.sum(ce_BL * mb["loss_mask"]), ({"weight": weight, "tokens": tokens}, carry)
 
 
 def lm_flops_per_token(cfg):
     """Training FLOPs per token (forward + backward = 3x forward), counted as MaxText does: every matmul
     including the LM head, plus causal attention."""
-    return 3 * (cfg.num_layers * layer_flops(cfg, cfg.max_target_length, True) + 2 * cfg.d_model * cfg.vocab_size)
+    return 3 * (
+        cfg.num_layers * layer_flops(cfg, cfg.max_target_length, True)
+        + 2 * cfg.d_model * cfg.vocab_size
+    )
 
 
 def lm_eval_step(cfg, graph, params, batch):
     loss, (sums, _) = lm_loss(cfg, graph, params, batch, None, None)
-    return {'loss': loss, 'tokens': sums['weight']}  # eval loss per target that counts
+    return {"loss": loss, "tokens": sums["weight"]}  # eval loss per target that counts
 
 
 def lm_eval_result(cfg, outs, batches, ds, save_to=None):
     """Eval loss per real target token over every batch, and its perplexity (NaN: no tokens to score)."""
-    tokens = float(sum(o['tokens'] for o in outs))
-    loss = float(sum(o['loss'] for o in outs)) / tokens if tokens else float('nan')
-    return {'loss': loss, 'perplexity': math.exp(min(loss, 50.0))}
+    tokens = float(sum(o["tokens"] for o in outs))
+    loss = float(sum(o["loss"] for o in outs)) / tokens if tokens else float("nan")
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 
 def generate(cfg, graph, params, prompt_BP, key, real_BP=None):
@@ -594,15 +717,19 @@ def generate(cfg, graph, params, prompt_BP, key, real_BP=None):
         if cfg.temperature == 0:
             return jnp.argmax(logits_BV, -1).astype(jnp.int32)
         if 0 < cfg.top_k < cfg.vocab_size:  # below the top_k-th largest logit: never sampled
-            logits_BV = jnp.where(logits_BV < jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:], -jnp.inf, logits_BV)
+            logits_BV = jnp.where(
+                logits_BV < jax.lax.top_k(logits_BV, cfg.top_k)[0][:, -1:], -jnp.inf, logits_BV
+            )
         return jax.random.categorical(key, logits_BV / cfg.temperature).astype(jnp.int32)
 
     def run_all(params, prompt_BP, real_BP, key):
         model, ones = nnx.merge(graph, params), lambda L: jnp.ones((B, L), jnp.int32)
         shape = (cfg.num_layers, B, P + O)
-        cache = {'k': jnp.zeros((*shape, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype)),  # empty
-                 'v': jnp.zeros((*shape, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype)),
-                 'seg': jnp.zeros(shape, jnp.int32)}
+        cache = {
+            "k": jnp.zeros((*shape, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype)),  # empty
+            "v": jnp.zeros((*shape, cfg.num_kv_heads, dims(cfg)), jnp.dtype(cfg.dtype)),
+            "seg": jnp.zeros(shape, jnp.int32),
+        }
         logits_BPV, cache = model(prompt_BP, jnp.arange(P) * ones(P), real_BP, cache)
         keys = jax.random.split(key, O)
 
@@ -611,24 +738,35 @@ def generate(cfg, graph, params, prompt_BP, key, real_BP=None):
             logits_B1V, cache = model(tok_B[:, None], pos * ones(1), ones(1), cache)
             return (cache, sample(logits_B1V[:, -1], key), pos + 1), tok_B
 
-        (_, last_B, _), toks_OB = jax.lax.scan(step, (cache, sample(logits_BPV[:, -1], keys[0]), P), keys[1:])
+        (_, last_B, _), toks_OB = jax.lax.scan(
+            step, (cache, sample(logits_BPV[:, -1], keys[0]), P), keys[1:]
+        )
         return jnp.concatenate([toks_OB.T, last_B[:, None]], axis=1)
-    return jax.jit(run_all)(params, jnp.asarray(prompt_BP, jnp.int32), jnp.asarray(real_BP, jnp.int32), key)
+
+    return jax.jit(run_all)(
+        params, jnp.asarray(prompt_BP, jnp.int32), jnp.asarray(real_BP, jnp.int32), key
+    )
 
 
 def lm_generate(cfg, graph, params, ds, rows):
     """mode=generate: the prompt (after bos, where the tokenizer has one) continued by max_new_tokens sampled
     tokens, cut where a stop token (eos) comes. Returns (summary, what to print, what RUN_DIR/generation.txt holds)."""
     tok = ds.tokenizer
-    prompt_1P = np.asarray([[tok.bos_id] * (tok.bos_id is not None) + tok.encode(cfg.prompt)], np.int32)
-    tokens = np.asarray(generate(cfg, graph, params, prompt_1P, jax.random.key(cfg.seed)))[0].tolist()
+    prompt_1P = np.asarray(
+        [[tok.bos_id] * (tok.bos_id is not None) + tok.encode(cfg.prompt)], np.int32
+    )
+    tokens = np.asarray(generate(cfg, graph, params, prompt_1P, jax.random.key(cfg.seed)))[
+        0
+    ].tolist()
     tokens = data.until_stop(tokens, tok.stop_ids)
     text = tok.decode(tokens)
-    shown = f'prompt: {cfg.prompt}\ncontinuation: {text}'
+    shown = f"prompt: {cfg.prompt}\ncontinuation: {text}"
     if prompt_1P.shape[1] + cfg.max_new_tokens > cfg.max_target_length:
-        shown = (f'WARNING: prompt + max_new_tokens = {prompt_1P.shape[1] + cfg.max_new_tokens} tokens, more than the '
-                 f'max_target_length={cfg.max_target_length} the model was trained on\n{shown}')
-    return {'prompt': cfg.prompt, 'tokens': tokens, 'generation': text}, shown, text
+        shown = (
+            f"WARNING: prompt + max_new_tokens = {prompt_1P.shape[1] + cfg.max_new_tokens} tokens, more than the "
+            f"max_target_length={cfg.max_target_length} the model was trained on\n{shown}"
+        )
+    return {"prompt": cfg.prompt, "tokens": tokens, "generation": text}, shown, text
 
 
 def lm_answers(cfg, graph, params, ds, save_to):
@@ -636,87 +774,118 @@ def lm_answers(cfg, graph, params, ds, save_to):
     max_new_tokens, cut at a stop token), batched with their prompts padded on the left to one length (one
     compile); exact match is the answer's text equal to the reference's, spaces at either end aside. The answers
     go to save_to/answers.jsonl."""
-    if not hasattr(ds, 'eval_examples'):
-        raise data.DataError(f'eval_answers={cfg.eval_answers} scores the answers of SFT rows (messages, or prompt and '
-                             'completion); this data has none: set eval_answers=0')
-    examples = ds.eval_examples[:cfg.eval_answers]
-    greedy, P = cfg.model_copy(update={'temperature': 0.0}), max(len(p) for p, _ in examples)
+    if not hasattr(ds, "eval_examples"):
+        raise data.DataError(
+            f"eval_answers={cfg.eval_answers} scores the answers of SFT rows (messages, or prompt and "
+            "completion); this data has none: set eval_answers=0"
+        )
+    examples = ds.eval_examples[: cfg.eval_answers]
+    greedy, P = cfg.model_copy(update={"temperature": 0.0}), max(len(p) for p, _ in examples)
     B = min(len(examples), 16)  # prompts a call: the prefill keeps [B, heads, P, P] float32 scores
     rows, exact = [], 0
     for start in range(0, len(examples), B):
-        chunk = examples[start:start + B]
+        chunk = examples[start : start + B]
         prompt_BP, real_BP = np.zeros((B, P), np.int32), np.zeros((B, P), np.int32)
         for b, (prompt, _) in enumerate(chunk):
-            prompt_BP[b, P - len(prompt):], real_BP[b, P - len(prompt):] = prompt, 1
-        real_BP[len(chunk):, -1] = 1  # the rows past the last example: one token each, never read
+            prompt_BP[b, P - len(prompt) :], real_BP[b, P - len(prompt) :] = prompt, 1
+        real_BP[len(chunk) :, -1] = 1  # the rows past the last example: one token each, never read
         out_BO = np.asarray(generate(greedy, graph, params, prompt_BP, jax.random.key(0), real_BP))
         for (prompt, want), tokens in zip(chunk, out_BO.tolist()):
             got = ds.tokenizer.decode(data.until_stop(tokens, ds.tokenizer.stop_ids))
             exact += got.strip() == want.strip()
-            rows.append({'prompt': ds.tokenizer.decode(prompt.tolist()), 'answer': got, 'reference': want})
-    data.write(os.path.join(save_to, 'answers.jsonl'), ''.join(json.dumps(r) + '\n' for r in rows))
-    return {'exact_match': exact / len(rows), 'answered': len(rows)}
+            rows.append(
+                {"prompt": ds.tokenizer.decode(prompt.tolist()), "answer": got, "reference": want}
+            )
+    data.write(os.path.join(save_to, "answers.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    return {"exact_match": exact / len(rows), "answered": len(rows)}
 
 
 def lm_check(cfg):
     """The LM's own config rules: a message naming the key, or ''."""
-    return ('mode=generate needs a tokenizer: use a text dataset, or tokenizer_path= (dataset=synthetic has none)'
-            if cfg.mode == 'generate' and cfg.dataset == 'synthetic' and not data.tokenizer_source(cfg) else '')
+    return (
+        "mode=generate needs a tokenizer: use a text dataset, or tokenizer_path= (dataset=synthetic has none)"
+        if cfg.mode == "generate" and cfg.dataset == "synthetic" and not data.tokenizer_source(cfg)
+        else ""
+    )
 
 
 # ==================================================================================================
 # Hugging Face checkpoints: Llama, Qwen2 and Qwen3 tensors <-> our parameters, config.json <-> our keys.
 # ==================================================================================================
-HF_ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3'}
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 # Our layer parameter <- the HF tensor under model.layers.{i}, and the option it comes with (None: always).
 # HF Linear weights are [out, in]; ours keep the input axis first ('in': wq [D,H,K]) or the output axis last
 # ('out': wo [H,K,D]); the rest only reshape (a bias [H*K] is our [H,K]). Both use rotate-half RoPE, so q and
 # k need no permutation.
 HF_LAYER = (
-    ('self_attn.q_proj.weight', ('attn', 'wq'), 'in', None),
-    ('self_attn.k_proj.weight', ('attn', 'wk'), 'in', None),
-    ('self_attn.v_proj.weight', ('attn', 'wv'), 'in', None),
-    ('self_attn.o_proj.weight', ('attn', 'wo'), 'out', None),
-    ('self_attn.q_proj.bias', ('attn', 'bq'), None, 'qkv_bias'),
-    ('self_attn.k_proj.bias', ('attn', 'bk'), None, 'qkv_bias'),
-    ('self_attn.v_proj.bias', ('attn', 'bv'), None, 'qkv_bias'),
-    ('self_attn.q_norm.weight', ('attn', 'q_norm', 'scale'), None, 'qk_norm'),
-    ('self_attn.k_norm.weight', ('attn', 'k_norm', 'scale'), None, 'qk_norm'),
-    ('mlp.gate_proj.weight', ('mlp', 'w_gate'), 'in', None),
-    ('mlp.up_proj.weight', ('mlp', 'w_up'), 'in', None),
-    ('mlp.down_proj.weight', ('mlp', 'w_down'), 'out', None),
-    ('input_layernorm.weight', ('attn_norm', 'scale'), None, None),
-    ('post_attention_layernorm.weight', ('mlp_norm', 'scale'), None, None),
+    ("self_attn.q_proj.weight", ("attn", "wq"), "in", None),
+    ("self_attn.k_proj.weight", ("attn", "wk"), "in", None),
+    ("self_attn.v_proj.weight", ("attn", "wv"), "in", None),
+    ("self_attn.o_proj.weight", ("attn", "wo"), "out", None),
+    ("self_attn.q_proj.bias", ("attn", "bq"), None, "qkv_bias"),
+    ("self_attn.k_proj.bias", ("attn", "bk"), None, "qkv_bias"),
+    ("self_attn.v_proj.bias", ("attn", "bv"), None, "qkv_bias"),
+    ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), None, "qk_norm"),
+    ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), None, "qk_norm"),
+    ("mlp.gate_proj.weight", ("mlp", "w_gate"), "in", None),
+    ("mlp.up_proj.weight", ("mlp", "w_up"), "in", None),
+    ("mlp.down_proj.weight", ("mlp", "w_down"), "out", None),
+    ("input_layernorm.weight", ("attn_norm", "scale"), None, None),
+    ("post_attention_layernorm.weight", ("mlp_norm", "scale"), None, None),
 )
 # Our model key <- its config.json key, in every family.
-HF_KEYS = {'d_model': 'hidden_size', 'mlp_dim': 'intermediate_size', 'num_heads': 'num_attention_heads',
-           'num_kv_heads': 'num_key_value_heads', 'head_dim': 'head_dim', 'num_layers': 'num_hidden_layers',
-           'vocab_size': 'vocab_size', 'norm_eps': 'rms_norm_eps', 'rope_theta': 'rope_theta',
-           'tie_embeddings': 'tie_word_embeddings'}
-HF_ROPE = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')  # llama3's
-SAFETENSORS_DTYPES = {'BF16': jnp.bfloat16, 'F16': np.float16, 'F32': np.float32}
-SHARD_BYTES = 5 * 2 ** 30  # export: one safetensors file up to this size, then shards with an index (as HF does)
+HF_KEYS = {
+    "d_model": "hidden_size",
+    "mlp_dim": "intermediate_size",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "num_layers": "num_hidden_layers",
+    "vocab_size": "vocab_size",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "tie_embeddings": "tie_word_embeddings",
+}
+HF_ROPE = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)  # llama3's
+SAFETENSORS_DTYPES = {"BF16": jnp.bfloat16, "F16": np.float16, "F32": np.float32}
+SHARD_BYTES = (
+    5 * 2**30
+)  # export: one safetensors file up to this size, then shards with an index (as HF does)
 
 
 def hf_names(cfg):
     """[(HF tensor name, our params path, index in the scanned layer stack or None, layout)]."""
-    out = [('model.embed_tokens.weight', ('embed',), None, None),
-           ('model.norm.weight', ('final_norm', 'scale'), None, None)]
+    out = [
+        ("model.embed_tokens.weight", ("embed",), None, None),
+        ("model.norm.weight", ("final_norm", "scale"), None, None),
+    ]
     if not cfg.tie_embeddings:
-        out.append(('lm_head.weight', ('lm_head',), None, 'in'))
+        out.append(("lm_head.weight", ("lm_head",), None, "in"))
     for i in range(cfg.num_layers):
-        layer, idx = (('layers',), i) if cfg.scan_layers else (('layers', i), None)
-        out += [(f'model.layers.{i}.{hf}', ('trunk', *layer, *ours), idx, how)
-                for hf, ours, how, option in HF_LAYER if option is None or getattr(cfg, option)]
+        layer, idx = (("layers",), i) if cfg.scan_layers else (("layers", i), None)
+        out += [
+            (f"model.layers.{i}.{hf}", ("trunk", *layer, *ours), idx, how)
+            for hf, ours, how, option in HF_LAYER
+            if option is None or getattr(cfg, option)
+        ]
     return out
 
 
 def hf_rope(conf):
     """(the RoPE scaling type, its parameters) of a config.json: rope_scaling, or transformers 5's rope_parameters."""
-    rope = conf.get('rope_scaling') or conf.get('rope_parameters') or {}
+    rope = conf.get("rope_scaling") or conf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
-        raise ValueError(f'rope_scaling={rope!r} is not an object')
-    return rope.get('rope_type', rope.get('type', 'default')), rope
+        raise ValueError(f"rope_scaling={rope!r} is not an object")
+    return rope.get("rope_type", rope.get("type", "default")), rope
 
 
 def hf_keys(conf):
@@ -724,34 +893,64 @@ def hf_keys(conf):
     Transformer cannot run: another architecture, activation or RoPE scaling, a sliding window, or biases beyond
     Qwen2's q/k/v ones."""
     by_type = {family: arch for arch, family in HF_ARCHITECTURES.items()}
-    arch = (conf.get('architectures') or [None])[0] or by_type.get(conf.get('model_type'))
+    arch = (conf.get("architectures") or [None])[0] or by_type.get(conf.get("model_type"))
     if arch not in HF_ARCHITECTURES:
-        raise ValueError(f'architecture {arch or conf.get("model_type")} is not one this trainer runs '
-                         f'({", ".join(HF_ARCHITECTURES)})')
+        raise ValueError(
+            f"architecture {arch or conf.get('model_type')} is not one this trainer runs "
+            f"({', '.join(HF_ARCHITECTURES)})"
+        )
     family, (kind, rope) = HF_ARCHITECTURES[arch], hf_rope(conf)
-    sliding = conf.get('use_sliding_window') or any(t != 'full_attention' for t in conf.get('layer_types') or ())
+    sliding = conf.get("use_sliding_window") or any(
+        t != "full_attention" for t in conf.get("layer_types") or ()
+    )
     refused = [
-        (conf.get('hidden_act', 'silu') != 'silu', f'hidden_act={conf.get("hidden_act")!r} (the MLP here is SwiGLU)'),
-        (sliding, 'sliding-window attention (use_sliding_window or layer_types): every layer here sees the whole '
-                  'sequence'),
-        (kind not in ('default', 'llama3'), f'rope_scaling of type {kind!r} (RoPE here is plain or llama3-scaled)'),
-        (family != 'qwen2' and conf.get('attention_bias'), 'attention_bias=true (its o_proj bias is not supported)'),
-        (conf.get('mlp_bias'), 'mlp_bias=true (the MLP here has no biases)')]
+        (
+            conf.get("hidden_act", "silu") != "silu",
+            f"hidden_act={conf.get('hidden_act')!r} (the MLP here is SwiGLU)",
+        ),
+        (
+            sliding,
+            (
+                "sliding-window attention (use_sliding_window or layer_types): every layer here sees the whole "
+                "sequence"
+            ),
+        ),
+        (
+            kind not in ("default", "llama3"),
+            f"rope_scaling of type {kind!r} (RoPE here is plain or llama3-scaled)",
+        ),
+        (
+            family != "qwen2" and conf.get("attention_bias"),
+            "attention_bias=true (its o_proj bias is not supported)",
+        ),
+        (conf.get("mlp_bias"), "mlp_bias=true (the MLP here has no biases)"),
+    ]
     if message := next((says for bad, says in refused if bad), None):
-        raise ValueError(f'{arch} with {message}')
-    missing = [hf for hf in ('hidden_size', 'intermediate_size', 'num_attention_heads', 'num_hidden_layers',
-                             'vocab_size') if conf.get(hf) is None]
-    if missing or kind == 'llama3' and any(rope.get(k) is None for k in HF_ROPE):
-        raise ValueError(f'config.json has no {(missing or ["rope_scaling." + k for k in HF_ROPE])[0]}')
+        raise ValueError(f"{arch} with {message}")
+    missing = [
+        hf
+        for hf in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_hidden_layers",
+            "vocab_size",
+        )
+        if conf.get(hf) is None
+    ]
+    if missing or kind == "llama3" and any(rope.get(k) is None for k in HF_ROPE):
+        raise ValueError(
+            f"config.json has no {(missing or ['rope_scaling.' + k for k in HF_ROPE])[0]}"
+        )
     keys = {ours: conf.get(hf) for ours, hf in HF_KEYS.items()}
-    keys['num_kv_heads'] = keys['num_kv_heads'] or keys['num_heads']
-    keys['head_dim'] = keys['head_dim'] or keys['d_model'] // keys['num_heads']
-    keys['rope_theta'] = keys['rope_theta'] or rope.get('rope_theta') or 10000.0
-    keys['norm_eps'] = keys['norm_eps'] or 1e-6
-    keys['tie_embeddings'] = bool(keys['tie_embeddings'])
-    keys.update({'qkv_bias': family == 'qwen2', 'qk_norm': family == 'qwen3'})
-    keys['rope_scaling.type'] = 'llama3' if kind == 'llama3' else 'none'
-    keys.update({f'rope_scaling.{k}': rope[k] for k in HF_ROPE if kind == 'llama3'})
+    keys["num_kv_heads"] = keys["num_kv_heads"] or keys["num_heads"]
+    keys["head_dim"] = keys["head_dim"] or keys["d_model"] // keys["num_heads"]
+    keys["rope_theta"] = keys["rope_theta"] or rope.get("rope_theta") or 10000.0
+    keys["norm_eps"] = keys["norm_eps"] or 1e-6
+    keys["tie_embeddings"] = bool(keys["tie_embeddings"])
+    keys.update({"qkv_bias": family == "qwen2", "qk_norm": family == "qwen3"})
+    keys["rope_scaling.type"] = "llama3" if kind == "llama3" else "none"
+    keys.update({f"rope_scaling.{k}": rope[k] for k in HF_ROPE if kind == "llama3"})
     return keys
 
 
@@ -760,55 +959,80 @@ def hf_config(cfg, source=None):
     its rope_scaling). Written over the config.json of the checkpoint the run started from (`source`), if any, so
     its other entries (token ids, context length) carry over."""
     if cfg.qk_norm and cfg.qkv_bias:
-        raise ValueError('qkv_bias and qk_norm together make no Hugging Face architecture')
-    family = 'qwen3' if cfg.qk_norm else 'qwen2' if cfg.qkv_bias else 'llama'
+        raise ValueError("qkv_bias and qk_norm together make no Hugging Face architecture")
+    family = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
     arch = next(a for a, f in HF_ARCHITECTURES.items() if f == family)
-    conf = {k: v for k, v in (source or {}).items() if k not in ('rope_parameters', 'dtype', 'layer_types')}
-    conf.update({'architectures': [arch], 'model_type': family, 'hidden_act': 'silu', 'mlp_bias': False,
-                 'torch_dtype': cfg.weight_dtype,
-                 'max_position_embeddings': max(cfg.max_target_length, conf.get('max_position_embeddings') or 0),
-                 **{hf: dims(cfg) if ours == 'head_dim' else getattr(cfg, ours) for ours, hf in HF_KEYS.items()}})
+    conf = {
+        k: v
+        for k, v in (source or {}).items()
+        if k not in ("rope_parameters", "dtype", "layer_types")
+    }
+    conf.update(
+        {
+            "architectures": [arch],
+            "model_type": family,
+            "hidden_act": "silu",
+            "mlp_bias": False,
+            "torch_dtype": cfg.weight_dtype,
+            "max_position_embeddings": max(
+                cfg.max_target_length, conf.get("max_position_embeddings") or 0
+            ),
+            **{
+                hf: dims(cfg) if ours == "head_dim" else getattr(cfg, ours)
+                for ours, hf in HF_KEYS.items()
+            },
+        }
+    )
     scaling = cfg.rope_scaling
-    conf['rope_scaling'] = None if scaling.type == 'none' else {
-        'rope_type': 'llama3', **{k: getattr(scaling, k) for k in HF_ROPE}}
-    conf.update({'use_sliding_window': False} if family == 'qwen2' else {'attention_bias': False})
+    conf["rope_scaling"] = (
+        None
+        if scaling.type == "none"
+        else {"rope_type": "llama3", **{k: getattr(scaling, k) for k in HF_ROPE}}
+    )
+    conf.update({"use_sliding_window": False} if family == "qwen2" else {"attention_bias": False})
     return conf
 
 
 def safetensors_header(path):
     """{tensor name: (file, dtype, shape, first byte)} from one safetensors file's header, read alone (8 bytes of
     size, then JSON): sizes checked against the file, so a damaged or hostile header is an error, not an allocation."""
-    with data.stored(path).open('rb') as f:
+    with data.stored(path).open("rb") as f:
         size = f.seek(0, 2)
         f.seek(0)
-        n = int.from_bytes(f.read(8), 'little')
-        if not 2 <= n <= min(size - 8, 2 ** 27):
-            raise ValueError(f'{path}: not a safetensors file (its header claims {n:,} bytes of {size:,})')
+        n = int.from_bytes(f.read(8), "little")
+        if not 2 <= n <= min(size - 8, 2**27):
+            raise ValueError(
+                f"{path}: not a safetensors file (its header claims {n:,} bytes of {size:,})"
+            )
         header = json.loads(f.read(n))
     out = {}
     for name, t in header.items():
-        if name == '__metadata__':
+        if name == "__metadata__":
             continue
-        if t.get('dtype') not in SAFETENSORS_DTYPES:
-            raise ValueError(f'{path}: tensor {name} is {t.get("dtype")}; load_hf reads BF16, F16 and F32')
-        (first, last), dtype = t['data_offsets'], np.dtype(SAFETENSORS_DTYPES[t['dtype']])
-        if last - first != math.prod(t['shape']) * dtype.itemsize or 8 + n + last > size:
-            raise ValueError(f'{path}: tensor {name} runs past the file (damaged or cut short)')
-        out[name] = (path, dtype, tuple(t['shape']), 8 + n + first)
+        if t.get("dtype") not in SAFETENSORS_DTYPES:
+            raise ValueError(
+                f"{path}: tensor {name} is {t.get('dtype')}; load_hf reads BF16, F16 and F32"
+            )
+        (first, last), dtype = t["data_offsets"], np.dtype(SAFETENSORS_DTYPES[t["dtype"]])
+        if last - first != math.prod(t["shape"]) * dtype.itemsize or 8 + n + last > size:
+            raise ValueError(f"{path}: tensor {name} runs past the file (damaged or cut short)")
+        out[name] = (path, dtype, tuple(t["shape"]), 8 + n + first)
     return out
 
 
 def hf_tensors(folder):
     """Every tensor of a checkpoint directory: model.safetensors, or the shards model.safetensors.index.json names
     (every checkpoint above ~5 GB). Only the headers are read."""
-    index = os.path.join(folder, 'model.safetensors.index.json')
-    files = ['model.safetensors']
+    index = os.path.join(folder, "model.safetensors.index.json")
+    files = ["model.safetensors"]
     if data.stored(index).is_file():
-        weight_map = data.read_json(index, 'of a safetensors index').get('weight_map')
+        weight_map = data.read_json(index, "of a safetensors index").get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f'{index} has no weight_map')
+            raise ValueError(f"{index} has no weight_map")
         files = sorted(set(weight_map.values()))
-    return {k: v for name in files for k, v in safetensors_header(os.path.join(folder, name)).items()}
+    return {
+        k: v for name in files for k, v in safetensors_header(os.path.join(folder, name)).items()
+    }
 
 
 @functools.lru_cache(maxsize=2)
@@ -817,8 +1041,8 @@ def hf_array(entry):
     tensor's bytes of a gs:// one (cached while the shards of its parameter are cut from it)."""
     path, dtype, shape, first = entry
     if not data.remote(path):
-        return np.memmap(path, dtype, 'r', offset=first, shape=shape)
-    with data.stored(path).open('rb') as f:
+        return np.memmap(path, dtype, "r", offset=first, shape=shape)
+    with data.stored(path).open("rb") as f:
         f.seek(first)
         return np.frombuffer(f.read(math.prod(shape) * dtype.itemsize), dtype).reshape(shape)
 
@@ -826,9 +1050,9 @@ def hf_array(entry):
 def our_layout(w, how, shape):
     """An HF tensor in our axis order `shape`, still a view: HF [out..., in] -> ours [in, out...] ('in'), HF
     [out, in...] -> ours [in..., out] ('out'), or a reshape."""
-    if how == 'in':
+    if how == "in":
         return np.moveaxis(w.reshape(*shape[1:], shape[0]), -1, 0)
-    if how == 'out':
+    if how == "out":
         return np.moveaxis(w.reshape(shape[-1], *shape[:-1]), 0, -1)
     return w.reshape(shape)
 
@@ -841,25 +1065,35 @@ def load_hf(cfg, path, abstract_params):
     try:
         tensors = hf_tensors(folder)
     except data.STORAGE_ERRORS as e:
-        raise data.DataError(f'load_hf={path}: cannot read {getattr(e, "filename", None) or folder} '
-                             f'({data.storage_reason(e)}); give a directory with config.json and model.safetensors '
-                             '(or its shards and model.safetensors.index.json)') from None
+        raise data.DataError(
+            f"load_hf={path}: cannot read {getattr(e, 'filename', None) or folder} "
+            f"({data.storage_reason(e)}); give a directory with config.json and model.safetensors "
+            "(or its shards and model.safetensors.index.json)"
+        ) from None
     except (ValueError, KeyError, TypeError) as e:  # a damaged header or index
-        raise data.DataError(f'load_hf={path}: the checkpoint is damaged ({str(e)[:200]})') from None
-    sources = collections.defaultdict(list)  # our params path -> its tensor, or one per layer of a scanned stack
+        raise data.DataError(
+            f"load_hf={path}: the checkpoint is damaged ({str(e)[:200]})"
+        ) from None
+    sources = collections.defaultdict(
+        list
+    )  # our params path -> its tensor, or one per layer of a scanned stack
     for name, p, i, how in hf_names(cfg):
         if name not in tensors:
-            raise data.DataError(f'load_hf={path}: the checkpoint has no tensor {name}, which its config.json implies')
+            raise data.DataError(
+                f"load_hf={path}: the checkpoint has no tensor {name}, which its config.json implies"
+            )
         sources[p].append((tensors[name], how, name))
 
     def placed(keypath, a):
         entries = sources[tuple(k.key for k in keypath)]
-        stacked = cfg.scan_layers and keypath[0].key == 'trunk'
+        stacked = cfg.scan_layers and keypath[0].key == "trunk"
         shape = a.shape[1:] if stacked else a.shape
         for entry, how, name in entries:
             if math.prod(entry[2]) != math.prod(shape):
-                raise data.DataError(f'load_hf={path}: the checkpoint disagrees with its config.json: {name} is '
-                                     f'{list(entry[2])} where the config makes {list(shape)}')
+                raise data.DataError(
+                    f"load_hf={path}: the checkpoint disagrees with its config.json: {name} is "
+                    f"{list(entry[2])} where the config makes {list(shape)}"
+                )
 
         def part(entry, how, index):  # what `index` of our array holds, read from one tensor
             return np.asarray(our_layout(hf_array(entry), how, shape)[index], a.dtype)
@@ -868,7 +1102,9 @@ def load_hf(cfg, path, abstract_params):
             if not stacked:
                 return part(*entries[0][:2], index)
             return np.stack([part(*entries[i][:2], index[1:]) for i in range(a.shape[0])[index[0]]])
+
         return jax.make_array_from_callback(a.shape, a.sharding, shard)
+
     return jax.tree_util.tree_map_with_path(placed, abstract_params)
 
 
@@ -881,34 +1117,52 @@ def save_hf(cfg, params, out_dir, tokenizer=None, source=None):
     for name, path, i, how in hf_names(cfg):
         w = functools.reduce(lambda tree, k: tree[k], path, params)
         w = w if i is None else w[i]
-        if how:  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
-            w = (w.reshape(w.shape[0], -1) if how == 'in' else w.reshape(-1, w.shape[-1])).T
-        tensors[name] = np.ascontiguousarray(w.reshape(-1) if name.endswith('bias') else w)  # written as laid out
+        if (
+            how
+        ):  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
+            w = (w.reshape(w.shape[0], -1) if how == "in" else w.reshape(-1, w.shape[-1])).T
+        tensors[name] = np.ascontiguousarray(
+            w.reshape(-1) if name.endswith("bias") else w
+        )  # written as laid out
     files, size = [[]], 0
-    for name, w in tensors.items():  # in order, a new shard when the next tensor would pass SHARD_BYTES
+    for (
+        name,
+        w,
+    ) in tensors.items():  # in order, a new shard when the next tensor would pass SHARD_BYTES
         if files[-1] and size + w.nbytes > SHARD_BYTES:
             files, size = files + [[]], 0
         files[-1].append(name)
         size += w.nbytes
-    names = ['model.safetensors'] if len(files) == 1 else [
-        f'model-{k + 1:05d}-of-{len(files):05d}.safetensors' for k in range(len(files))]
+    names = (
+        ["model.safetensors"]
+        if len(files) == 1
+        else [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    )
     if data.MAIN:
         data.stored(out_dir).mkdir(parents=True, exist_ok=True)
     for name, members in zip(names, files):
-        blob = safetensors.numpy.save({k: tensors[k] for k in members}, metadata={'format': 'pt'})
+        blob = safetensors.numpy.save({k: tensors[k] for k in members}, metadata={"format": "pt"})
         data.write(os.path.join(out_dir, name), blob)
     if len(files) > 1:
         weight_map = {k: name for name, members in zip(names, files) for k in members}
-        index = {'metadata': {'total_size': sum(w.nbytes for w in tensors.values())}, 'weight_map': weight_map}
-        data.write(os.path.join(out_dir, 'model.safetensors.index.json'), json.dumps(index, indent=2))
-    ids = {'bos_token_id': None, 'eos_token_id': None}
+        index = {
+            "metadata": {"total_size": sum(w.nbytes for w in tensors.values())},
+            "weight_map": weight_map,
+        }
+        data.write(
+            os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(index, indent=2)
+        )
+    ids = {"bos_token_id": None, "eos_token_id": None}
     if tokenizer:
         stops = list(tokenizer.stop_ids)
-        ids = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': stops[0] if len(stops) == 1 else stops}
+        ids = {
+            "bos_token_id": tokenizer.bos_id,
+            "eos_token_id": stops[0] if len(stops) == 1 else stops,
+        }
         for name, content in tokenizer.files.items():
             data.write(os.path.join(out_dir, name), content)
-    data.write(os.path.join(out_dir, 'config.json'), json.dumps({**conf, **ids}, indent=2))
-    data.write(os.path.join(out_dir, 'generation_config.json'), json.dumps(ids, indent=2))
+    data.write(os.path.join(out_dir, "config.json"), json.dumps({**conf, **ids}, indent=2))
+    data.write(os.path.join(out_dir, "generation_config.json"), json.dumps(ids, indent=2))
     return tensors
 
 
@@ -920,29 +1174,48 @@ class Task(NamedTuple):
     cfg.task and reads nothing else task-specific. Functions take the config first, then (graph, params)
     where they run the model; the defaults are what a task without extra state does. A state entry named
     'carry' ([A microbatches, ...]) reaches the loss, one microbatch's slice each, and comes back updated."""
-    module: type                  # the nnx.Module, built as module(cfg, rngs)
-    loss: Callable                # (cfg, graph, params, microbatch, carry, key, step) -> (summed loss, (sums, carry))
-    flops_per_token: Callable     # (cfg) -> training FLOPs per token
-    eval_step: Callable           # (cfg, graph, params, batch) -> {name: device array}; train.py jits it
-    eval_result: Callable         # (cfg, outs, batches, ds, save_to) -> eval metrics; host numpy in, every process
-    generate: Callable            # (cfg, graph, params, ds, rows) -> (summary, printed text, generation.txt text)
-    check: Callable               # (cfg) -> '' or a one-line config error: the task's own rules
-    fixed: Callable = lambda cfg: {}                    # config values the task decides (vocabulary, length)
-    step_metrics: Callable = lambda sums, weight: {}    # extra training metrics from the step's sums
-    state: Callable = lambda cfg, params, rows: {}      # train state beyond step/params/opt_state: checkpointed
-    state_axes: Callable = lambda param_axes: {}        # that state's logical axes (PartitionSpecs)
+
+    module: type  # the nnx.Module, built as module(cfg, rngs)
+    loss: Callable  # (cfg, graph, params, microbatch, carry, key, step) -> (summed loss, (sums, carry))
+    flops_per_token: Callable  # (cfg) -> training FLOPs per token
+    eval_step: Callable  # (cfg, graph, params, batch) -> {name: device array}; train.py jits it
+    eval_result: (
+        Callable  # (cfg, outs, batches, ds, save_to) -> eval metrics; host numpy in, every process
+    )
+    generate: (
+        Callable  # (cfg, graph, params, ds, rows) -> (summary, printed text, generation.txt text)
+    )
+    check: Callable  # (cfg) -> '' or a one-line config error: the task's own rules
+    fixed: Callable = lambda cfg: {}  # config values the task decides (vocabulary, length)
+    step_metrics: Callable = lambda sums, weight: {}  # extra training metrics from the step's sums
+    state: Callable = (
+        lambda cfg, params, rows: {}
+    )  # train state beyond step/params/opt_state: checkpointed
+    state_axes: Callable = lambda param_axes: {}  # that state's logical axes (PartitionSpecs)
     after_update: Callable = lambda cfg, state, params, carry: {}  # that state after an update
-    eval_weights: str = 'params'  # the state entry eval and generate read
-    eval_all: bool = False        # mode=eval reads the whole eval set, not eval_batches
-    keys: tuple = ()              # its own config keys: (kind, 'key key ...'), kinds as train.kind_type reads them
-    dataset: Callable = None      # (cfg, process_index, process_count, log) -> its data; None: the text pipelines
-    shown: tuple = ()             # (metric, format) pairs the progress line adds after the loss
-    answers: Callable = None      # (cfg, graph, params, ds, save_to) -> metrics of mode=eval's answers, or {}
+    eval_weights: str = "params"  # the state entry eval and generate read
+    eval_all: bool = False  # mode=eval reads the whole eval set, not eval_batches
+    keys: tuple = ()  # its own config keys: (kind, 'key key ...'), kinds as train.kind_type reads them
+    dataset: Callable = (
+        None  # (cfg, process_index, process_count, log) -> its data; None: the text pipelines
+    )
+    shown: tuple = ()  # (metric, format) pairs the progress line adds after the loss
+    answers: Callable = (
+        None  # (cfg, graph, params, ds, save_to) -> metrics of mode=eval's answers, or {}
+    )
 
 
-LM = Task(module=Transformer, loss=lm_loss, flops_per_token=lm_flops_per_token, eval_step=lm_eval_step,
-          eval_result=lm_eval_result, generate=lm_generate, check=lm_check, answers=lm_answers,
-          shown=(('eval_loss', 'eval loss {:.4f}'),))
+LM = Task(
+    module=Transformer,
+    loss=lm_loss,
+    flops_per_token=lm_flops_per_token,
+    eval_step=lm_eval_step,
+    eval_result=lm_eval_result,
+    generate=lm_generate,
+    check=lm_check,
+    answers=lm_answers,
+    shown=(("eval_loss", "eval loss {:.4f}"),),
+)
 
 
 # ==================================================================================================
@@ -962,32 +1235,41 @@ class TRM(nnx.Module):
 
     def __init__(self, cfg, rngs):
         D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
-        vector = lambda std: param(rngs, (D,), ('embed',), std, wdt)  # a [D] parameter
+        vector = lambda std: param(rngs, (D,), ("embed",), std, wdt)  # a [D] parameter
         self.cfg = cfg
-        self.embed = param(rngs, (V, D), ('vocab', 'embed'), 1.0, wdt)
+        self.embed = param(rngs, (V, D), ("vocab", "embed"), 1.0, wdt)
         # Fresh slots (new puzzles) start from learned initial states; others continue their carry.
         self.y_init, self.z_init = vector(1.0), vector(1.0)
         # The trunk is pre-norm, so its residual stream would grow with every recursion; normalising the
         # output keeps y and z at unit scale however deep the recursion goes (TRM uses post-norm for this).
-        self.net, self.net_norm = Trunk(cfg, rngs, causal=False, mixer=cfg.trm.mixer, length=SUDOKU_LEN), RMSNorm(cfg)
-        self.head = param(rngs, (D, V), ('embed', 'vocab'), D ** -0.5, wdt)
+        self.net, self.net_norm = (
+            Trunk(cfg, rngs, causal=False, mixer=cfg.trm.mixer, length=SUDOKU_LEN),
+            RMSNorm(cfg),
+        )
+        self.head = param(rngs, (D, V), ("embed", "vocab"), D**-0.5, wdt)
         # Halting head on the mean of y (no prefix token here to read position 0 from); bias -5 makes the
         # untrained model keep going (sigmoid(-5) ~ 0.007) instead of halting at random.
-        self.halt, self.halt_bias = vector(D ** -0.5), param(rngs, (), (), None, wdt, fill=-5.0)
+        self.halt, self.halt_bias = vector(D**-0.5), param(rngs, (), (), None, wdt, fill=-5.0)
         # ToT value head: log P(every digit on the grid is right) = sum over cells of log sigmoid(a per-cell
         # logit). One wrong cell is local evidence; a product over cells lets it veto the whole state,
         # where a mean over cells would dilute it 81 times. Bias 5: an untrained head says "~0.6 likely fine".
-        self.value, self.value_bias = vector(D ** -0.5), param(rngs, (), (), None, wdt, fill=5.0)
+        self.value, self.value_bias = vector(D**-0.5), param(rngs, (), (), None, wdt, fill=5.0)
 
     def __call__(self, inputs_BL, positions_BL, segment_ids_BL, y_BLD, z_BLD, fresh_B, noise=None):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x_BLD = jnp.take(constrain(self.embed[...], (None, None)), inputs_BL, axis=0).astype(dt)
-        y_BLD, z_BLD = (jnp.where(fresh_B[:, None, None], init[...].astype(dt), h.astype(dt))
-                        for init, h in ((self.y_init, y_BLD), (self.z_init, z_BLD)))
+        y_BLD, z_BLD = (
+            jnp.where(fresh_B[:, None, None], init[...].astype(dt), h.astype(dt))
+            for init, h in ((self.y_init, y_BLD), (self.z_init, z_BLD))
+        )
         net = lambda h_BLD: self.net_norm(self.net(h_BLD, positions_BL, segment_ids_BL)[0])
 
-        def kick(z_BLD, i):  # Gaussian noise on the latent, update i's own draw per row; noise = (keys [B], scale)
-            draw = lambda k: jax.random.normal(jax.random.fold_in(k, i), z_BLD.shape[1:], z_BLD.dtype)
+        def kick(
+            z_BLD, i
+        ):  # Gaussian noise on the latent, update i's own draw per row; noise = (keys [B], scale)
+            draw = lambda k: jax.random.normal(
+                jax.random.fold_in(k, i), z_BLD.shape[1:], z_BLD.dtype
+            )
             return z_BLD + noise[1] * jax.vmap(draw)(noise[0])
 
         def cycle(y_BLD, z_BLD, t):
@@ -998,26 +1280,51 @@ class TRM(nnx.Module):
 
         for t in range(cfg.trm.T - 1):
             y_BLD, z_BLD = cycle(y_BLD, z_BLD, t)
-        y_BLD, z_BLD = cycle(*jax.lax.stop_gradient((y_BLD, z_BLD)), cfg.trm.T - 1)  # gradient through this one only
-        logits_BLV, y32_BLD = product('bld,dv->blv', y_BLD, self.head[...], dt, jnp.float32), y_BLD.astype(jnp.float32)
+        y_BLD, z_BLD = cycle(
+            *jax.lax.stop_gradient((y_BLD, z_BLD)), cfg.trm.T - 1
+        )  # gradient through this one only
+        logits_BLV, y32_BLD = (
+            product("bld,dv->blv", y_BLD, self.head[...], dt, jnp.float32),
+            y_BLD.astype(jnp.float32),
+        )
         q_B = jnp.mean(y32_BLD, axis=1) @ self.halt[...].astype(jnp.float32) + self.halt_bias[...]
         cell_BL = y32_BLD @ self.value[...].astype(jnp.float32) + self.value_bias[...]
-        return y_BLD, z_BLD, logits_BLV, q_B, jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1)  # log value: sum over cells
+        return (
+            y_BLD,
+            z_BLD,
+            logits_BLV,
+            q_B,
+            jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1),
+        )  # log value: sum over cells
 
 
 # The deep-supervision carry's logical axes ([A microbatches, B rows, ...]): it shards over the batch like data.
-CARRY_AXES = {'y': PartitionSpec(None, 'batch', 'length', 'embed'), 'inputs': PartitionSpec(None, 'batch', 'length'),
-              'z': PartitionSpec(None, 'batch', 'length', 'embed'), 'targets': PartitionSpec(None, 'batch', 'length'),
-              'steps': PartitionSpec(None, 'batch'), 'halted': PartitionSpec(None, 'batch')}
+CARRY_AXES = {
+    "y": PartitionSpec(None, "batch", "length", "embed"),
+    "inputs": PartitionSpec(None, "batch", "length"),
+    "z": PartitionSpec(None, "batch", "length", "embed"),
+    "targets": PartitionSpec(None, "batch", "length"),
+    "steps": PartitionSpec(None, "batch"),
+    "halted": PartitionSpec(None, "batch"),
+}
 
 
 def trm_carry(cfg, A, B):
     """The deep-supervision carry, one slot per example row of a train step ([A, B, ...]): its puzzle,
     answer state y, latent z, supervision steps taken, and whether it halted (all start halted, so the
     first step fills every slot). Its axes are CARRY_AXES."""
-    yz, grid = jnp.zeros((A, B, SUDOKU_LEN, cfg.d_model), jnp.float32), jnp.zeros((A, B, SUDOKU_LEN), jnp.int32)
-    return {'y': yz, 'z': yz, 'inputs': grid, 'targets': grid,
-            'steps': jnp.zeros((A, B), jnp.int32), 'halted': jnp.ones((A, B), bool)}
+    yz, grid = (
+        jnp.zeros((A, B, SUDOKU_LEN, cfg.d_model), jnp.float32),
+        jnp.zeros((A, B, SUDOKU_LEN), jnp.int32),
+    )
+    return {
+        "y": yz,
+        "z": yz,
+        "inputs": grid,
+        "targets": grid,
+        "steps": jnp.zeros((A, B), jnp.int32),
+        "halted": jnp.ones((A, B), bool),
+    }
 
 
 def trm_loss(cfg, graph, params, mb, carry, key, step=0):
@@ -1028,13 +1335,18 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     slot: mean cell cross-entropy + halt_loss_weight x BCE(q, whole grid right), plus the ToT value
     head's BCE on partial grids from tot.start_step on. trm.train_noise > 0 perturbs the latent z as
     decoder=trm_parallel does (each row and update its own draw, from `key`)."""
-    t, fresh_B, B = cfg.trm, carry['halted'], carry['halted'].shape[0]
+    t, fresh_B, B = cfg.trm, carry["halted"], carry["halted"].shape[0]
     # A halted slot takes this step's fresh puzzle; the others keep theirs.
-    inputs_BL, targets_BL = (jnp.where(fresh_B[:, None], mb[k], carry[k]) for k in ('inputs', 'targets'))
-    steps_B = jnp.where(fresh_B, 0, carry['steps']) + 1
-    noise = (jax.random.split(jax.random.fold_in(key, 2), B), t.train_noise) if t.train_noise else None
-    y_BLD, z_BLD, logits_BLV, q_B, _ = nnx.merge(graph, params)(inputs_BL, mb['positions'], mb['segment_ids'],
-                                                           carry['y'], carry['z'], fresh_B, noise)
+    inputs_BL, targets_BL = (
+        jnp.where(fresh_B[:, None], mb[k], carry[k]) for k in ("inputs", "targets")
+    )
+    steps_B = jnp.where(fresh_B, 0, carry["steps"]) + 1
+    noise = (
+        (jax.random.split(jax.random.fold_in(key, 2), B), t.train_noise) if t.train_noise else None
+    )
+    y_BLD, z_BLD, logits_BLV, q_B, _ = nnx.merge(graph, params)(
+        inputs_BL, mb["positions"], mb["segment_ids"], carry["y"], carry["z"], fresh_B, noise
+    )
     ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean(axis=1)
     correct_B = jnp.all(jnp.argmax(logits_BLV, axis=-1) == targets_BL, axis=1)
     halt_bce_B = optax.sigmoid_binary_cross_entropy(q_B, correct_B.astype(jnp.float32))
@@ -1044,25 +1356,47 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     explore_B = jax.random.uniform(k_explore, (B,)) < t.halt_explore_prob
     min_steps_B = jnp.where(explore_B, jax.random.randint(k_steps, (B,), 2, t.N_sup + 1), 1)
     halted_B = (steps_B >= t.N_sup) | ((q_B > 0) & (steps_B >= min_steps_B))
-    new_carry = {'y': y_BLD.astype(jnp.float32), 'z': z_BLD.astype(jnp.float32), 'inputs': inputs_BL,
-                 'targets': targets_BL, 'steps': steps_B, 'halted': halted_B}
-    sums = {'weight': jnp.float32(B), 'tokens': jnp.float32(B * SUDOKU_LEN), 'halted': jnp.sum(halted_B),
-            'halt_steps': jnp.sum(jnp.where(halted_B, steps_B, 0)), 'exact': jnp.sum(correct_B)}
+    new_carry = {
+        "y": y_BLD.astype(jnp.float32),
+        "z": z_BLD.astype(jnp.float32),
+        "inputs": inputs_BL,
+        "targets": targets_BL,
+        "steps": steps_B,
+        "halted": halted_B,
+    }
+    sums = {
+        "weight": jnp.float32(B),
+        "tokens": jnp.float32(B * SUDOKU_LEN),
+        "halted": jnp.sum(halted_B),
+        "halt_steps": jnp.sum(jnp.where(halted_B, steps_B, 0)),
+        "exact": jnp.sum(correct_B),
+    }
     loss = jnp.sum(ce_B) + t.halt_loss_weight * jnp.sum(halt_bce_B)
-    if cfg.tot.loss_weight:  # ToT value head, on partial grids made from this microbatch's fresh puzzles
-        half = max(B // 2, 1)  # half the rows: 2/3 of the extra step time is enough examples for one bit
+    if (
+        cfg.tot.loss_weight
+    ):  # ToT value head, on partial grids made from this microbatch's fresh puzzles
+        half = max(
+            B // 2, 1
+        )  # half the rows: 2/3 of the extra step time is enough examples for one bit
 
         def value_loss(_):
-            grids_BL, label_B = partial_states(jax.random.fold_in(key, 1), mb['inputs'][:half] - 1,
-                                               mb['targets'][:half] - 1)
+            grids_BL, label_B = partial_states(
+                jax.random.fold_in(key, 1), mb["inputs"][:half] - 1, mb["targets"][:half] - 1
+            )
             log_v_B = trm_steps(cfg, graph, params, grids_BL, cfg.tot.value_step).log_value_N
-            return jnp.sum(value_bce(log_v_B, label_B)), jnp.sum((log_v_B > jnp.log(0.5)) == label_B)
+            return jnp.sum(value_bce(log_v_B, label_B)), jnp.sum(
+                (log_v_B > jnp.log(0.5)) == label_B
+            )
+
         # From tot.start_step on only: a real branch, so earlier steps do not pay for the value pass.
         on = step >= cfg.tot.start_step
         v_loss, v_acc = jax.lax.cond(on, value_loss, lambda _: (0.0, 0), None)
         sums.update(value_acc=v_acc, value_rows=jnp.where(on, half, 0.0))
         loss += cfg.tot.loss_weight * v_loss
-    return loss, (sums, jax.lax.stop_gradient(new_carry))  # no gradient from one supervision step into the next
+    return loss, (
+        sums,
+        jax.lax.stop_gradient(new_carry),
+    )  # no gradient from one supervision step into the next
 
 
 def ema_update(decay, step, ema, params):
@@ -1074,7 +1408,7 @@ def ema_update(decay, step, ema, params):
 
 # What trm_steps returns: predicted tokens after each supervision step, the digit log-probs after the last,
 # the value head's log value after step min(tot.value_step, steps), halting logits after each.
-TRMSteps = collections.namedtuple('TRMSteps', 'preds_SNL logp_NLC log_value_N halt_SN')
+TRMSteps = collections.namedtuple("TRMSteps", "preds_SNL logp_NLC log_value_N halt_SN")
 
 
 def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
@@ -1083,23 +1417,42 @@ def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
     scale): perturbed recursion (see TRM), each supervision step with its own draws."""
     N, L = grids_NL.shape
     rows = lambda x: jnp.broadcast_to(x, (N, L)).astype(jnp.int32)
-    tokens, pos, seg = rows(grids_NL + 1), rows(jnp.arange(L)), rows(grids_NL >= 0)  # padding rows: -1
+    tokens, pos, seg = (
+        rows(grids_NL + 1),
+        rows(jnp.arange(L)),
+        rows(grids_NL >= 0),
+    )  # padding rows: -1
     v = min(cfg.tot.value_step, steps)
 
-    def step(p, carry, i):  # supervision step i, the model's parameters p; carry: y, z and the step's logits
-        kick = None if noise is None else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
+    def step(
+        p, carry, i
+    ):  # supervision step i, the model's parameters p; carry: y, z and the step's logits
+        kick = (
+            None
+            if noise is None
+            else (jax.vmap(lambda k: jax.random.fold_in(k, i))(noise[0]), noise[1])
+        )
         # step 0 starts fresh, from y_init and z_init
-        y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(tokens, pos, seg, *carry[:2], jnp.full(N, i == 0), kick)
+        y, z, logits_NLV, q_N, log_v_N = nnx.merge(graph, p)(
+            tokens, pos, seg, *carry[:2], jnp.full(N, i == 0), kick
+        )
         carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32), logits_NLV))
         return carry, (jnp.argmax(logits_NLV, -1), log_v_N, q_N)
-    fixed = functools.partial(step, jax.lax.stop_gradient(params))  # a scan body no gradient flows through
+
+    fixed = functools.partial(
+        step, jax.lax.stop_gradient(params)
+    )  # a scan body no gradient flows through
     yz, i = jnp.zeros((N, L, cfg.d_model), jnp.float32), jnp.arange(steps)
-    carry, before = jax.lax.scan(fixed, (yz, yz, jnp.zeros((N, L, cfg.vocab_size))), i[:v - 1])
+    carry, before = jax.lax.scan(fixed, (yz, yz, jnp.zeros((N, L, cfg.vocab_size))), i[: v - 1])
     carry, at_v = step(params, carry, i[v - 1])
     carry, after = jax.lax.scan(fixed, carry, i[v:])
-    preds_SNL, log_v_SN, q_SN = (jnp.concatenate([b, a[None], c]) for b, a, c in zip(before, at_v, after))
+    preds_SNL, log_v_SN, q_SN = (
+        jnp.concatenate([b, a[None], c]) for b, a, c in zip(before, at_v, after)
+    )
     # Digit d is token d + 1: the nine digit logits (the last step's, in the carry) are tokens 2..10.
-    return TRMSteps(preds_SNL, jax.nn.log_softmax(carry[2][..., 2:11], axis=-1), log_v_SN[v - 1], q_SN)
+    return TRMSteps(
+        preds_SNL, jax.nn.log_softmax(carry[2][..., 2:11], axis=-1), log_v_SN[v - 1], q_SN
+    )
 
 
 def take_along(x, i, axis):
@@ -1114,18 +1467,35 @@ def pick_answers(preds_SBJL, q_SBJ, rule):
     stops there), else step s | best, vote: every step up to s | last: step s. Of those the highest q wins;
     vote: of the answers that the most standing pairs with q > 0 give (ties, or no such pair: the highest q).
     Answers are compared whole; no Sudoku rule is used."""
-    S, B, J, L = preds_SBJL.shape
-    preds_BML, q_BM = (jnp.swapaxes(x, 0, 1).reshape(B, S * J, *x.shape[3:]) for x in (preds_SBJL, q_SBJ))
-    halt_BJ = jnp.argmax((q_SBJ > 0).at[-1].set(True), axis=0) if rule == 'first' else jnp.full((B, J), S - 1)
-    cap_BMS = jnp.tile(jnp.minimum(jnp.arange(S), halt_BJ[..., None]), (1, S, 1))  # pair m = (step m // J, m % J)
+    S, B, J, _L = preds_SBJL.shape
+    preds_BML, q_BM = (
+        jnp.swapaxes(x, 0, 1).reshape(B, S * J, *x.shape[3:]) for x in (preds_SBJL, q_SBJ)
+    )
+    halt_BJ = (
+        jnp.argmax((q_SBJ > 0).at[-1].set(True), axis=0)
+        if rule == "first"
+        else jnp.full((B, J), S - 1)
+    )
+    cap_BMS = jnp.tile(
+        jnp.minimum(jnp.arange(S), halt_BJ[..., None]), (1, S, 1)
+    )  # pair m = (step m // J, m % J)
     step_M1 = (jnp.arange(S * J) // J)[:, None]
-    stands_BMS = step_M1 <= cap_BMS if rule in ('best', 'vote') else step_M1 == cap_BMS
+    stands_BMS = step_M1 <= cap_BMS if rule in ("best", "vote") else step_M1 == cap_BMS
 
-    def votes(p_ML, right_M, stands_MS):  # how many standing pairs with q > 0 give each pair's answer (compared whole)
-        return (jnp.all(p_ML[:, None] == p_ML[None], -1) & right_M).astype(jnp.float32) @ stands_MS.astype(jnp.float32)
-    votes_BMS = jax.lax.map(lambda x: votes(*x), (preds_BML, q_BM > 0, stands_BMS)) if rule == 'vote' else 0
+    def votes(
+        p_ML, right_M, stands_MS
+    ):  # how many standing pairs with q > 0 give each pair's answer (compared whole)
+        return (jnp.all(p_ML[:, None] == p_ML[None], -1) & right_M).astype(
+            jnp.float32
+        ) @ stands_MS.astype(jnp.float32)
+
+    votes_BMS = (
+        jax.lax.map(lambda x: votes(*x), (preds_BML, q_BM > 0, stands_BMS)) if rule == "vote" else 0
+    )
     votes_BMS = jnp.where(stands_BMS, votes_BMS, -1)  # a pair not standing never wins
-    pick_BS = jnp.argmax(jnp.where(votes_BMS == votes_BMS.max(1, keepdims=True), q_BM[..., None], -jnp.inf), axis=1)
+    pick_BS = jnp.argmax(
+        jnp.where(votes_BMS == votes_BMS.max(1, keepdims=True), q_BM[..., None], -jnp.inf), axis=1
+    )
     return take_along(preds_BML, pick_BS, 1).swapaxes(0, 1), jnp.sum(halt_BJ + 1, axis=1)
 
 
@@ -1137,23 +1507,59 @@ def parallel_decode(cfg, graph, params, q_BL, steps, plain=False):
     (adaptive width: only those puzzles pay for them). No Sudoku rule is used. The draws depend on the puzzle
     and the trajectory, not on the batch. Returns (answers after each step [S, B, L], forward passes per puzzle
     [B]: every trajectory's)."""
-    (B, L), (J, E) = q_BL.shape, (1, 0) if plain else (cfg.parallel.trajectories, cfg.parallel.extra_trajectories)
-    keys_BK = jax.vmap(lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J + E))(puzzle_hash(q_BL))
+    (_B, L), (J, E) = (
+        q_BL.shape,
+        (1, 0) if plain else (cfg.parallel.trajectories, cfg.parallel.extra_trajectories),
+    )
+    keys_BK = jax.vmap(
+        lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J + E)
+    )(puzzle_hash(q_BL))
 
-    def run(q_NL, keys_NK, clean):  # answers [S, N, K, L], halting logits [S, N, K]; the first `clean` without noise
+    def run(
+        q_NL, keys_NK, clean
+    ):  # answers [S, N, K, L], halting logits [S, N, K]; the first `clean` without noise
         (N, K), noise = keys_NK.shape, jnp.arange(keys_NK.size) % keys_NK.shape[1] >= clean
-        r = trm_steps(cfg, graph, params, jnp.repeat(q_NL, K, axis=0), steps,
-                      (keys_NK.reshape(N * K), noise[:, None, None] * cfg.parallel.noise) if J + E > 1 else None)
+        r = trm_steps(
+            cfg,
+            graph,
+            params,
+            jnp.repeat(q_NL, K, axis=0),
+            steps,
+            (keys_NK.reshape(N * K), noise[:, None, None] * cfg.parallel.noise)
+            if J + E > 1
+            else None,
+        )
         return r.preds_SNL.reshape(steps, N, K, L), r.halt_SN.reshape(steps, N, K)
+
     preds_SBJL, q_SBJ = run(q_BL, keys_BK[:, :J], 1)
     answers_SBL, passes_B = pick_answers(preds_SBJL, q_SBJ, cfg.trm.eval_halt)
-    unsure_B = jnp.sum(jnp.all(preds_SBJL == answers_SBL[-1][:, None], -1) & (q_SBJ > 0), (0, 2)) < cfg.parallel.sure_votes
+    unsure_B = (
+        jnp.sum(jnp.all(preds_SBJL == answers_SBL[-1][:, None], -1) & (q_SBJ > 0), (0, 2))
+        < cfg.parallel.sure_votes
+    )
 
-    def widen(unsure, q_L, keys_E, p_SJL, q_SJ, a_SL):  # one puzzle: only if unsure, E more trajectories, picked from all
-        pool = lambda: [jnp.concatenate([a[:, None], b], 2) for a, b in zip((p_SJL, q_SJ), run(q_L[None], keys_E[None], 0))]
-        return jax.lax.cond(unsure, lambda: pick_answers(*pool(), cfg.trm.eval_halt)[0][:, 0], lambda: a_SL)
-    xs = (unsure_B, q_BL, keys_BK[:, J:], preds_SBJL.swapaxes(0, 1), q_SBJ.swapaxes(0, 1), answers_SBL.swapaxes(0, 1))
-    return (jax.lax.map(lambda x: widen(*x), xs).swapaxes(0, 1) if E else answers_SBL), passes_B + unsure_B * E * steps
+    def widen(
+        unsure, q_L, keys_E, p_SJL, q_SJ, a_SL
+    ):  # one puzzle: only if unsure, E more trajectories, picked from all
+        pool = lambda: [
+            jnp.concatenate([a[:, None], b], 2)
+            for a, b in zip((p_SJL, q_SJ), run(q_L[None], keys_E[None], 0))
+        ]
+        return jax.lax.cond(
+            unsure, lambda: pick_answers(*pool(), cfg.trm.eval_halt)[0][:, 0], lambda: a_SL
+        )
+
+    xs = (
+        unsure_B,
+        q_BL,
+        keys_BK[:, J:],
+        preds_SBJL.swapaxes(0, 1),
+        q_SBJ.swapaxes(0, 1),
+        answers_SBL.swapaxes(0, 1),
+    )
+    return (
+        jax.lax.map(lambda x: widen(*x), xs).swapaxes(0, 1) if E else answers_SBL
+    ), passes_B + unsure_B * E * steps
 
 
 # ==================================================================================================
@@ -1179,8 +1585,15 @@ def partial_states(key, q_BL, a_BL, sparse_B=None):
     quiet_BLC = wrong_BLC & ~digits_seen(g_BL)
     pref_BL = blank_BL * (1.0 + 2.0 * fill_BL + jnp.any(quiet_BLC, axis=-1))
     cell_B = jnp.argmax(pref_BL + jax.random.uniform(k_cell, (B, L)), axis=1)
-    pool_BLC = jnp.where(jnp.any(quiet_BLC, axis=-1, keepdims=True), quiet_BLC, wrong_BLC)  # quiet ones where any
-    digit_B = jnp.argmax(jnp.where(pool_BLC[rows, cell_B], jax.random.uniform(k_digit, (B, 9)), -1.0), axis=1) + 1
+    pool_BLC = jnp.where(
+        jnp.any(quiet_BLC, axis=-1, keepdims=True), quiet_BLC, wrong_BLC
+    )  # quiet ones where any
+    digit_B = (
+        jnp.argmax(
+            jnp.where(pool_BLC[rows, cell_B], jax.random.uniform(k_digit, (B, 9)), -1.0), axis=1
+        )
+        + 1
+    )
     g_BL = jnp.where(bad_B[:, None] & (jnp.arange(L) == cell_B[:, None]), digit_B[:, None], g_BL)
     return g_BL, ~bad_B
 
@@ -1188,11 +1601,15 @@ def partial_states(key, q_BL, a_BL, sparse_B=None):
 def puzzle_partial_states(key, q_BL, a_BL):
     """partial_states drawn per puzzle (its key folded with a hash of its givens, a coin for sparse or
     not), so eval's value_auroc does not depend on the batch size or on which rows a puzzle shares."""
+
     def one(q_L, a_L):
         k = jax.random.fold_in(key, puzzle_hash(q_L))
-        sparse = jax.random.bernoulli(jax.random.fold_in(k, 1))  # half the states sparse, as in training
+        sparse = jax.random.bernoulli(
+            jax.random.fold_in(k, 1)
+        )  # half the states sparse, as in training
         g, label = partial_states(k, q_L[None], a_L[None], sparse[None])
         return g[0], label[0]
+
     return jax.vmap(one)(q_BL, a_BL)
 
 
@@ -1216,13 +1633,17 @@ def fill_forced(grids_NL):
     """Fills what the rules force, until nothing more is: a blank with one legal digit left (a naked single),
     and a digit with one legal cell left in a row, column or box (a hidden single). Costs no forward pass
     (tot.propagate). Contradictions it meets (two cells forced to one digit) are left for dead_end."""
+
     def fill(c):
         g_NL, ok_NLC = c[0], legal_digits(c[0])
         single_NUC = MEMBERS @ ok_NLC.astype(jnp.float32) == 1
         hidden_NLC = MEMBERS.T @ single_NUC.astype(jnp.float32) > 0
         forced_NLC = ok_NLC & ((jnp.sum(ok_NLC, axis=-1, keepdims=True) == 1) | hidden_NLC)
-        new_NL = jnp.where(jnp.any(forced_NLC, axis=-1), jnp.argmax(forced_NLC, axis=-1) + 1, g_NL).astype(g_NL.dtype)
+        new_NL = jnp.where(
+            jnp.any(forced_NLC, axis=-1), jnp.argmax(forced_NLC, axis=-1) + 1, g_NL
+        ).astype(g_NL.dtype)
         return new_NL, jnp.any(new_NL != g_NL)
+
     return jax.lax.while_loop(lambda c: c[1], fill, (grids_NL, jnp.bool_(True)))[0]
 
 
@@ -1243,11 +1664,11 @@ def shrinking_loop(body, c):
     shapes: 100 -> 25 -> 6 rows, each its own loop in the same compiled function) and scattered back at
     the end, so a few hard puzzles no longer drag a full batch through every step. Every entry of c has
     the batch as its first axis; body reads the batch size from its carry."""
-    quarter = c['stop'].shape[0] // 4
+    quarter = c["stop"].shape[0] // 4
     if quarter < 4:  # small enough: run to the end
-        return jax.lax.while_loop(lambda c: ~jnp.all(c['stop']), body, c)
-    c = jax.lax.while_loop(lambda c: jnp.sum(~c['stop']) > quarter, body, c)
-    idx = jax.lax.top_k((~c['stop']).astype(jnp.int32), quarter)[1]  # every row still running
+        return jax.lax.while_loop(lambda c: ~jnp.all(c["stop"]), body, c)
+    c = jax.lax.while_loop(lambda c: jnp.sum(~c["stop"]) > quarter, body, c)
+    idx = jax.lax.top_k((~c["stop"]).astype(jnp.int32), quarter)[1]  # every row still running
     rest = shrinking_loop(body, jax.tree.map(lambda x: x[idx], c))
     return jax.tree.map(lambda x, r: x.at[idx].set(r), c, rest)
 
@@ -1262,7 +1683,9 @@ def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
     cell = jnp.argmax(conf_L)
     top_E, digit_E = jax.lax.top_k(lp_LC[cell], E)
     g_EL, gain_E = jnp.broadcast_to(g_L, (E, g_L.shape[0])).at[:, cell].set(digit_E + 1), top_E
-    if cells > 1:  # the rest of the thought, the same for every digit: the most confident other blanks, at their argmax
+    if (
+        cells > 1
+    ):  # the rest of the thought, the same for every digit: the most confident other blanks, at their argmax
         more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(-jnp.inf), cells - 1)
         g_EL = g_EL.at[:, more_i].set(jnp.where(more_v > -jnp.inf, best_L[more_i], g_EL[:, more_i]))
         gain_E = gain_E + jnp.sum(jnp.where(more_v > -jnp.inf, more_v, 0.0))
@@ -1272,16 +1695,17 @@ def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
 class Search(NamedTuple):
     """How tree_search expands and ranks states. The defaults are greedy decoding: one state, one one-cell
     thought a step, ranked by log-prob, until the grid is full (the puzzle's own pass + one per move)."""
-    width: int = 1                     # states expanded per step (beam_width)
-    thoughts: int = 1                  # candidates proposed per expanded state (thoughts_per_step)
-    cells: int = 1                     # cells one thought fills (thought_cells)
-    max_depth: int = SUDOKU_LEN        # steps per puzzle at most
+
+    width: int = 1  # states expanded per step (beam_width)
+    thoughts: int = 1  # candidates proposed per expanded state (thoughts_per_step)
+    cells: int = 1  # cells one thought fills (thought_cells)
+    max_depth: int = SUDOKU_LEN  # steps per puzzle at most
     max_thoughts: int = SUDOKU_LEN + 1  # states evaluated per puzzle at most
-    score: str = 'logp'                # 'value' | 'logp': see tree_search
-    logp_weight: float = 0.0           # ranking: log value + this x the path's summed log-prob
-    frontier: int = 0                  # states held between steps (0 = width: a plain beam)
-    rules: bool = True                 # the Sudoku rules: legal moves, dead ends, a valid grid ends the search
-    propagate: bool = False            # with rules: every state gets the moves the rules force
+    score: str = "logp"  # 'value' | 'logp': see tree_search
+    logp_weight: float = 0.0  # ranking: log value + this x the path's summed log-prob
+    frontier: int = 0  # states held between steps (0 = width: a plain beam)
+    rules: bool = True  # the Sudoku rules: legal moves, dead ends, a valid grid ends the search
+    propagate: bool = False  # with rules: every state gets the moves the rules force
 
 
 def tree_search(evaluate, q_BL, search):
@@ -1313,63 +1737,93 @@ def tree_search(evaluate, q_BL, search):
     B, M = q_BL.shape[0], max(search.frontier, search.width)  # M states held between steps
     q_BL = fill_forced(q_BL) if search.propagate else q_BL
     logp0_BLC, _, q0_B = evaluate(q_BL)
-    held = {'grid': jnp.repeat(q_BL[:, None], M, axis=1), 'logp': jnp.repeat(logp0_BLC[:, None], M, axis=1),
-            'cum': jnp.zeros((B, M)), 'score': jnp.full((B, M), -jnp.inf).at[:, 0].set(0.0)}
+    held = {
+        "grid": jnp.repeat(q_BL[:, None], M, axis=1),
+        "logp": jnp.repeat(logp0_BLC[:, None], M, axis=1),
+        "cum": jnp.zeros((B, M)),
+        "score": jnp.full((B, M), -jnp.inf).at[:, 0].set(0.0),
+    }
     fill0 = fill_argmax(q_BL, logp0_BLC)
-    carry = {'held': held, 'stop': finished(fill0, q0_B, search.rules), 'answer': fill0,
-             'evals': jnp.ones(B, jnp.int32), 'depth': jnp.zeros(B, jnp.int32)}
+    carry = {
+        "held": held,
+        "stop": finished(fill0, q0_B, search.rules),
+        "answer": fill0,
+        "evals": jnp.ones(B, jnp.int32),
+        "depth": jnp.zeros(B, jnp.int32),
+    }
     c = shrinking_loop(lambda c: search_step(evaluate, search, c), carry)
-    return c['answer'], c['evals']
+    return c["answer"], c["evals"]
 
 
 def search_step(evaluate, search, c):
     """One step of tree_search for every puzzle of the carry c: expand the best held states, evaluate
     and rank their candidates, note a finished answer, hold the M best states for the next step."""
-    g_BNL, cum_BN, alive_BN, rest = expand(c['held'], search)
-    (B, N, L), live_B = g_BNL.shape, ~c['stop']  # B shrinks as finished puzzles leave (shrinking_loop)
+    g_BNL, cum_BN, alive_BN, rest = expand(c["held"], search)
+    (B, N, L), live_B = (
+        g_BNL.shape,
+        ~c["stop"],
+    )  # B shrinks as finished puzzles leave (shrinking_loop)
     # One forward pass per candidate: log-probs [B, N, L, 9], log values and halting logits [B, N].
-    logp_BNLC, logv_BN, q_BN = (x.reshape(B, N, *x.shape[1:]) for x in evaluate(g_BNL.reshape(B * N, L)))
-    rank_BN = cum_BN if search.score == 'logp' else logv_BN + search.logp_weight * cum_BN
+    logp_BNLC, logv_BN, q_BN = (
+        x.reshape(B, N, *x.shape[1:]) for x in evaluate(g_BNL.reshape(B * N, L))
+    )
+    rank_BN = cum_BN if search.score == "logp" else logv_BN + search.logp_weight * cum_BN
     s_BN = jnp.where(alive_BN, rank_BN, -jnp.inf)
-    fill_BNL = fill_argmax(g_BNL, logp_BNLC)  # each state's policy answer: a valid one is the solution
+    fill_BNL = fill_argmax(
+        g_BNL, logp_BNLC
+    )  # each state's policy answer: a valid one is the solution
     ok_BN = alive_BN & finished(fill_BNL, q_BN, search.rules)
     pick = lambda x, i_B: take_along(x, i_B[:, None], 1)[:, 0]
     # The answer so far: a finished one (the puzzle then stops and keeps it), else the best candidate.
-    best = pick(fill_BNL, jnp.argmax(s_BN, axis=1))  # the best, before full-but-wrong grids are dropped
-    best = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], best, c['answer'])
+    best = pick(
+        fill_BNL, jnp.argmax(s_BN, axis=1)
+    )  # the best, before full-but-wrong grids are dropped
+    best = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], best, c["answer"])
     found_B = live_B & jnp.any(ok_BN, axis=1)
     answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), best)
-    s_BN = jnp.where(jnp.all(g_BNL > 0, axis=-1), -jnp.inf, s_BN)  # a full grid ended the search or broke a rule
+    s_BN = jnp.where(
+        jnp.all(g_BNL > 0, axis=-1), -jnp.inf, s_BN
+    )  # a full grid ended the search or broke a rule
     # The M best of the new candidates (first: they win ties) and the states held but not expanded.
-    pool = jax.tree.map(lambda n, o: jnp.concatenate([n, o], axis=1),
-                        {'grid': g_BNL, 'logp': logp_BNLC, 'cum': cum_BN, 'score': s_BN}, rest)
+    pool = jax.tree.map(
+        lambda n, o: jnp.concatenate([n, o], axis=1),
+        {"grid": g_BNL, "logp": logp_BNLC, "cum": cum_BN, "score": s_BN},
+        rest,
+    )
     # A finished puzzle's held states change on like the others': harmless, its answer and evals no longer do.
-    top_BM, idx_BM = jax.lax.top_k(pool['score'], c['held']['score'].shape[1])
+    top_BM, idx_BM = jax.lax.top_k(pool["score"], c["held"]["score"].shape[1])
     held = jax.tree.map(lambda x: take_along(x, idx_BM, 1), pool)
-    evals, depth = c['evals'] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0), c['depth'] + 1
-    stop = (c['stop'] | found_B | (evals >= search.max_thoughts) | ~jnp.any(top_BM > -jnp.inf, axis=1)
-            | (depth >= search.max_depth))
-    return {'held': held, 'stop': stop, 'answer': answer, 'evals': evals, 'depth': depth}
+    evals, depth = c["evals"] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0), c["depth"] + 1
+    stop = (
+        c["stop"]
+        | found_B
+        | (evals >= search.max_thoughts)
+        | ~jnp.any(top_BM > -jnp.inf, axis=1)
+        | (depth >= search.max_depth)
+    )
+    return {"held": held, "stop": stop, "answer": answer, "evals": evals, "depth": depth}
 
 
 def expand(held, search):
     """The best `width` held states -> their candidates' grids [B, N, L], path log-probs [B, N] and whether
     they are alive [B, N] (N = width x thoughts; dead ends and repeated grids are not), and the held states
     left over."""
-    B, L = held['grid'].shape[0], held['grid'].shape[-1]
-    _, pop_BW = jax.lax.top_k(held['score'], search.width)
+    B, L = held["grid"].shape[0], held["grid"].shape[-1]
+    _, pop_BW = jax.lax.top_k(held["score"], search.width)
     bm = jax.tree.map(lambda x: take_along(x, pop_BW, 1), held)
-    rest = dict(held, score=held['score'].at[jnp.arange(B)[:, None], pop_BW].set(-jnp.inf))
+    rest = dict(held, score=held["score"].at[jnp.arange(B)[:, None], pop_BW].set(-jnp.inf))
     propose = lambda g, lp: propose_thoughts(g, lp, search.thoughts, search.cells, search.rules)
-    g, gain, ok = jax.vmap(jax.vmap(propose))(bm['grid'], bm['logp'])  # [B, W, E, ...]
+    g, gain, ok = jax.vmap(jax.vmap(propose))(bm["grid"], bm["logp"])  # [B, W, E, ...]
     g_BNL = g.reshape(B, -1, L)  # N = width x thoughts
     g_BNL = fill_forced(g_BNL) if search.propagate else g_BNL
-    alive_BN = (ok & (bm['score'][..., None] > -jnp.inf)).reshape(B, -1)
+    alive_BN = (ok & (bm["score"][..., None] > -jnp.inf)).reshape(B, -1)
     if search.rules:  # drop a state no completion of which obeys the rules
         alive_BN &= ~dead_end(g_BNL)
-    same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(g_BNL.shape[1], k=-1, dtype=bool)
+    same_BNN = jnp.all(g_BNL[:, :, None] == g_BNL[:, None], axis=-1) & jnp.tri(
+        g_BNL.shape[1], k=-1, dtype=bool
+    )
     alive_BN &= ~jnp.any(same_BNN & alive_BN[:, None], axis=-1)  # keep the first copy of a grid
-    return g_BNL, (bm['cum'][..., None] + gain).reshape(B, -1), alive_BN, rest
+    return g_BNL, (bm["cum"][..., None] + gain).reshape(B, -1), alive_BN, rest
 
 
 # ==================================================================================================
@@ -1378,32 +1832,50 @@ def expand(held, search):
 def sudoku_search(cfg, decoder):
     """The Search a decoder runs, from base.yml's keys (greedy: the defaults, width one)."""
     rules = cfg.tot.rule_checks
-    if decoder == 'greedy':
+    if decoder == "greedy":
         return Search(rules=rules, propagate=rules and cfg.tot.propagate)
-    return Search(cfg.beam_width, cfg.thoughts_per_step, cfg.thought_cells, cfg.max_depth, cfg.max_thoughts,
-                  {'beam_logp': 'logp', 'tot': 'value'}[decoder], cfg.tot.logp_weight,
-                  cfg.tot.frontier, rules, rules and cfg.tot.propagate)
+    return Search(
+        cfg.beam_width,
+        cfg.thoughts_per_step,
+        cfg.thought_cells,
+        cfg.max_depth,
+        cfg.max_thoughts,
+        {"beam_logp": "logp", "tot": "value"}[decoder],
+        cfg.tot.logp_weight,
+        cfg.tot.frontier,
+        rules,
+        rules and cfg.tot.propagate,
+    )
 
 
 def sudoku_decode(cfg, graph, params, batch):
     """Decodes a token batch with cfg.decoder: {predicted tokens [S, B, L] (S = supervision steps for
     trm, 1 for the others), forward passes per puzzle [B], and the value head's log values and labels on
     partial grids made from the batch (for its AUROC)}."""
-    q_BL = batch['inputs'] - 1
-    if cfg.decoder.startswith('trm'):  # trm: the plain TRM, one trajectory without noise
-        preds_SBL, passes_B = parallel_decode(cfg, graph, params, q_BL, cfg.trm.eval_steps or cfg.trm.N_sup,
-                                              cfg.decoder == 'trm')
+    q_BL = batch["inputs"] - 1
+    if cfg.decoder.startswith("trm"):  # trm: the plain TRM, one trajectory without noise
+        preds_SBL, passes_B = parallel_decode(
+            cfg, graph, params, q_BL, cfg.trm.eval_steps or cfg.trm.N_sup, cfg.decoder == "trm"
+        )
     else:  # a search: each state it evaluates runs this many supervision steps
         steps = max(cfg.tot.policy_steps, cfg.tot.value_step)
 
         def evaluate(g_NL):  # -> digit log-probs, log value, halting logit after the last step
             run = trm_steps(cfg, graph, params, g_NL, steps)
             return run.logp_NLC, run.log_value_N, run.halt_SN[-1]
+
         grids_BL, evals_B = tree_search(evaluate, q_BL, sudoku_search(cfg, cfg.decoder))
         preds_SBL, passes_B = grids_BL[None] + 1, evals_B * steps
-    partial_BL, label_B = puzzle_partial_states(jax.random.key(cfg.seed), q_BL, batch['targets'] - 1)
+    partial_BL, label_B = puzzle_partial_states(
+        jax.random.key(cfg.seed), q_BL, batch["targets"] - 1
+    )
     log_value_B = trm_steps(cfg, graph, params, partial_BL, cfg.tot.value_step).log_value_N
-    return {'preds_SBL': preds_SBL, 'passes_B': passes_B, 'log_value_B': log_value_B, 'label_B': label_B}
+    return {
+        "preds_SBL": preds_SBL,
+        "passes_B": passes_B,
+        "log_value_B": log_value_B,
+        "label_B": label_B,
+    }
 
 
 def sudoku_scores(preds_SBL, batch):
@@ -1411,41 +1883,59 @@ def sudoku_scores(preds_SBL, batch):
     blank cells, puzzles, final digit grids [B, L]}. Padding rows are skipped; givens are copied from the
     puzzle whatever the model said; a grid counts as solved only if it obeys the Sudoku rules and equals
     the label."""
-    real = batch['segment_ids'][:, 0] > 0
-    q_BL, a_BL = batch['inputs'][real] - 1, batch['targets'][real] - 1  # tokens -> digits, 0 = blank
+    real = batch["segment_ids"][:, 0] > 0
+    q_BL, a_BL = (
+        batch["inputs"][real] - 1,
+        batch["targets"][real] - 1,
+    )  # tokens -> digits, 0 = blank
     blank_BL = q_BL == 0
     grids_SBL = np.where(blank_BL, np.asarray(preds_SBL)[:, real] - 1, q_BL)
     valid_SB = solved(grids_SBL.reshape(-1, SUDOKU_LEN)).reshape(grids_SBL.shape[:2])
-    return {'exact_S': ((grids_SBL == a_BL).all(-1) & valid_SB).sum(1),
-            'cells_S': ((grids_SBL == a_BL) & blank_BL).sum((1, 2)), 'blanks': blank_BL.sum(), 'puzzles': len(q_BL),
-            'grids_BL': np.clip(grids_SBL[-1], 0, 9)}
+    return {
+        "exact_S": ((grids_SBL == a_BL).all(-1) & valid_SB).sum(1),
+        "cells_S": ((grids_SBL == a_BL) & blank_BL).sum((1, 2)),
+        "blanks": blank_BL.sum(),
+        "puzzles": len(q_BL),
+        "grids_BL": np.clip(grids_SBL[-1], 0, 9),
+    }
 
 
 def auroc(scores, labels):
     """Area under the ROC curve: the chance a random positive scores above a random negative."""
     pos, neg = scores[labels], scores[~labels]
     if not len(pos) or not len(neg):
-        return float('nan')
+        return float("nan")
     return float(np.mean((pos[:, None] > neg[None]) + 0.5 * (pos[:, None] == neg[None])))
 
 
 def sudoku_eval_result(cfg, outs, batches, ds, save_to=None):
     """Exact (whole grid) and cell accuracy, forward passes and the value head's AUROC over every batch,
     with per-step accuracies for decoder=trm; save_to: also the answers, in eval-file order, as a CSV."""
-    scores = [sudoku_scores(o['preds_SBL'], b) for o, b in zip(outs, batches)]
-    total = {k: sum(sc[k] for sc in scores) for k in ('exact_S', 'cells_S', 'blanks', 'puzzles')}
+    scores = [sudoku_scores(o["preds_SBL"], b) for o, b in zip(outs, batches)]
+    total = {k: sum(sc[k] for sc in scores) for k in ("exact_S", "cells_S", "blanks", "puzzles")}
     if save_to:  # the answers themselves, givens as in the puzzle
-        grids = np.concatenate([sc['grids_BL'] for sc in scores])[:len(ds.eval_q)]
-        data.write_sudoku_csv(os.path.join(save_to, 'predictions.csv'), ds.eval_q, grids)
-    exact_S, cells_S = total['exact_S'] / max(total['puzzles'], 1), total['cells_S'] / max(total['blanks'], 1)
-    cat = lambda k: np.concatenate([o[k][b['segment_ids'][:, 0] > 0] for o, b in zip(outs, batches)])  # real rows
-    result = {'exact_accuracy': float(exact_S[-1]), 'cell_accuracy': float(cells_S[-1]),
-              'num_puzzles': int(total['puzzles']), 'decoder': cfg.decoder,
-              'forward_passes': float(np.mean(cat('passes_B'))),
-              'value_auroc': auroc(cat('log_value_B'), cat('label_B').astype(bool))}
+        grids = np.concatenate([sc["grids_BL"] for sc in scores])[: len(ds.eval_q)]
+        data.write_sudoku_csv(os.path.join(save_to, "predictions.csv"), ds.eval_q, grids)
+    exact_S, cells_S = (
+        total["exact_S"] / max(total["puzzles"], 1),
+        total["cells_S"] / max(total["blanks"], 1),
+    )
+    cat = lambda k: np.concatenate(
+        [o[k][b["segment_ids"][:, 0] > 0] for o, b in zip(outs, batches)]
+    )  # real rows
+    result = {
+        "exact_accuracy": float(exact_S[-1]),
+        "cell_accuracy": float(cells_S[-1]),
+        "num_puzzles": int(total["puzzles"]),
+        "decoder": cfg.decoder,
+        "forward_passes": float(np.mean(cat("passes_B"))),
+        "value_auroc": auroc(cat("log_value_B"), cat("label_B").astype(bool)),
+    }
     if len(exact_S) > 1:  # does recursion help? accuracy after each supervision step
-        result.update(exact_accuracy_per_step=[round(float(e), 4) for e in exact_S],
-                      cell_accuracy_per_step=[round(float(c), 4) for c in cells_S])
+        result.update(
+            exact_accuracy_per_step=[round(float(e), 4) for e in exact_S],
+            cell_accuracy_per_step=[round(float(c), 4) for c in cells_S],
+        )
     return result
 
 
@@ -1454,60 +1944,111 @@ def sudoku_generate(cfg, graph, params, ds, rows):
     The puzzle fills all `rows` rows, so the batch divides the mesh."""
     q_L = data.parse_grid(cfg.prompt)
     tokens = np.tile(q_L + 1, (rows, 1)).astype(np.int32)
-    batch = {'inputs': tokens, 'targets': tokens}  # targets unknown: only the value AUROC reads them
-    preds_L = np.asarray(jax.jit(lambda p, b: sudoku_decode(cfg, graph, p, b))(params, batch)['preds_SBL'])[-1, 0] - 1
+    batch = {
+        "inputs": tokens,
+        "targets": tokens,
+    }  # targets unknown: only the value AUROC reads them
+    preds_L = (
+        np.asarray(
+            jax.jit(lambda p, b: sudoku_decode(cfg, graph, p, b))(params, batch)["preds_SBL"]
+        )[-1, 0]
+        - 1
+    )
     grid_L = np.where(q_L == 0, np.clip(preds_L, 0, 9), q_L)
     valid = bool(solved(grid_L[None])[0])
-    shown = '\n'.join(' '.join(map(str, grid_L[r * 9:(r + 1) * 9])) for r in range(9))
-    shown += f'\n{"a valid solution" if valid else "NOT a valid solution"} (decoder={cfg.decoder})'
-    return {'solution': ''.join(map(str, grid_L)), 'valid': valid}, shown, ''.join(map(str, grid_L)) + '\n'
+    shown = "\n".join(" ".join(map(str, grid_L[r * 9 : (r + 1) * 9])) for r in range(9))
+    shown += f"\n{'a valid solution' if valid else 'NOT a valid solution'} (decoder={cfg.decoder})"
+    return (
+        {"solution": "".join(map(str, grid_L)), "valid": valid},
+        shown,
+        "".join(map(str, grid_L)) + "\n",
+    )
 
 
 def sudoku_check(cfg):
     """The puzzle task's own config rules: a message naming the key, or ''."""
-    if cfg.mode == 'export' or cfg.load_hf:
-        return f'{"mode=export" if cfg.mode == "export" else "load_hf"} is for task=lm (a TRM solver has no HF form)'
-    if cfg.mode == 'generate' and data.parse_grid(cfg.prompt) is None:
-        return f'prompt={cfg.prompt!r}: give the puzzle as 81 characters, digits 1-9 and . or 0 for blanks, row by row'
-    return ''
+    if cfg.mode == "export" or cfg.load_hf:
+        return f"{'mode=export' if cfg.mode == 'export' else 'load_hf'} is for task=lm (a TRM solver has no HF form)"
+    if cfg.mode == "generate" and data.parse_grid(cfg.prompt) is None:
+        return f"prompt={cfg.prompt!r}: give the puzzle as 81 characters, digits 1-9 and . or 0 for blanks, row by row"
+    return ""
 
 
 def trm_flops_per_token(cfg):
     """Training FLOPs per cell per supervision step: T(n+1) forward net calls, of which the last n+1 also
     run backward (2x), attention bidirectional over the 81 cells (the MLP mixer counted as attention)."""
-    T, n = cfg.trm.T, cfg.trm.n  # (T + 2)(n + 1) = T(n + 1) forward calls + 2(n + 1) backward; the head 3 x 2 dV
-    return (T + 2) * (n + 1) * cfg.num_layers * layer_flops(cfg, SUDOKU_LEN, False) + 6 * cfg.d_model * cfg.vocab_size
+    T, n = (
+        cfg.trm.T,
+        cfg.trm.n,
+    )  # (T + 2)(n + 1) = T(n + 1) forward calls + 2(n + 1) backward; the head 3 x 2 dV
+    return (T + 2) * (n + 1) * cfg.num_layers * layer_flops(
+        cfg, SUDOKU_LEN, False
+    ) + 6 * cfg.d_model * cfg.vocab_size
 
 
 def trm_step_metrics(sums, weight):
     """Halting and solving rates of the step's slots, and the value head's accuracy (NaN before it trains)."""
-    out = {'halt_rate': sums['halted'] / weight, 'train_exact': sums['exact'] / weight,
-           'sup_steps': sums['halt_steps'] / jnp.maximum(sums['halted'], 1)}
-    if 'value_acc' in sums:  # share of partial grids the value head calls right (p > 0.5 iff right)
-        out['value_acc'] = jnp.where(sums['value_rows'] > 0, sums['value_acc'] / jnp.maximum(sums['value_rows'], 1),
-                                     jnp.nan)
+    out = {
+        "halt_rate": sums["halted"] / weight,
+        "train_exact": sums["exact"] / weight,
+        "sup_steps": sums["halt_steps"] / jnp.maximum(sums["halted"], 1),
+    }
+    if "value_acc" in sums:  # share of partial grids the value head calls right (p > 0.5 iff right)
+        out["value_acc"] = jnp.where(
+            sums["value_rows"] > 0, sums["value_acc"] / jnp.maximum(sums["value_rows"], 1), jnp.nan
+        )
     return out
 
 
 SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
-    ('count', 'sudoku_train_puzzles sudoku_eval_puzzles beam_width max_depth max_thoughts trm.T trm.n trm.N_sup '
-              'parallel.trajectories parallel.sure_votes tot.policy_steps tot.value_step'),
-    ('off', 'trm.eval_steps parallel.extra_trajectories tot.start_step tot.frontier'),
-    ('nonneg', 'trm.halt_loss_weight trm.train_noise parallel.noise tot.loss_weight tot.logp_weight'),
-    ('share', 'trm.halt_explore_prob'), ('decay', 'trm.ema_decay'), ('bool', 'augment tot.rule_checks tot.propagate'),
-    (('ints', 0, 81), 'sudoku_blanks'), (('int', 1, 9), 'thoughts_per_step'), (('int', 1, 81), 'thought_cells'),
-    (('trm', 'trm_parallel', 'greedy', 'beam_logp', 'tot'), 'decoder'), (('attention', 'mlp'), 'trm.mixer'),
-    (('first', 'best', 'last', 'vote'), 'trm.eval_halt'))
-SUDOKU = Task(module=TRM, loss=trm_loss, flops_per_token=trm_flops_per_token, step_metrics=trm_step_metrics,
-              eval_step=sudoku_decode, eval_result=sudoku_eval_result, generate=sudoku_generate, check=sudoku_check,
-              keys=SUDOKU_KEYS, dataset=data.SudokuData, eval_weights='ema', eval_all=True,
-              shown=(('train_exact', 'solved {:.1%}'), ('eval_exact_accuracy', 'eval solved {:.1%}'),
-                     ('eval_cell_accuracy', 'cells {:.1%}')),
-              fixed=lambda cfg: {'vocab_size': data.SUDOKU_VOCAB, 'max_target_length': SUDOKU_LEN},
-              # The EMA and the carry are train state: checkpointed, so a resume is exact.
-              state=lambda cfg, params, rows: {'ema': params, 'carry': trm_carry(cfg, cfg.grad_accum, rows)},
-              state_axes=lambda param_axes: {'ema': param_axes, 'carry': CARRY_AXES},
-              after_update=lambda cfg, state, params, carry: {
-                  'carry': carry, 'ema': ema_update(cfg.trm.ema_decay, state['step'], state['ema'], params)})
+    (
+        "count",
+        (
+            "sudoku_train_puzzles sudoku_eval_puzzles beam_width max_depth max_thoughts trm.T trm.n trm.N_sup "
+            "parallel.trajectories parallel.sure_votes tot.policy_steps tot.value_step"
+        ),
+    ),
+    ("off", "trm.eval_steps parallel.extra_trajectories tot.start_step tot.frontier"),
+    (
+        "nonneg",
+        "trm.halt_loss_weight trm.train_noise parallel.noise tot.loss_weight tot.logp_weight",
+    ),
+    ("share", "trm.halt_explore_prob"),
+    ("decay", "trm.ema_decay"),
+    ("bool", "augment tot.rule_checks tot.propagate"),
+    (("ints", 0, 81), "sudoku_blanks"),
+    (("int", 1, 9), "thoughts_per_step"),
+    (("int", 1, 81), "thought_cells"),
+    (("trm", "trm_parallel", "greedy", "beam_logp", "tot"), "decoder"),
+    (("attention", "mlp"), "trm.mixer"),
+    (("first", "best", "last", "vote"), "trm.eval_halt"),
+)
+SUDOKU = Task(
+    module=TRM,
+    loss=trm_loss,
+    flops_per_token=trm_flops_per_token,
+    step_metrics=trm_step_metrics,
+    eval_step=sudoku_decode,
+    eval_result=sudoku_eval_result,
+    generate=sudoku_generate,
+    check=sudoku_check,
+    keys=SUDOKU_KEYS,
+    dataset=data.SudokuData,
+    eval_weights="ema",
+    eval_all=True,
+    shown=(
+        ("train_exact", "solved {:.1%}"),
+        ("eval_exact_accuracy", "eval solved {:.1%}"),
+        ("eval_cell_accuracy", "cells {:.1%}"),
+    ),
+    fixed=lambda cfg: {"vocab_size": data.SUDOKU_VOCAB, "max_target_length": SUDOKU_LEN},
+    # The EMA and the carry are train state: checkpointed, so a resume is exact.
+    state=lambda cfg, params, rows: {"ema": params, "carry": trm_carry(cfg, cfg.grad_accum, rows)},
+    state_axes=lambda param_axes: {"ema": param_axes, "carry": CARRY_AXES},
+    after_update=lambda cfg, state, params, carry: {
+        "carry": carry,
+        "ema": ema_update(cfg.trm.ema_decay, state["step"], state["ema"], params),
+    },
+)
 
-TASKS = {'lm': LM, 'sudoku': SUDOKU}
+TASKS = {"lm": LM, "sudoku": SUDOKU}

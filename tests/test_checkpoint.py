@@ -1,4 +1,5 @@
 """Checkpoints: exact resume after SIGKILL and SIGTERM, atomicity, corruption, resharding, bad input."""
+
 import glob
 import json
 import math
@@ -14,42 +15,71 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import (
+    BASE,
+    ENV,
+    HF,
+    ROOT,
+    TEXT,
+    args,
+    config,
+    losses,
+    metrics,
+    read_checkpoint,
+    start_trainer,
+    trainer_results,
+    write_parquet,
+)
 
 import train
-from conftest import (BASE, ENV, HF, ROOT, TEXT, args, config, losses, metrics, read_checkpoint, start_trainer,
-                      trainer_results, write_parquet)
 
 # The text run interrupted below: real code (the first 40 stdlib modules, documents spanning many rows), two
 # microbatches per step, a checkpoint every 10 steps, the data read ahead on the prefetch thread. The signal
 # goes at step 15: 25 steps before the end, so a fast machine cannot finish before it lands.
-INTERRUPTED = ['vocab_size=512', 'max_target_length=64', 'per_device_batch=4', 'grad_accum=2', 'eval_batches=1',
-               'checkpoint_every=10', 'steps=40', 'prefetch=2']
+INTERRUPTED = [
+    "vocab_size=512",
+    "max_target_length=64",
+    "per_device_batch=4",
+    "grad_accum=2",
+    "eval_batches=1",
+    "checkpoint_every=10",
+    "steps=40",
+    "prefetch=2",
+]
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp('corpus')
-    for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()['stdlib'], '*.py')))[:40]:
+    d = tmp_path_factory.mktemp("corpus")
+    for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:40]:
         shutil.copy(f, d)
     return d
 
 
 def cli(corpus, out, *extra):
-    return [sys.executable, 'train.py', 'base.yml',
-            *args(out, f'dataset_path={corpus}/*.py', *INTERRUPTED, *extra, preset=TEXT)]
+    return [
+        sys.executable,
+        "train.py",
+        "base.yml",
+        *args(out, f"dataset_path={corpus}/*.py", *INTERRUPTED, *extra, preset=TEXT),
+    ]
 
 
-def run_losses(out, run='default'):
+def run_losses(out, run="default"):
     rows = metrics(os.path.join(out, run))
-    assert [r['step'] for r in rows] == list(range(1, len(rows) + 1)), 'one row per step, none missing'
-    return [r['loss'] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), (
+        "one row per step, none missing"
+    )
+    return [r["loss"] for r in rows]
 
 
 def run_until(cmd, out, step, sig, env=ENV):
     """Start the trainer, wait until it has logged `step`, send `sig`; returns the process result."""
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    metrics, deadline = os.path.join(out, 'default', 'metrics.jsonl'), time.time() + 600
-    first_ckpt = os.path.join(out, 'default', 'checkpoints', '10')  # appears only once complete
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    metrics, deadline = os.path.join(out, "default", "metrics.jsonl"), time.time() + 600
+    first_ckpt = os.path.join(out, "default", "checkpoints", "10")  # appears only once complete
     while time.time() < deadline and p.poll() is None:
         if os.path.isdir(first_ckpt) and sum(1 for _ in open(metrics)) >= step:
             p.send_signal(sig)
@@ -59,119 +89,155 @@ def run_until(cmd, out, step, sig, env=ENV):
     return p.returncode, stdout, stderr
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     """The uninterrupted run every interrupted one must reproduce exactly."""
-    out = tmp_path_factory.mktemp('ref')
-    r = subprocess.run(cli(corpus, out), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=ENV)
+    out = tmp_path_factory.mktemp("ref")
+    r = subprocess.run(
+        cli(corpus, out), cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV
+    )
     assert r.returncode == 0, r.stderr
     return run_losses(out)
 
 
 # SIGINT (Ctrl-C) takes SIGTERM's handler: in the loop it is the same; before the loop it is tested below.
-@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_interrupted_run_resumes_exactly(corpus, reference, tmp_path, sig):
     code, _, err = run_until(cli(corpus, tmp_path), tmp_path, 15, sig)
     if sig == signal.SIGKILL:
         assert code == -signal.SIGKILL
     else:
-        assert code == 75 and 'saved checkpoint at step' in err, err
-        saved = int(err.split('saved checkpoint at step ')[1].split()[0])
-        assert saved in [int(s) for s in os.listdir(tmp_path / 'default' / 'checkpoints')]
-    r = subprocess.run(cli(corpus, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=ENV)
+        assert code == 75 and "saved checkpoint at step" in err, err
+        saved = int(err.split("saved checkpoint at step ")[1].split()[0])
+        assert saved in [int(s) for s in os.listdir(tmp_path / "default" / "checkpoints")]
+    r = subprocess.run(
+        cli(corpus, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV
+    )
     assert r.returncode == 0, r.stderr
-    start = int(r.stdout.split('resuming from checkpoint ')[1].split()[0].rsplit('/', 1)[1])
+    start = int(r.stdout.split("resuming from checkpoint ")[1].split()[0].rsplit("/", 1)[1])
     assert 10 <= start < 40
     assert run_losses(tmp_path) == reference  # bit-for-bit, steps before and after the resume point
 
 
 def _truncate_biggest(step_dir):  # a finished checkpoint later cut short (disk full, bad copy)
-    biggest = max((p for p in step_dir.rglob('*') if p.is_file()), key=lambda p: p.stat().st_size)
-    with open(biggest, 'r+b') as f:
+    biggest = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(biggest, "r+b") as f:
         f.truncate(biggest.stat().st_size // 2)
 
 
 def _garble(step_dir):  # the index of the arrays and two data files overwritten with garbage
-    (step_dir / 'train_state' / '_sharding').write_text('garbage')
-    for f in sorted((step_dir / 'train_state' / 'ocdbt.process_0' / 'd').iterdir())[:2]:
+    (step_dir / "train_state" / "_sharding").write_text("garbage")
+    for f in sorted((step_dir / "train_state" / "ocdbt.process_0" / "d").iterdir())[:2]:
         f.write_bytes(os.urandom(100))
 
 
-DAMAGE = {'truncated': _truncate_biggest, 'garbled': _garble,
-          'manifest': lambda d: (d / 'train_state' / 'manifest.ocdbt').write_bytes(b'junk'),
-          'no params': lambda d: shutil.rmtree(d / 'train_state'),
-          'metadata': lambda d: (d / 'train_state' / '_METADATA').unlink()}
+DAMAGE = {
+    "truncated": _truncate_biggest,
+    "garbled": _garble,
+    "manifest": lambda d: (d / "train_state" / "manifest.ocdbt").write_bytes(b"junk"),
+    "no params": lambda d: shutil.rmtree(d / "train_state"),
+    "metadata": lambda d: (d / "train_state" / "_METADATA").unlink(),
+}
 
 
 def test_damaged_newest_checkpoint_is_moved_aside_and_the_run_resumes(tmp_path, capfd):
     """Whatever the damage to the newest step (and a kill -9 mid-write's temporary directory beside it),
     the run warns in one line, renames that step STEP.damaged-TIME (never deleted), resumes from the step
     before and continues exactly as an uninterrupted run; stderr stays empty."""
-    ref = train.run(config(tmp_path, 'steps=9', 'run_name=ref'), jax.devices()[:1])
-    train.run(config(tmp_path, 'steps=6', 'checkpoint_every=3', 'run_name=base'), jax.devices()[:1])
+    ref = train.run(config(tmp_path, "steps=9", "run_name=ref"), jax.devices()[:1])
+    train.run(config(tmp_path, "steps=6", "checkpoint_every=3", "run_name=base"), jax.devices()[:1])
     for kind, damage in DAMAGE.items():
-        shutil.copytree(tmp_path / 'base', tmp_path / kind)
-        ckpts = tmp_path / kind / 'checkpoints'
-        os.makedirs(ckpts / '9.orbax-checkpoint-tmp-1234' / 'train_state')  # never a step
-        damage(ckpts / '6')
+        shutil.copytree(tmp_path / "base", tmp_path / kind)
+        ckpts = tmp_path / kind / "checkpoints"
+        os.makedirs(ckpts / "9.orbax-checkpoint-tmp-1234" / "train_state")  # never a step
+        damage(ckpts / "6")
         capfd.readouterr()
-        s = train.run(config(tmp_path, 'steps=9', 'checkpoint_every=3', f'run_name={kind}'), jax.devices()[:1])
+        s = train.run(
+            config(tmp_path, "steps=9", "checkpoint_every=3", f"run_name={kind}"), jax.devices()[:1]
+        )
         out, err = capfd.readouterr()
-        assert s['step'] == 9 and err == '', (kind, err[-2000:])
-        assert out.count('is damaged') == 1 and f'{ckpts}/6 is damaged' in out, (kind, out)
-        assert 'resuming from checkpoint ' + str(ckpts / '3') in out, kind
-        assert len([d for d in os.listdir(ckpts) if d.startswith('6.damaged-')]) == 1, kind
-        assert losses(tmp_path / kind) == losses(ref['run_dir']), kind  # resumed from step 3, continued exactly
+        assert s["step"] == 9 and err == "", (kind, err[-2000:])
+        assert out.count("is damaged") == 1 and f"{ckpts}/6 is damaged" in out, (kind, out)
+        assert "resuming from checkpoint " + str(ckpts / "3") in out, kind
+        assert len([d for d in os.listdir(ckpts) if d.startswith("6.damaged-")]) == 1, kind
+        assert losses(tmp_path / kind) == losses(ref["run_dir"]), (
+            kind
+        )  # resumed from step 3, continued exactly
 
 
 def test_no_readable_checkpoint_is_an_error_and_moves_nothing(tmp_path):
-    train.run(config(tmp_path, 'steps=4', 'checkpoint_every=2'), jax.devices()[:1])
-    ckpts = tmp_path / 'default' / 'checkpoints'
-    for step in ('2', '4'):
+    train.run(config(tmp_path, "steps=4", "checkpoint_every=2"), jax.devices()[:1])
+    ckpts = tmp_path / "default" / "checkpoints"
+    for step in ("2", "4"):
         _garble(ckpts / step)
-    with pytest.raises(train.ConfigError, match='no readable checkpoint in .*steps 2, 4 are damaged'):
-        train.run(config(tmp_path, 'steps=6'), jax.devices()[:1])
-    assert sorted(os.listdir(ckpts)) == ['2', '4']
+    with pytest.raises(
+        train.ConfigError, match="no readable checkpoint in .*steps 2, 4 are damaged"
+    ):
+        train.run(config(tmp_path, "steps=6"), jax.devices()[:1])
+    assert sorted(os.listdir(ckpts)) == ["2", "4"]
 
 
 def test_restore_onto_a_different_mesh(tmp_path):
     """Saved on mesh=8,1,1 at step 3, resumed on mesh=2,2,2: steps 4-6 match the run that never moved."""
-    ref = train.run(config(tmp_path, 'mesh=8,1,1', 'per_device_batch=2', 'steps=6', 'checkpoint_every=3',
-                         'run_name=ref'), jax.devices()[:8])
-    shutil.copytree(os.path.join(ref['run_dir'], 'checkpoints', '3'), tmp_path / 'moved' / 'checkpoints' / '3')
-    train.run(config(tmp_path, 'mesh=2,2,2', 'per_device_batch=2', 'steps=6', 'run_name=moved'), jax.devices()[:8])
-    got, want = losses(tmp_path / 'moved'), losses(ref['run_dir'])[3:]
+    ref = train.run(
+        config(
+            tmp_path,
+            "mesh=8,1,1",
+            "per_device_batch=2",
+            "steps=6",
+            "checkpoint_every=3",
+            "run_name=ref",
+        ),
+        jax.devices()[:8],
+    )
+    shutil.copytree(
+        os.path.join(ref["run_dir"], "checkpoints", "3"), tmp_path / "moved" / "checkpoints" / "3"
+    )
+    train.run(
+        config(tmp_path, "mesh=2,2,2", "per_device_batch=2", "steps=6", "run_name=moved"),
+        jax.devices()[:8],
+    )
+    got, want = losses(tmp_path / "moved"), losses(ref["run_dir"])[3:]
     assert len(got) == 3
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_shape_mismatch_and_load_params(tmp_path):
-    train.run(config(tmp_path, 'steps=2'), jax.devices()[:1])
-    with pytest.raises(train.ConfigError, match=r'was written by another config: params/.* is \(.*\) there but \(.*\) '
-                                                r'here; changed since: steps \(2 -> 4\), d_model \(64 -> 32\); use'):
-        train.run(config(tmp_path, 'steps=4', 'd_model=32'), jax.devices()[:1])
+    train.run(config(tmp_path, "steps=2"), jax.devices()[:1])
+    with pytest.raises(
+        train.ConfigError,
+        match=r"was written by another config: params/.* is \(.*\) there but \(.*\) "
+        r"here; changed since: steps \(2 -> 4\), d_model \(64 -> 32\); use",
+    ):
+        train.run(config(tmp_path, "steps=4", "d_model=32"), jax.devices()[:1])
     # load_params starts a fresh run (step 0, new optimizer) from the other run's weights.
-    cfg = config(tmp_path, 'steps=1', 'run_name=finetune', f'load_params={tmp_path}/default', 'checkpoint_every=0')
+    cfg = config(
+        tmp_path,
+        "steps=1",
+        "run_name=finetune",
+        f"load_params={tmp_path}/default",
+        "checkpoint_every=0",
+    )
     train.run(cfg, jax.devices()[:1])
-    a = read_checkpoint(tmp_path / 'default', 2)['train_state']['params']
-    b = read_checkpoint(tmp_path / 'finetune', 1)['train_state']
-    assert int(b['step']) == 1
-    jax.tree.map(np.testing.assert_array_equal, a, b['params'])  # warmup's first step has lr 0: as loaded
+    a = read_checkpoint(tmp_path / "default", 2)["train_state"]["params"]
+    b = read_checkpoint(tmp_path / "finetune", 1)["train_state"]
+    assert int(b["step"]) == 1
+    jax.tree.map(
+        np.testing.assert_array_equal, a, b["params"]
+    )  # warmup's first step has lr 0: as loaded
 
 
 def test_eval_mode_and_resume_false(tmp_path):
-    with pytest.raises(train.ConfigError, match='mode=eval needs trained parameters'):
-        train.run(config(tmp_path, 'mode=eval', 'eval_batches=1'), jax.devices()[:1])
-    s = train.run(config(tmp_path, 'steps=2', 'eval_batches=1'), jax.devices()[:1])
-    e = train.run(config(tmp_path, 'steps=2', 'mode=eval', 'eval_batches=1'), jax.devices()[:1])
-    assert e['step'] == 2 and abs(e['loss'] - s['eval_loss']) < 1e-6  # eval.json: the task's names
+    with pytest.raises(train.ConfigError, match="mode=eval needs trained parameters"):
+        train.run(config(tmp_path, "mode=eval", "eval_batches=1"), jax.devices()[:1])
+    s = train.run(config(tmp_path, "steps=2", "eval_batches=1"), jax.devices()[:1])
+    e = train.run(config(tmp_path, "steps=2", "mode=eval", "eval_batches=1"), jax.devices()[:1])
+    assert e["step"] == 2 and abs(e["loss"] - s["eval_loss"]) < 1e-6  # eval.json: the task's names
     # resume=false starts again from step 0 and keeps the earlier run, renamed.
-    s = train.run(config(tmp_path, 'steps=1', 'resume=false'), jax.devices()[:1])
-    names = os.listdir(s['run_dir'])
-    assert any(n.startswith('checkpoints.replaced-') for n in names) and 'checkpoints' in names
-    assert [r['step'] for r in metrics(s['run_dir'])] == [1]
+    s = train.run(config(tmp_path, "steps=1", "resume=false"), jax.devices()[:1])
+    names = os.listdir(s["run_dir"])
+    assert any(n.startswith("checkpoints.replaced-") for n in names) and "checkpoints" in names
+    assert [r["step"] for r in metrics(s["run_dir"])] == [1]
 
 
 def _same_bits(a, b):
@@ -184,59 +250,86 @@ def test_a_nonfinite_step_names_the_checkpoint_to_go_on_from_and_the_advice_work
     NaN (its loss stays finite: RMSNorm scales the huge activations back). The line names what was non-finite and the newest checkpoint before the parameters that produced it (step 1; step 2, which
     holds those parameters, is set aside, not deleted), exit 3; the advice (a lower learning_rate, the same command)
     resumes from step 1 and finishes with finite losses."""
-    keys = ['steps=6', 'warmup_steps=3', 'checkpoint_every=1', 'keep_checkpoints=0']
-    cmd = lambda lr: ['base.yml', *args(tmp_path, *keys, f'learning_rate={lr}')]
-    (code, err), (again, err2) = trainer_results(start_trainer([cmd('1e30'), cmd('1e-3')], JAX_NUM_CPU_DEVICES='1'))[1]
-    assert code == 3 and err.count('\n') == 1 and re.fullmatch(
-        r'error: gradient norm is nan \(loss [0-9.]+\) at step 3: stopped; the newest checkpoint before it is step 1 '
-        r'\(step 2 set aside\); lower learning_rate \(or raise warmup_steps\) and rerun to resume from there\n', err), err
-    names = os.listdir(tmp_path / 'default' / 'checkpoints')
-    assert any(n.startswith('2.nonfinite-') for n in names) and '1' in names, names
-    assert again == 0 and err2 == '', err2
-    rows = metrics(tmp_path / 'default')
-    assert [r['step'] for r in rows] == list(range(1, 7)) and all(math.isfinite(r['loss']) for r in rows), rows
-    assert sorted(int(n) for n in os.listdir(tmp_path / 'default' / 'checkpoints') if n.isdigit())[-1] == 6
+    keys = ["steps=6", "warmup_steps=3", "checkpoint_every=1", "keep_checkpoints=0"]
+    cmd = lambda lr: ["base.yml", *args(tmp_path, *keys, f"learning_rate={lr}")]
+    (code, err), (again, err2) = trainer_results(
+        start_trainer([cmd("1e30"), cmd("1e-3")], JAX_NUM_CPU_DEVICES="1")
+    )[1]
+    assert (
+        code == 3
+        and err.count("\n") == 1
+        and re.fullmatch(
+            r"error: gradient norm is nan \(loss [0-9.]+\) at step 3: stopped; the newest checkpoint before it is step 1 "
+            r"\(step 2 set aside\); lower learning_rate \(or raise warmup_steps\) and rerun to resume from there\n",
+            err,
+        )
+    ), err
+    names = os.listdir(tmp_path / "default" / "checkpoints")
+    assert any(n.startswith("2.nonfinite-") for n in names) and "1" in names, names
+    assert again == 0 and err2 == "", err2
+    rows = metrics(tmp_path / "default")
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(
+        math.isfinite(r["loss"]) for r in rows
+    ), rows
+    assert max(int(n) for n in os.listdir(tmp_path / "default" / "checkpoints") if n.isdigit()) == 6
 
 
 def test_unwritable_output_dir(tmp_path):
-    (tmp_path / 'file').write_text('')
-    with pytest.raises(train.data.DataError, match='output_dir=.*choose a writable output_dir'):
-        train.run(config(tmp_path, f'output_dir={tmp_path}/file/sub'), jax.devices()[:1])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(train.data.DataError, match="output_dir=.*choose a writable output_dir"):
+        train.run(config(tmp_path, f"output_dir={tmp_path}/file/sub"), jax.devices()[:1])
 
 
 def test_keep_checkpoints_deletes_the_oldest(tmp_path):
     """keep_checkpoints=2 with a checkpoint every step: only the two newest step directories remain, and
     the run resumes from the newest."""
-    train.run(config(tmp_path, 'steps=5', 'checkpoint_every=1', 'keep_checkpoints=2'), jax.devices()[:1])
-    assert sorted(os.listdir(tmp_path / 'default' / 'checkpoints')) == ['4', '5']
-    s = train.run(config(tmp_path, 'steps=6', 'checkpoint_every=1', 'keep_checkpoints=2'), jax.devices()[:1])
-    assert [r['step'] for r in metrics(s['run_dir'])] == [1, 2, 3, 4, 5, 6]
-    assert sorted(os.listdir(tmp_path / 'default' / 'checkpoints')) == ['5', '6']
+    train.run(
+        config(tmp_path, "steps=5", "checkpoint_every=1", "keep_checkpoints=2"), jax.devices()[:1]
+    )
+    assert sorted(os.listdir(tmp_path / "default" / "checkpoints")) == ["4", "5"]
+    s = train.run(
+        config(tmp_path, "steps=6", "checkpoint_every=1", "keep_checkpoints=2"), jax.devices()[:1]
+    )
+    assert [r["step"] for r in metrics(s["run_dir"])] == [1, 2, 3, 4, 5, 6]
+    assert sorted(os.listdir(tmp_path / "default" / "checkpoints")) == ["5", "6"]
 
 
 def test_resuming_with_other_rows_per_microbatch_is_an_error(tmp_path):
     """The data position is per row: a resume that reads another number of rows per microbatch stops with a
     message saying what to keep, and the checkpoint stays as it was."""
-    train.run(config(tmp_path, 'steps=1', 'per_device_batch=2'), jax.devices()[:1])
-    with pytest.raises(train.data.DataError, match='holds the data position of 2 rows per microbatch but this run '
-                                                   r'reads 4 \(per_device_batch x devices\): keep 2 to resume'):
-        train.run(config(tmp_path, 'steps=2', 'per_device_batch=4'), jax.devices()[:1])
-    assert os.listdir(tmp_path / 'default' / 'checkpoints') == ['1']
+    train.run(config(tmp_path, "steps=1", "per_device_batch=2"), jax.devices()[:1])
+    with pytest.raises(
+        train.data.DataError,
+        match="holds the data position of 2 rows per microbatch but this run "
+        r"reads 4 \(per_device_batch x devices\): keep 2 to resume",
+    ):
+        train.run(config(tmp_path, "steps=2", "per_device_batch=4"), jax.devices()[:1])
+    assert os.listdir(tmp_path / "default" / "checkpoints") == ["1"]
 
 
 # ---- the run directory: owned by one run, written or stopped in one line, resumed or refused by name ---------
 def test_two_runs_on_one_run_directory(tmp_path):
     """The same command started twice at once: one trains, the other stops at once with one line naming who
     holds the directory; metrics.jsonl then has every step once."""
-    cmd = [sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'steps=30', 'checkpoint_every=10')]
-    runs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-            for _ in range(2)]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "base.yml",
+        *args(tmp_path, "steps=30", "checkpoint_every=10"),
+    ]
+    runs = [
+        subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+        )
+        for _ in range(2)
+    ]
     results = sorted((p.wait(timeout=300), p.stderr.read()) for p in runs)
-    (ok, ok_err), (refused, refused_err) = results
+    (ok, _ok_err), (refused, refused_err) = results
     assert ok == 0 and refused == 2, results
-    assert refused_err.count('\n') == 1 and refused_err.startswith(f'error: {tmp_path}/default is in use by process '), \
-        refused_err
-    assert [r['step'] for r in metrics(tmp_path / 'default')] == list(range(1, 31))
+    assert refused_err.count("\n") == 1 and refused_err.startswith(
+        f"error: {tmp_path}/default is in use by process "
+    ), refused_err
+    assert [r["step"] for r in metrics(tmp_path / "default")] == list(range(1, 31))
 
 
 def test_a_refused_checkpoint_write_stops_in_one_line_and_keeps_the_rest(tmp_path):
@@ -244,102 +337,159 @@ def test_a_refused_checkpoint_write_stops_in_one_line_and_keeps_the_rest(tmp_pat
     process sets itself): exit 74 with one line, no hang; the checkpoint before stays and a rerun resumes
     from it to the losses of a run that was never stopped."""
     import resource
-    env = {k: v for k, v in ENV.items() if k != 'JAX_COMPILATION_CACHE_DIR'}  # for the limited run: cache files are large
-    cmd = lambda run, steps: [sys.executable, 'train.py', 'base.yml',
-                              *args(tmp_path, f'steps={steps}', 'checkpoint_every=2', f'run_name={run}')]
-    ref = subprocess.run(cmd('ref', 6), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+
+    env = {
+        k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"
+    }  # for the limited run: cache files are large
+    cmd = lambda run, steps: [
+        sys.executable,
+        "train.py",
+        "base.yml",
+        *args(tmp_path, f"steps={steps}", "checkpoint_every=2", f"run_name={run}"),
+    ]
+    ref = subprocess.run(
+        cmd("ref", 6), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+    )
     assert ref.returncode == 0, ref.stderr
-    assert subprocess.run(cmd('full', 2), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV).returncode == 0
+    assert (
+        subprocess.run(
+            cmd("full", 2), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+        ).returncode
+        == 0
+    )
 
     def small_files():  # writes past 64 KiB fail with EFBIG instead of killing the process
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
-    r = subprocess.run(cmd('full', 6), cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
-                       preexec_fn=small_files)
-    assert r.returncode == 74 and r.stderr.count('\n') == 1, r.stderr
-    assert r.stderr.startswith(f'error: {tmp_path}/full/checkpoints: '), r.stderr
-    assert sorted(d for d in os.listdir(tmp_path / 'full' / 'checkpoints') if d.isdigit()) == ['2']
-    r = subprocess.run(cmd('full', 6), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert r.returncode == 0 and 'resuming from checkpoint' in r.stdout, r.stderr
-    assert losses(tmp_path / 'full') == losses(tmp_path / 'ref')
+
+    r = subprocess.run(
+        cmd("full", 6),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        preexec_fn=small_files,
+    )
+    assert r.returncode == 74 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {tmp_path}/full/checkpoints: "), r.stderr
+    assert sorted(d for d in os.listdir(tmp_path / "full" / "checkpoints") if d.isdigit()) == ["2"]
+    r = subprocess.run(
+        cmd("full", 6), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+    )
+    assert r.returncode == 0 and "resuming from checkpoint" in r.stdout, r.stderr
+    assert losses(tmp_path / "full") == losses(tmp_path / "ref")
 
 
 def test_a_changed_model_on_resume_is_named_not_damage(tmp_path):
     """Tying the embeddings under an existing run changes the parameter tree: the run stops naming the
     parameter and the key that changed, and the checkpoints stay as they were (none called damaged)."""
-    train.run(config(tmp_path, 'steps=2'), jax.devices()[:1])
-    before = sorted(os.listdir(tmp_path / 'default' / 'checkpoints'))
-    with pytest.raises(train.ConfigError, match=r'written by another config: params/lm_head is \(64, 128\) there but '
-                                                r'none here; changed since: tie_embeddings \(False -> True\); use'):
-        train.run(config(tmp_path, 'steps=2', 'tie_embeddings=true'), jax.devices()[:1])
-    assert sorted(os.listdir(tmp_path / 'default' / 'checkpoints')) == before == ['2']
+    train.run(config(tmp_path, "steps=2"), jax.devices()[:1])
+    before = sorted(os.listdir(tmp_path / "default" / "checkpoints"))
+    with pytest.raises(
+        train.ConfigError,
+        match=r"written by another config: params/lm_head is \(64, 128\) there but "
+        r"none here; changed since: tie_embeddings \(False -> True\); use",
+    ):
+        train.run(config(tmp_path, "steps=2", "tie_embeddings=true"), jax.devices()[:1])
+    assert sorted(os.listdir(tmp_path / "default" / "checkpoints")) == before == ["2"]
 
 
 def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, capsys):
     """A crash while a metrics row was being written leaves half a line: the resume drops it with a
     warning and every step is in metrics.jsonl once."""
-    train.run(config(tmp_path, 'steps=4', 'checkpoint_every=2'), jax.devices()[:1])
-    path = tmp_path / 'default' / 'metrics.jsonl'
+    train.run(config(tmp_path, "steps=4", "checkpoint_every=2"), jax.devices()[:1])
+    path = tmp_path / "default" / "metrics.jsonl"
     path.write_text(path.read_text() + '{"step": 5, "lo')
     capsys.readouterr()
-    train.run(config(tmp_path, 'steps=6', 'checkpoint_every=2'), jax.devices()[:1])
-    assert 'dropped its last line, written only in part' in capsys.readouterr().out
-    assert [r['step'] for r in metrics(tmp_path / 'default')] == [1, 2, 3, 4, 5, 6]
+    train.run(config(tmp_path, "steps=6", "checkpoint_every=2"), jax.devices()[:1])
+    assert "dropped its last line, written only in part" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(tmp_path / "default")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_changed_data_source_starts_the_data_over(tmp_path, capsys):
     """Resuming a synthetic-token run on text files: the position counted in the other data is not applied;
     one warning says the data order starts over, and the run goes on."""
     from conftest import VOCAB, write_corpus
-    write_corpus(tmp_path / 'corpus', 6, 'doc', 0)
-    train.run(config(tmp_path, 'steps=2', f'vocab_size={VOCAB}'), jax.devices()[:1])
+
+    write_corpus(tmp_path / "corpus", 6, "doc", 0)
+    train.run(config(tmp_path, "steps=2", f"vocab_size={VOCAB}"), jax.devices()[:1])
     capsys.readouterr()
-    s = train.run(config(tmp_path, 'steps=4', f'dataset_path={tmp_path}/corpus/*.txt', preset=TEXT), jax.devices()[:1])
+    s = train.run(
+        config(tmp_path, "steps=4", f"dataset_path={tmp_path}/corpus/*.txt", preset=TEXT),
+        jax.devices()[:1],
+    )
     out = capsys.readouterr().out
-    assert "the checkpoint's data position is in synthetic, not in this run's data" in out and s['step'] == 4, out
+    assert (
+        "the checkpoint's data position is in synthetic, not in this run's data" in out
+        and s["step"] == 4
+    ), out
 
 
 # ---- Hugging Face datasets and Weights & Biases across a kill -------------------------------------------
 # Read by random access, the same resume is test_hardware.py's elastic resume (dataset=hf, one process to two).
-@pytest.mark.parametrize('streaming', ['true'])
+@pytest.mark.parametrize("streaming", ["true"])
 def test_hf_dataset_run_killed_and_resumed_equals_an_unstopped_one(tmp_path, streaming):
     """A run on a Hugging Face dataset (local parquet through dataset=hf, read by random access or as a stream),
     killed with SIGKILL after its step-10 checkpoint and rerun: its losses are, bit for bit, those of a run
     never stopped (the stream goes on at the document after the checkpoint's)."""
-    write_parquet(str(tmp_path / 'd.parquet'), 60, 'doc', 0)
-    cmd = lambda out: [sys.executable, 'train.py', 'base.yml', *args(
-        out, f'hf_data_files={tmp_path}/d.parquet', f'hf_streaming={streaming}', 'steps=40', 'checkpoint_every=10',
-        'eval_batches=0', 'prefetch=2', preset=HF)]
-    ref = subprocess.run(cmd(tmp_path / 'ref'), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    write_parquet(str(tmp_path / "d.parquet"), 60, "doc", 0)
+    cmd = lambda out: [
+        sys.executable,
+        "train.py",
+        "base.yml",
+        *args(
+            out,
+            f"hf_data_files={tmp_path}/d.parquet",
+            f"hf_streaming={streaming}",
+            "steps=40",
+            "checkpoint_every=10",
+            "eval_batches=0",
+            "prefetch=2",
+            preset=HF,
+        ),
+    ]
+    ref = subprocess.run(
+        cmd(tmp_path / "ref"), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+    )
     assert ref.returncode == 0, ref.stderr
-    assert run_until(cmd(tmp_path / 'cut'), tmp_path / 'cut', 15, signal.SIGKILL)[0] == -signal.SIGKILL
-    r = subprocess.run(cmd(tmp_path / 'cut'), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert r.returncode == 0 and 'resuming from checkpoint' in r.stdout, r.stderr
-    assert run_losses(tmp_path / 'cut') == run_losses(tmp_path / 'ref')
+    assert (
+        run_until(cmd(tmp_path / "cut"), tmp_path / "cut", 15, signal.SIGKILL)[0] == -signal.SIGKILL
+    )
+    r = subprocess.run(
+        cmd(tmp_path / "cut"), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+    )
+    assert r.returncode == 0 and "resuming from checkpoint" in r.stdout, r.stderr
+    assert run_losses(tmp_path / "cut") == run_losses(tmp_path / "ref")
 
 
 def wandb_history(run_dir):
     """{step: {key: value}} of every row in the W&B offline runs under run_dir (the .wandb files: LevelDB-log
     records of wandb's protobuf Record), and the number of rows per step."""
     import struct
+
     from wandb.proto import wandb_internal_pb2
+
     rows, count = {}, {}
-    for path in glob.glob(os.path.join(run_dir, 'wandb', 'offline-run-*', 'run-*.wandb')):
-        blob, pos, part = open(path, 'rb').read(), 7, b''  # after the file header
+    for path in glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb")):
+        blob, pos, part = open(path, "rb").read(), 7, b""  # after the file header
         while pos + 7 <= len(blob):
             if 32768 - pos % 32768 < 7:  # a block's tail too short for a record header is padding
                 pos += 32768 - pos % 32768
                 continue
-            length, kind = struct.unpack('<HB', blob[pos + 4:pos + 7])
-            part, pos = part + blob[pos + 7:pos + 7 + length], pos + 7 + length
+            length, kind = struct.unpack("<HB", blob[pos + 4 : pos + 7])
+            part, pos = part + blob[pos + 7 : pos + 7 + length], pos + 7 + length
             if kind in (1, 4):  # a whole record, or the last piece of one
                 record = wandb_internal_pb2.Record()
                 record.ParseFromString(part)
-                part = b''
-                if record.WhichOneof('record_type') == 'history':
-                    row = {i.key or '/'.join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-                    rows[row['_step']] = row
-                    count[row['_step']] = count.get(row['_step'], 0) + 1
+                part = b""
+                if record.WhichOneof("record_type") == "history":
+                    row = {
+                        i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                        for i in record.history.item
+                    }
+                    rows[row["_step"]] = row
+                    count[row["_step"]] = count.get(row["_step"], 0) + 1
     return rows, count
 
 
@@ -348,36 +498,62 @@ def test_wandb_offline_run_equals_metrics_across_a_resume(tmp_path):
     the step it stops at) and rerun: the W&B run (one id, kept in the run directory) holds every step once, with
     the values metrics.jsonl holds. The home directory is not writable (wandb's cache cannot go there): nothing on
     stderr all the same."""
-    (tmp_path / 'a-file').touch()
-    env = {**{k: v for k, v in ENV.items() if k not in ('XDG_CACHE_HOME', 'WANDB_CACHE_DIR')}, 'WANDB_MODE': 'offline',
-           'HOME': str(tmp_path / 'a-file' / 'home')}
-    cmd = [sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'steps=40', 'checkpoint_every=10',
-                                                          'wandb_project=trainer-test')]
+    (tmp_path / "a-file").touch()
+    env = {
+        **{k: v for k, v in ENV.items() if k not in ("XDG_CACHE_HOME", "WANDB_CACHE_DIR")},
+        "WANDB_MODE": "offline",
+        "HOME": str(tmp_path / "a-file" / "home"),
+    }
+    cmd = [
+        sys.executable,
+        "train.py",
+        "base.yml",
+        *args(tmp_path, "steps=40", "checkpoint_every=10", "wandb_project=trainer-test"),
+    ]
     assert run_until(cmd, tmp_path, 15, signal.SIGTERM, env)[0] == 75
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0 and r.stderr == '', r.stderr
-    history, count = wandb_history(tmp_path / 'default')
-    rows = metrics(tmp_path / 'default')
-    assert sorted(history) == [row['step'] for row in rows] == list(range(1, 41)), sorted(history)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    history, count = wandb_history(tmp_path / "default")
+    rows = metrics(tmp_path / "default")
+    assert sorted(history) == [row["step"] for row in rows] == list(range(1, 41)), sorted(history)
     assert set(count.values()) == {1}, count
     for row in rows:
-        for key in ('loss', 'grad_norm', 'learning_rate', 'tokens_per_step'):
-            assert history[row['step']][key] == pytest.approx(row[key], rel=1e-12), (row['step'], key)
-    runs = {os.path.basename(p).split('-')[-1] for p in glob.glob(str(tmp_path / 'default' / 'wandb' / 'offline-run-*'))}
-    assert runs == {open(tmp_path / 'default' / 'wandb_id').read().strip()}
+        for key in ("loss", "grad_norm", "learning_rate", "tokens_per_step"):
+            assert history[row["step"]][key] == pytest.approx(row[key], rel=1e-12), (
+                row["step"],
+                key,
+            )
+    runs = {
+        os.path.basename(p).split("-")[-1]
+        for p in glob.glob(str(tmp_path / "default" / "wandb" / "offline-run-*"))
+    }
+    assert runs == {open(tmp_path / "default" / "wandb_id").read().strip()}
 
 
 def test_a_damaged_checkpoint_is_one_warning_line_and_no_stderr_through_the_command_line(tmp_path):
     """The damage that leaves orbax's reads in flight (garbled data files), resumed by `python train.py`:
     one warning on stdout, nothing on stderr (pytest replaces the process's unraisable-exception hook
     in-process, so only a process of its own shows what a user's terminal would)."""
-    cmd = [sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'checkpoint_every=3')]
-    assert subprocess.run(cmd + ['steps=6'], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV).returncode == 0
-    data_files = (tmp_path / 'default' / 'checkpoints' / '6' / 'train_state' / 'ocdbt.process_0' / 'd').iterdir()
-    max(data_files, key=lambda f: f.stat().st_size).write_bytes(os.urandom(100))  # the arrays, not the index:
+    cmd = [sys.executable, "train.py", "base.yml", *args(tmp_path, "checkpoint_every=3")]
+    assert (
+        subprocess.run(
+            cmd + ["steps=6"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+        ).returncode
+        == 0
+    )
+    data_files = (
+        tmp_path / "default" / "checkpoints" / "6" / "train_state" / "ocdbt.process_0" / "d"
+    ).iterdir()
+    max(data_files, key=lambda f: f.stat().st_size).write_bytes(
+        os.urandom(100)
+    )  # the arrays, not the index:
     # the reads start, one fails, the rest are left in flight
-    r = subprocess.run(cmd + ['steps=9'], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert r.returncode == 0 and r.stderr == '' and r.stdout.count('is damaged') == 1, r.stderr[-3000:]
+    r = subprocess.run(
+        cmd + ["steps=9"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+    )
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.count("is damaged") == 1, r.stderr[
+        -3000:
+    ]
 
 
 # A trainer that waits at step 4 (0-based 3) until GATE exists, saying so, and announces the wait for its last save.
@@ -404,60 +580,93 @@ sys.exit(train.main(['train.py', *sys.argv[1:]]))
 def test_a_second_sigterm_while_the_last_checkpoint_is_written_loses_nothing(tmp_path):
     """SIGTERM at step 4, then SIGTERM again while that step's checkpoint is being written: the second is noted,
     the save commits, exit 75; the rerun continues from it to the losses of an uninterrupted run, bit for bit."""
-    keys = ['steps=8', 'checkpoint_every=0', 'per_device_batch=2']
-    ref = subprocess.run([sys.executable, 'train.py', 'base.yml', *args(tmp_path, *keys, 'run_name=ref')], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, env=ENV)
+    keys = ["steps=8", "checkpoint_every=0", "per_device_batch=2"]
+    ref = subprocess.run(
+        [sys.executable, "train.py", "base.yml", *args(tmp_path, *keys, "run_name=ref")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert ref.returncode == 0, ref.stderr[-2000:]
-    p = subprocess.Popen([sys.executable, '-c', SIGNALLED, 'base.yml', *args(tmp_path, *keys)], cwd=ROOT, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**ENV, 'GATE': str(tmp_path / 'go')})
+    p = subprocess.Popen(
+        [sys.executable, "-c", SIGNALLED, "base.yml", *args(tmp_path, *keys)],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**ENV, "GATE": str(tmp_path / "go")},
+    )
     for line in p.stdout:
-        if line.startswith('AT GATE'):
+        if line.startswith("AT GATE"):
             p.send_signal(signal.SIGTERM)
-            (tmp_path / 'go').touch()
-        if line.startswith('WAITING FOR THE SAVE'):
+            (tmp_path / "go").touch()
+        if line.startswith("WAITING FOR THE SAVE"):
             p.send_signal(signal.SIGTERM)
             break
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 75 and 'SIGTERM: saved checkpoint at step 4' in err, err[-2000:]
-    assert os.listdir(tmp_path / 'default' / 'checkpoints') == ['4']
-    r = subprocess.run([sys.executable, 'train.py', 'base.yml', *args(tmp_path, *keys)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env=ENV)
-    assert r.returncode == 0 and 'resuming from checkpoint' in r.stdout, r.stderr[-2000:]
-    assert losses(tmp_path / 'default') == losses(tmp_path / 'ref')
+    _out, err = p.communicate(timeout=300)
+    assert p.returncode == 75 and "SIGTERM: saved checkpoint at step 4" in err, err[-2000:]
+    assert os.listdir(tmp_path / "default" / "checkpoints") == ["4"]
+    r = subprocess.run(
+        [sys.executable, "train.py", "base.yml", *args(tmp_path, *keys)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
+    assert r.returncode == 0 and "resuming from checkpoint" in r.stdout, r.stderr[-2000:]
+    assert losses(tmp_path / "default") == losses(tmp_path / "ref")
 
 
-@pytest.mark.parametrize('sig, line', [(signal.SIGINT, 'devices:'), (signal.SIGTERM, 'model:')])
+@pytest.mark.parametrize("sig, line", [(signal.SIGINT, "devices:"), (signal.SIGTERM, "model:")])
 def test_a_signal_before_the_first_step_exits_75_in_one_line(tmp_path, sig, line):
     """Ctrl-C while the data is prepared, SIGTERM between the restore and the compile: nothing new to save, so the
     run stops at once, with exit 75 and one line (before, SIGTERM there exited 143 silently, SIGINT a traceback)."""
-    p = subprocess.Popen([sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'steps=100000')], cwd=ROOT,
-                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    p = subprocess.Popen(
+        [sys.executable, "train.py", "base.yml", *args(tmp_path, "steps=100000")],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
     for out in p.stdout:
         if out.startswith(line):
             p.send_signal(sig)
             break
     _, err = p.communicate(timeout=120)
     assert p.returncode == 75, err[-2000:]
-    assert err == f'stopped: {sig.name} before the first step: nothing new to save; rerun the same command to go on\n'
+    assert (
+        err
+        == f"stopped: {sig.name} before the first step: nothing new to save; rerun the same command to go on\n"
+    )
 
 
 def test_a_run_directory_moved_away_under_a_live_run_stops_it(tmp_path):
     """The run directory renamed and another put at its path mid-run: the run stops at its next write with one line
     and exit 74, and writes nothing into the replacement (before, it went on writing its steps there)."""
-    run_dir = tmp_path / 'default'
-    p = subprocess.Popen([sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'steps=1000000')], cwd=ROOT,
-                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    run_dir = tmp_path / "default"
+    p = subprocess.Popen(
+        [sys.executable, "train.py", "base.yml", *args(tmp_path, "steps=1000000")],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
     for out in p.stdout:
-        if out.startswith('step 3/'):
-            os.rename(run_dir, tmp_path / 'moved')
+        if out.startswith("step 3/"):
+            os.rename(run_dir, tmp_path / "moved")
             run_dir.mkdir()
-            (run_dir / 'another-run').write_text('')
+            (run_dir / "another-run").write_text("")
             break
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 74 and err.count('\n') == 1, err[-2000:]
-    assert f'{run_dir} was moved or replaced under this run' in err
-    assert os.listdir(run_dir) == ['another-run']
-    assert metrics(tmp_path / 'moved')[0]['step'] == 1  # what it wrote went with its directory
+    assert p.returncode == 74 and err.count("\n") == 1, err[-2000:]
+    assert f"{run_dir} was moved or replaced under this run" in err
+    assert os.listdir(run_dir) == ["another-run"]
+    assert metrics(tmp_path / "moved")[0]["step"] == 1  # what it wrote went with its directory
 
 
 def test_a_resume_whose_tokenizer_would_change_stops_naming_it(tmp_path):
@@ -465,23 +674,32 @@ def test_a_resume_whose_tokenizer_would_change_stops_naming_it(tmp_path):
     would give the checkpoint's token ids another meaning: one line names the change (before: nothing said);
     the same files resume as before."""
     from conftest import write_corpus
-    write_corpus(tmp_path / 'corpus', 6, 'doc', 0)
-    keys = [f'dataset_path={tmp_path}/corpus/*.txt', f'cache_dir={tmp_path}/cache']
-    train.run(config(tmp_path, 'steps=2', *keys, preset=TEXT), jax.devices()[:1])
-    shutil.rmtree(tmp_path / 'cache')  # trained again from the same text: the same tokenizer
-    assert train.run(config(tmp_path, 'steps=3', *keys, preset=TEXT), jax.devices()[:1])['step'] == 3
-    assert (tmp_path / 'default' / 'tokenizer.model').is_file()
-    write_corpus(tmp_path / 'corpus', 6, 'other', 1)
-    with pytest.raises(train.data.DataError, match=r'tokenizer would change with the training text .*start a new run_name'):
-        train.run(config(tmp_path, 'steps=4', *keys, preset=TEXT), jax.devices()[:1])
+
+    write_corpus(tmp_path / "corpus", 6, "doc", 0)
+    keys = [f"dataset_path={tmp_path}/corpus/*.txt", f"cache_dir={tmp_path}/cache"]
+    train.run(config(tmp_path, "steps=2", *keys, preset=TEXT), jax.devices()[:1])
+    shutil.rmtree(tmp_path / "cache")  # trained again from the same text: the same tokenizer
+    assert (
+        train.run(config(tmp_path, "steps=3", *keys, preset=TEXT), jax.devices()[:1])["step"] == 3
+    )
+    assert (tmp_path / "default" / "tokenizer.model").is_file()
+    write_corpus(tmp_path / "corpus", 6, "other", 1)
+    with pytest.raises(
+        train.data.DataError,
+        match=r"tokenizer would change with the training text .*start a new run_name",
+    ):
+        train.run(config(tmp_path, "steps=4", *keys, preset=TEXT), jax.devices()[:1])
 
 
 def test_a_run_holds_its_directory_whatever_form_its_path_takes(tmp_path, monkeypatch):
     """Under a relative output_dir, a swap is caught on the paths as written and as orbax names them (absolute)."""
     monkeypatch.chdir(tmp_path)
-    with train.run_directory(train.load_config(BASE, args(tmp_path, 'output_dir=rel'))):
-        os.rename('rel/default', 'moved')
-        os.makedirs('rel/default')
-        for path in ('rel/default/metrics.jsonl', str(tmp_path / 'rel' / 'default' / 'checkpoints')):
-            with pytest.raises(train.data.WriteError, match='was moved or replaced under this run'):
+    with train.run_directory(train.load_config(BASE, args(tmp_path, "output_dir=rel"))):
+        os.rename("rel/default", "moved")
+        os.makedirs("rel/default")
+        for path in (
+            "rel/default/metrics.jsonl",
+            str(tmp_path / "rel" / "default" / "checkpoints"),
+        ):
+            with pytest.raises(train.data.WriteError, match="was moved or replaced under this run"):
                 train.data.check_held(path)

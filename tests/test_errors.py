@@ -1,5 +1,6 @@
 """Bad input, as a user meets it: every case below runs through the command line and must exit non-zero
 with one line on stderr (file descriptor 2, so C++ libraries count too) and no traceback."""
+
 import gzip
 import re
 import subprocess
@@ -9,235 +10,497 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+from conftest import (
+    BASE,
+    ENV,
+    LM,
+    ROOT,
+    TEXT,
+    args,
+    config,
+    start_trainer,
+    trainer_results,
+    write_corpus,
+)
 
 import train
-from conftest import BASE, ENV, LM, ROOT, TEXT, args, config, start_trainer, trainer_results, write_corpus
 
 # (arguments after `python train.py`, the line stderr shows); {tmp} is a scratch directory the fixture
 # fills with the files some cases need. A first argument ending in .yml replaces base.yml (more may follow it).
 CASES = [
-    (['stepz=5'], "error: unknown key 'stepz'; did you mean steps?"),
-    (['steps=many'], 'error: steps=many: expected an integer'),
-    (['steps=5', 'steps=6'], 'error: steps is given twice on the command line; keep one'),
-    (['steps'], "error: argument 'steps' is not key=value"),
-    (['remat=some'], "error: remat='some': choose one of 'none', 'full', 'save_dots'"),
-    (['steps=0'], 'error: steps=0: must be >= 1'),
-    (['learning_rate=-1'], 'error: learning_rate=-1: must be > 0'),
-    (['min_lr_ratio=1.5'], 'error: min_lr_ratio=1.5: must be <= 1'),
-    (['adam_b2=1'], 'error: adam_b2=1: must be < 1'),
-    (['grad_clip=-1'], 'error: grad_clip=-1: must be >= 0'),
-    (['per_device_batch=0'], 'error: per_device_batch=0: must be >= 1'),
-    (['trm.halt_explore_prob=2'], 'error: trm.halt_explore_prob=2: must be <= 1'),
-    (['thoughts_per_step=10'], 'error: thoughts_per_step=10: must be <= 9'),
-    (['num_kv_heads=3'], 'error: num_heads=8 must be a multiple of num_kv_heads=3'),
-    (['head_dim=7'], 'error: head dim 7 must be even for RoPE; set head_dim'),
-    (['mesh=0,1,1'], 'error: mesh=0,1,1: use positive sizes and at most one -1'),
-    (['mesh=3,1,1'], 'error: mesh=3,1,1 (data,fsdp,tensor) needs 3 devices but JAX sees 1 cpu device(s); '
-                     'use e.g. mesh=1,1,1 or mesh=1,-1,1'),
-    (['num_slices=2'], 'error: num_slices=2: the devices are in 1 slice(s) (processes off TPU); set it to 1'),
-    (['dcn_mesh=2,1,1'], 'error: dcn_mesh=2,1,1: give the slices of each axis of mesh=1,1,1 (data,fsdp,tensor), 1 in '
-                         'all, each a divisor of its axis; e.g. mesh=1,-1,1'),
-    (['profile_steps=3,2'], 'error: profile_steps=3,2: give two steps a,b with 1 <= a <= b <= steps=200 (0,0 = off)'),
-    (['compile_topology=v9-8'], "error: compile_topology='v9-8': choose one of '', 'v2-8', 'v3-8', 'v4-8', 'v4-32', "
-                                "'v4-64', 'v5e-8', 'v5p-8', 'v6e-8', 'tpu7x-8'"),
-    (['load_params={tmp}/no-run'], 'error: load_params={tmp}/no-run: no such directory; fix the path '
-                                   '(or set load_params= to leave it out)'),
-    (['load_hf={tmp}/no-hf'], 'error: load_hf={tmp}/no-hf: no such directory; fix the path (or set load_hf= '
-                              'to leave it out)'),
-    (['load_params={tmp}', 'load_hf={tmp}'], 'error: load_params and load_hf are both set; keep one'),
-    (['data_dir=gs://b/tfds'], 'error: data_dir=gs://b/tfds: prepared datasets are read through a local file layer; '
-                               'give a local directory (copy the data down with `gcloud storage cp -r`, or mount the '
-                               'bucket with gcsfuse)'),
-    (['tokenizer_path={tmp}/no.model'], 'error: tokenizer_path={tmp}/no.model: no such file; fix the path '
-                                        '(or set tokenizer_path= to leave it out)'),
-    (['dataset=files', 'dataset_path={tmp}/none/*.txt'], 'error: dataset_path={tmp}/none/*.txt: matches no files; '
-                                                         'fix the path (or set dataset_path= to leave it out)'),
-    (['task=sudoku', 'dataset_path={tmp}/no.csv'], 'error: dataset_path={tmp}/no.csv: no such file; fix the path '
-                                                   '(or set dataset_path= to leave it out)'),
-    (['task=sudoku', 'sudoku_train_puzzles=8', 'eval_path={tmp}/bad.csv'],
-     'error: {tmp}/bad.csv:3: q has 80 characters, expected 81'),
-    (['mode=eval', 'dataset=synthetic', 'run_name=never-trained'],
-     'error: mode=eval needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, or run_name= a run with '
-     'checkpoints (none in {tmp}/runs/never-trained/checkpoints)'),
-    (['output_dir={tmp}/a-file/runs'], 'error: output_dir={tmp}/a-file/runs: cannot write in {tmp}/a-file/runs/default '
-                                       '(Not a directory); choose a writable output_dir'),
-    (['cache_dir={tmp}/a-file/cache'], 'error: cache_dir={tmp}/a-file/cache: cannot create it (Not a directory); '
-                                       'choose a writable cache_dir'),
-    (['{tmp}/no.yml'], 'error: cannot read config file {tmp}/no.yml: No such file or directory'),
-    (['{tmp}/broken.yml'], 'error: {tmp}/broken.yml is not valid YAML: while parsing a flow sequence'),
-    (['run_name='], "error: run_name='': give a plain directory name (the run goes to output_dir/run_name)"),
-    (['logical_axis_rules=[[batch]]'], "error: logical_axis_rules=[[batch]]: give a list of [logical axis, mesh axis "
-                                       "or list of them or null] pairs, e.g. [[batch, [data, fsdp]], [embed, fsdp]]"),
-    (['mesh_axes=data,fsdp,model'], "error: logical_axis_rules maps 'heads' to mesh axis 'tensor', which "
-                                    "mesh_axes=data,fsdp,model does not name"),
-    (['load_params={tmp}'], 'error: load_params={tmp}: no checkpoint there; give a run directory, its checkpoints/ '
-                            'directory or one checkpoints/STEP directory'),
-    (['task=sudoku', 'mode=generate', 'prompt=123'], "error: prompt='123': give the puzzle as 81 characters, digits "
-                                                     "1-9 and . or 0 for blanks, row by row"),
-    (['output_dir={tmp}/damaged', *LM],  # the run the fixture trained, its checkpoints then garbled
-     'error: no readable checkpoint in {tmp}/damaged/default/checkpoints (steps 2, 4 are damaged, see the '
-     'warnings): move them away to start over, or set resume=false'),
+    (["stepz=5"], "error: unknown key 'stepz'; did you mean steps?"),
+    (["steps=many"], "error: steps=many: expected an integer"),
+    (["steps=5", "steps=6"], "error: steps is given twice on the command line; keep one"),
+    (["steps"], "error: argument 'steps' is not key=value"),
+    (["remat=some"], "error: remat='some': choose one of 'none', 'full', 'save_dots'"),
+    (["steps=0"], "error: steps=0: must be >= 1"),
+    (["learning_rate=-1"], "error: learning_rate=-1: must be > 0"),
+    (["min_lr_ratio=1.5"], "error: min_lr_ratio=1.5: must be <= 1"),
+    (["adam_b2=1"], "error: adam_b2=1: must be < 1"),
+    (["grad_clip=-1"], "error: grad_clip=-1: must be >= 0"),
+    (["per_device_batch=0"], "error: per_device_batch=0: must be >= 1"),
+    (["trm.halt_explore_prob=2"], "error: trm.halt_explore_prob=2: must be <= 1"),
+    (["thoughts_per_step=10"], "error: thoughts_per_step=10: must be <= 9"),
+    (["num_kv_heads=3"], "error: num_heads=8 must be a multiple of num_kv_heads=3"),
+    (["head_dim=7"], "error: head dim 7 must be even for RoPE; set head_dim"),
+    (["mesh=0,1,1"], "error: mesh=0,1,1: use positive sizes and at most one -1"),
+    (
+        ["mesh=3,1,1"],
+        (
+            "error: mesh=3,1,1 (data,fsdp,tensor) needs 3 devices but JAX sees 1 cpu device(s); "
+            "use e.g. mesh=1,1,1 or mesh=1,-1,1"
+        ),
+    ),
+    (
+        ["num_slices=2"],
+        "error: num_slices=2: the devices are in 1 slice(s) (processes off TPU); set it to 1",
+    ),
+    (
+        ["dcn_mesh=2,1,1"],
+        (
+            "error: dcn_mesh=2,1,1: give the slices of each axis of mesh=1,1,1 (data,fsdp,tensor), 1 in "
+            "all, each a divisor of its axis; e.g. mesh=1,-1,1"
+        ),
+    ),
+    (
+        ["profile_steps=3,2"],
+        "error: profile_steps=3,2: give two steps a,b with 1 <= a <= b <= steps=200 (0,0 = off)",
+    ),
+    (
+        ["compile_topology=v9-8"],
+        (
+            "error: compile_topology='v9-8': choose one of '', 'v2-8', 'v3-8', 'v4-8', 'v4-32', "
+            "'v4-64', 'v5e-8', 'v5p-8', 'v6e-8', 'tpu7x-8'"
+        ),
+    ),
+    (
+        ["load_params={tmp}/no-run"],
+        (
+            "error: load_params={tmp}/no-run: no such directory; fix the path "
+            "(or set load_params= to leave it out)"
+        ),
+    ),
+    (
+        ["load_hf={tmp}/no-hf"],
+        (
+            "error: load_hf={tmp}/no-hf: no such directory; fix the path (or set load_hf= "
+            "to leave it out)"
+        ),
+    ),
+    (
+        ["load_params={tmp}", "load_hf={tmp}"],
+        "error: load_params and load_hf are both set; keep one",
+    ),
+    (
+        ["data_dir=gs://b/tfds"],
+        (
+            "error: data_dir=gs://b/tfds: prepared datasets are read through a local file layer; "
+            "give a local directory (copy the data down with `gcloud storage cp -r`, or mount the "
+            "bucket with gcsfuse)"
+        ),
+    ),
+    (
+        ["tokenizer_path={tmp}/no.model"],
+        (
+            "error: tokenizer_path={tmp}/no.model: no such file; fix the path "
+            "(or set tokenizer_path= to leave it out)"
+        ),
+    ),
+    (
+        ["dataset=files", "dataset_path={tmp}/none/*.txt"],
+        (
+            "error: dataset_path={tmp}/none/*.txt: matches no files; "
+            "fix the path (or set dataset_path= to leave it out)"
+        ),
+    ),
+    (
+        ["task=sudoku", "dataset_path={tmp}/no.csv"],
+        (
+            "error: dataset_path={tmp}/no.csv: no such file; fix the path "
+            "(or set dataset_path= to leave it out)"
+        ),
+    ),
+    (
+        ["task=sudoku", "sudoku_train_puzzles=8", "eval_path={tmp}/bad.csv"],
+        "error: {tmp}/bad.csv:3: q has 80 characters, expected 81",
+    ),
+    (
+        ["mode=eval", "dataset=synthetic", "run_name=never-trained"],
+        (
+            "error: mode=eval needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, or run_name= a run with "
+            "checkpoints (none in {tmp}/runs/never-trained/checkpoints)"
+        ),
+    ),
+    (
+        ["output_dir={tmp}/a-file/runs"],
+        (
+            "error: output_dir={tmp}/a-file/runs: cannot write in {tmp}/a-file/runs/default "
+            "(Not a directory); choose a writable output_dir"
+        ),
+    ),
+    (
+        ["cache_dir={tmp}/a-file/cache"],
+        (
+            "error: cache_dir={tmp}/a-file/cache: cannot create it (Not a directory); "
+            "choose a writable cache_dir"
+        ),
+    ),
+    (["{tmp}/no.yml"], "error: cannot read config file {tmp}/no.yml: No such file or directory"),
+    (
+        ["{tmp}/broken.yml"],
+        "error: {tmp}/broken.yml is not valid YAML: while parsing a flow sequence",
+    ),
+    (
+        ["run_name="],
+        "error: run_name='': give a plain directory name (the run goes to output_dir/run_name)",
+    ),
+    (
+        ["logical_axis_rules=[[batch]]"],
+        (
+            "error: logical_axis_rules=[[batch]]: give a list of [logical axis, mesh axis "
+            "or list of them or null] pairs, e.g. [[batch, [data, fsdp]], [embed, fsdp]]"
+        ),
+    ),
+    (
+        ["mesh_axes=data,fsdp,model"],
+        (
+            "error: logical_axis_rules maps 'heads' to mesh axis 'tensor', which "
+            "mesh_axes=data,fsdp,model does not name"
+        ),
+    ),
+    (
+        ["load_params={tmp}"],
+        (
+            "error: load_params={tmp}: no checkpoint there; give a run directory, its checkpoints/ "
+            "directory or one checkpoints/STEP directory"
+        ),
+    ),
+    (
+        ["task=sudoku", "mode=generate", "prompt=123"],
+        (
+            "error: prompt='123': give the puzzle as 81 characters, digits "
+            "1-9 and . or 0 for blanks, row by row"
+        ),
+    ),
+    (
+        [
+            "output_dir={tmp}/damaged",
+            *LM,
+        ],  # the run the fixture trained, its checkpoints then garbled
+        (
+            "error: no readable checkpoint in {tmp}/damaged/default/checkpoints (steps 2, 4 are damaged, see the "
+            "warnings): move them away to start over, or set resume=false"
+        ),
+    ),
     # Config files: the schema checks them as it checks the command line; your own file layers on base.yml.
-    (['{tmp}/list.yml'], 'error: {tmp}/list.yml: expected key: value lines at the top level, as in base.yml'),
-    (['{tmp}/binary.yml'], 'error: {tmp}/binary.yml is not valid YAML: unacceptable character #x0000: special '
-                           'characters are not allowed'),
-    (['{tmp}/partial.yml'], 'error: {tmp}/partial.yml: key log_every is missing; list base.yml first to take it '
-                            'from there: train.py base.yml {tmp}/partial.yml'),
-    (['base.yml', '{tmp}/partial.yml', '{tmp}/yes.yml'], 'error: steps=true: expected a number'),
-    (['base.yml', '{tmp}/scalar.yml'], 'error: {tmp}/scalar.yml: trm is a section of keys, not a value'),
-    (['base.yml', '{tmp}/typo.yml'], "error: {tmp}/typo.yml: unknown key 'stepz'; did you mean steps?"),
-    (['seed=99999999999'], 'error: seed=99999999999: must be <= 2147483647'),
-    (['learning_rate=1e39'], 'error: learning_rate=1e39: must be <= 3.40282e+38'),  # inf in float32
-    (['output_dir=gs://bucket/exp#3'], 'error: output_dir=gs://bucket/exp#3: tensorstore reads a gs:// path as a URL '
-     '(it cuts ? and # and decodes %XX), so arrays would land outside it; choose a name without ?, # or %'),
+    (
+        ["{tmp}/list.yml"],
+        "error: {tmp}/list.yml: expected key: value lines at the top level, as in base.yml",
+    ),
+    (
+        ["{tmp}/binary.yml"],
+        (
+            "error: {tmp}/binary.yml is not valid YAML: unacceptable character #x0000: special "
+            "characters are not allowed"
+        ),
+    ),
+    (
+        ["{tmp}/partial.yml"],
+        (
+            "error: {tmp}/partial.yml: key log_every is missing; list base.yml first to take it "
+            "from there: train.py base.yml {tmp}/partial.yml"
+        ),
+    ),
+    (["base.yml", "{tmp}/partial.yml", "{tmp}/yes.yml"], "error: steps=true: expected a number"),
+    (
+        ["base.yml", "{tmp}/scalar.yml"],
+        "error: {tmp}/scalar.yml: trm is a section of keys, not a value",
+    ),
+    (
+        ["base.yml", "{tmp}/typo.yml"],
+        "error: {tmp}/typo.yml: unknown key 'stepz'; did you mean steps?",
+    ),
+    (["seed=99999999999"], "error: seed=99999999999: must be <= 2147483647"),
+    (["learning_rate=1e39"], "error: learning_rate=1e39: must be <= 3.40282e+38"),  # inf in float32
+    (
+        ["output_dir=gs://bucket/exp#3"],
+        (
+            "error: output_dir=gs://bucket/exp#3: tensorstore reads a gs:// path as a URL "
+            "(it cuts ? and # and decodes %XX), so arrays would land outside it; choose a name without ?, # or %"
+        ),
+    ),
     # Paths that exist but hold the wrong thing.
-    ([*TEXT, 'dataset_path={tmp}/corpus/*.txt', 'tokenizer_path={tmp}/text.model'],
-     "error: tokenizer_path={tmp}/text.model: not a sentencepiece model (INTERNAL: could not parse ModelProto from "
-     "{tmp}/text.model); give a .model file or a tokenizer.json, or '' to train one"),
-    (['load_hf={tmp}/hf-list'], 'error: {tmp}/hf-list/config.json: holds a JSON list, not the object of a model '
-                                'config'),
-    (['task=sudoku', 'sudoku_train_puzzles=8', 'eval_path={tmp}/puzzles.csv.gz'],
-     "error: eval_path='{tmp}/puzzles.csv.gz': not a text CSV (compressed? decompress it first)"),
-    (['task=sudoku', 'sudoku_train_puzzles=8', 'eval_path={tmp}/long.csv'],
-     'error: {tmp}/long.csv:2: field larger than field limit (131072)'),
-    (['run_name=a\\b'], 'error: run_name=a\\b: the checkpoint library cannot write under a path with a backslash; '
-                        'choose a name without one'),
-    (['output_dir={tmp}/ckfile', *LM], 'error: {tmp}/ckfile/default/checkpoints is a file, where the run keeps its '
-                                       'checkpoints: move it away'),
+    (
+        [*TEXT, "dataset_path={tmp}/corpus/*.txt", "tokenizer_path={tmp}/text.model"],
+        (
+            "error: tokenizer_path={tmp}/text.model: not a sentencepiece model (INTERNAL: could not parse ModelProto from "
+            "{tmp}/text.model); give a .model file or a tokenizer.json, or '' to train one"
+        ),
+    ),
+    (
+        ["load_hf={tmp}/hf-list"],
+        "error: {tmp}/hf-list/config.json: holds a JSON list, not the object of a model config",
+    ),
+    (
+        ["task=sudoku", "sudoku_train_puzzles=8", "eval_path={tmp}/puzzles.csv.gz"],
+        "error: eval_path='{tmp}/puzzles.csv.gz': not a text CSV (compressed? decompress it first)",
+    ),
+    (
+        ["task=sudoku", "sudoku_train_puzzles=8", "eval_path={tmp}/long.csv"],
+        "error: {tmp}/long.csv:2: field larger than field limit (131072)",
+    ),
+    (
+        ["run_name=a\\b"],
+        (
+            "error: run_name=a\\b: the checkpoint library cannot write under a path with a backslash; "
+            "choose a name without one"
+        ),
+    ),
+    (
+        ["output_dir={tmp}/ckfile", *LM],
+        (
+            "error: {tmp}/ckfile/default/checkpoints is a file, where the run keeps its "
+            "checkpoints: move it away"
+        ),
+    ),
     # Hugging Face datasets and Weights & Biases, without the network or an account (HF_HUB_OFFLINE=1 here).
-    (['dataset=hf'], 'error: dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, '
-                     'parquet, text, csv) with hf_data_files'),
-    (['dataset=hf', 'hf_path=roneneldan/TinyStories'], "error: hf_path=roneneldan/TinyStories: Couldn't reach "
-     "'roneneldan/TinyStories' on the Hub (OfflineModeIsEnabled) (offline, only datasets in cache_dir load; a private "
-     'one needs HF_TOKEN)'),
-    (['dataset=hf', 'hf_path=parquet', 'hf_data_files={tmp}/bad.csv'],
-     'error: hf_data_files={tmp}/bad.csv: ArrowInvalid: Parquet magic bytes not found in footer. Either the file is '
-     'corrupted or this is not a parquet file.'),
-    (['wandb_project=p', *LM], 'error: wandb_project=p: W&B refused the run (UsageError: No API key configured. Use '
-                               '`wandb login` to log in.): log in with `wandb login` (or set WANDB_API_KEY), log '
-                               'offline with WANDB_MODE=offline, or set wandb_project='),
+    (
+        ["dataset=hf"],
+        (
+            "error: dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, "
+            "parquet, text, csv) with hf_data_files"
+        ),
+    ),
+    (
+        ["dataset=hf", "hf_path=roneneldan/TinyStories"],
+        (
+            "error: hf_path=roneneldan/TinyStories: Couldn't reach "
+            "'roneneldan/TinyStories' on the Hub (OfflineModeIsEnabled) (offline, only datasets in cache_dir load; a private "
+            "one needs HF_TOKEN)"
+        ),
+    ),
+    (
+        ["dataset=hf", "hf_path=parquet", "hf_data_files={tmp}/bad.csv"],
+        (
+            "error: hf_data_files={tmp}/bad.csv: ArrowInvalid: Parquet magic bytes not found in footer. Either the file is "
+            "corrupted or this is not a parquet file."
+        ),
+    ),
+    (
+        ["wandb_project=p", *LM],
+        (
+            "error: wandb_project=p: W&B refused the run (UsageError: No API key configured. Use "
+            "`wandb login` to log in.): log in with `wandb login` (or set WANDB_API_KEY), log "
+            "offline with WANDB_MODE=offline, or set wandb_project="
+        ),
+    ),
     # Values past every bound, malformed lists, dotted keys in a file (read as the nested key), text not UTF-8.
-    (['mesh=[1,-1'], 'error: mesh=[1,-1: expected a list: 4,4,2 or [4, 4, 2] with its brackets closed'),
-    (['steps=99999999999'], 'error: steps=99999999999: must be <= 2147483647'),
-    (['seed=1e400'], 'error: seed=1e400: expected an integer'),
-    (['base.yml', '{tmp}/dotted.yml'], 'error: trm.T=0: must be >= 1'),
-    (['mode=generate', 'prompt=\udcff\udcfeab'], 'error: prompt=: the value is not UTF-8 text; retype it, or set the '
-                                                 'terminal to UTF-8'),
-    (['attention=cudnn', *LM], "error: attention=cudnn: cuDNN's kernel runs on NVIDIA GPUs, not on cpu; use "
-                               'attention=auto'),
+    (
+        ["mesh=[1,-1"],
+        "error: mesh=[1,-1: expected a list: 4,4,2 or [4, 4, 2] with its brackets closed",
+    ),
+    (["steps=99999999999"], "error: steps=99999999999: must be <= 2147483647"),
+    (["seed=1e400"], "error: seed=1e400: expected an integer"),
+    (["base.yml", "{tmp}/dotted.yml"], "error: trm.T=0: must be >= 1"),
+    (
+        ["mode=generate", "prompt=\udcff\udcfeab"],
+        "error: prompt=: the value is not UTF-8 text; retype it, or set the terminal to UTF-8",
+    ),
+    (
+        ["attention=cudnn", *LM],
+        (
+            "error: attention=cudnn: cuDNN's kernel runs on NVIDIA GPUs, not on cpu; use "
+            "attention=auto"
+        ),
+    ),
     # A stream fails as the same file read whole does; a damaged W&B run id is not a login problem.
-    (['dataset=hf', 'hf_path=json', 'hf_data_files={tmp}/bad.jsonl', 'hf_streaming=true', 'eval_batches=0'],
-     'error: hf_data_files={tmp}/bad.jsonl: ArrowInvalid: JSON parse error: Invalid value. in row 1'),
-    (['wandb_project=p', 'output_dir={tmp}/wandb', *LM], 'error: {tmp}/wandb/default/wandb_id: not a W&B run id (a run '
-     'writes 12 hex digits there); restore it to keep logging to the same W&B run, or delete it to start a new one'),
+    (
+        [
+            "dataset=hf",
+            "hf_path=json",
+            "hf_data_files={tmp}/bad.jsonl",
+            "hf_streaming=true",
+            "eval_batches=0",
+        ],
+        "error: hf_data_files={tmp}/bad.jsonl: ArrowInvalid: JSON parse error: Invalid value. in row 1",
+    ),
+    (
+        ["wandb_project=p", "output_dir={tmp}/wandb", *LM],
+        (
+            "error: {tmp}/wandb/default/wandb_id: not a W&B run id (a run "
+            "writes 12 hex digits there); restore it to keep logging to the same W&B run, or delete it to start a new one"
+        ),
+    ),
 ]
 
 
 def command(case, tmp):
     """A case's arguments as its command line after `python train.py`: base.yml first unless it names another
     config file, the run directories under tmp unless it names its own."""
-    argv = [a.replace('{tmp}', str(tmp)) for a in case]
-    argv = argv if argv[0].endswith('.yml') else ['base.yml', *argv]
-    for key, value in (('output_dir', f'{tmp}/runs'), ('cache_dir', f'{tmp}/cache')):
-        if not any(a.startswith(f'{key}=') for a in argv):
-            argv.append(f'{key}={value}')
+    argv = [a.replace("{tmp}", str(tmp)) for a in case]
+    argv = argv if argv[0].endswith(".yml") else ["base.yml", *argv]
+    for key, value in (("output_dir", f"{tmp}/runs"), ("cache_dir", f"{tmp}/cache")):
+        if not any(a.startswith(f"{key}=") for a in argv):
+            argv.append(f"{key}={value}")
     return argv
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Every case through `train.main` in one fresh one-device process (a process per case spent ~2 s a
     case importing JAX), each case's file descriptor 2 captured on its own."""
-    tmp = tmp_path_factory.mktemp('bad')
-    (tmp / 'a-file').write_text('')
-    (tmp / 'broken.yml').write_text('steps: [1, 2\n')
-    good = '534678912672195348198342567859761423426853791713924856961537284287419635345286179'
-    (tmp / 'bad.csv').write_text(f'source,q,a,rating\nok,{good[:40] + "." * 41},{good},1\nbad,{"." * 80},{good},1\n')
-    (tmp / 'list.yml').write_text('- steps\n- 5\n')
-    (tmp / 'binary.yml').write_bytes(b'steps: 5\x00\x01')
-    (tmp / 'partial.yml').write_text('steps: 5\n')
-    (tmp / 'yes.yml').write_text('steps: yes\n')
-    (tmp / 'scalar.yml').write_text('trm: 3\n')
-    (tmp / 'typo.yml').write_text('stepz: 5\n')
-    (tmp / 'dotted.yml').write_text('trm.T: 0\n')
-    (tmp / 'bad.jsonl').write_text('{"text": "a"}\nnot json at all\n')
-    (tmp / 'wandb' / 'default').mkdir(parents=True)
-    (tmp / 'wandb' / 'default' / 'wandb_id').write_bytes(b'\xff\x00 torn')
-    write_corpus(tmp / 'corpus', 6, 'doc', 0)
-    (tmp / 'text.model').write_text('not a model\n')
-    (tmp / 'hf-list').mkdir()
-    (tmp / 'hf-list' / 'config.json').write_text('[1, 2]')
-    safetensors.numpy.save_file({'x': np.zeros(1, np.float32)}, str(tmp / 'hf-list' / 'model.safetensors'))
-    (tmp / 'puzzles.csv.gz').write_bytes(gzip.compress((tmp / 'bad.csv').read_bytes()))
-    (tmp / 'long.csv').write_text(f'source,q,a,rating\nx,{"." * 200_000},{good},1\n')
-    (tmp / 'ckfile' / 'default').mkdir(parents=True)
-    (tmp / 'ckfile' / 'default' / 'checkpoints').write_text('')
-    train.run(config(tmp / 'damaged', 'steps=4', 'checkpoint_every=2'), jax.devices()[:1])  # then both steps garbled
-    for step in ('2', '4'):
-        (tmp / 'damaged' / 'default' / 'checkpoints' / step / 'train_state' / '_sharding').write_text('garbage')
-    process = start_trainer([command(case, tmp) for case, _ in CASES], JAX_NUM_CPU_DEVICES='1', HF_HUB_OFFLINE='1',
-                            WANDB_MODE='online', WANDB_API_KEY='')
+    tmp = tmp_path_factory.mktemp("bad")
+    (tmp / "a-file").write_text("")
+    (tmp / "broken.yml").write_text("steps: [1, 2\n")
+    good = "534678912672195348198342567859761423426853791713924856961537284287419635345286179"
+    (tmp / "bad.csv").write_text(
+        f"source,q,a,rating\nok,{good[:40] + '.' * 41},{good},1\nbad,{'.' * 80},{good},1\n"
+    )
+    (tmp / "list.yml").write_text("- steps\n- 5\n")
+    (tmp / "binary.yml").write_bytes(b"steps: 5\x00\x01")
+    (tmp / "partial.yml").write_text("steps: 5\n")
+    (tmp / "yes.yml").write_text("steps: yes\n")
+    (tmp / "scalar.yml").write_text("trm: 3\n")
+    (tmp / "typo.yml").write_text("stepz: 5\n")
+    (tmp / "dotted.yml").write_text("trm.T: 0\n")
+    (tmp / "bad.jsonl").write_text('{"text": "a"}\nnot json at all\n')
+    (tmp / "wandb" / "default").mkdir(parents=True)
+    (tmp / "wandb" / "default" / "wandb_id").write_bytes(b"\xff\x00 torn")
+    write_corpus(tmp / "corpus", 6, "doc", 0)
+    (tmp / "text.model").write_text("not a model\n")
+    (tmp / "hf-list").mkdir()
+    (tmp / "hf-list" / "config.json").write_text("[1, 2]")
+    safetensors.numpy.save_file(
+        {"x": np.zeros(1, np.float32)}, str(tmp / "hf-list" / "model.safetensors")
+    )
+    (tmp / "puzzles.csv.gz").write_bytes(gzip.compress((tmp / "bad.csv").read_bytes()))
+    (tmp / "long.csv").write_text(f"source,q,a,rating\nx,{'.' * 200_000},{good},1\n")
+    (tmp / "ckfile" / "default").mkdir(parents=True)
+    (tmp / "ckfile" / "default" / "checkpoints").write_text("")
+    train.run(
+        config(tmp / "damaged", "steps=4", "checkpoint_every=2"), jax.devices()[:1]
+    )  # then both steps garbled
+    for step in ("2", "4"):
+        (
+            tmp / "damaged" / "default" / "checkpoints" / step / "train_state" / "_sharding"
+        ).write_text("garbage")
+    process = start_trainer(
+        [command(case, tmp) for case, _ in CASES],
+        JAX_NUM_CPU_DEVICES="1",
+        HF_HUB_OFFLINE="1",
+        WANDB_MODE="online",
+        WANDB_API_KEY="",
+    )
     return tmp, trainer_results(process)[1]
 
 
-@pytest.mark.parametrize('case', range(len(CASES)), ids=[' '.join(a) for a, _ in CASES])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[" ".join(a) for a, _ in CASES])
 def test_bad_input_is_one_line_and_exit_2(results, case):
     tmp, got = results
     code, stderr = got[case]
-    assert code == 2 and 'Traceback' not in stderr, stderr
-    assert stderr.strip().splitlines() == [CASES[case][1].replace('{tmp}', str(tmp))]
+    assert code == 2 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines() == [CASES[case][1].replace("{tmp}", str(tmp))]
 
 
 def test_the_real_command_line():
-    r = subprocess.run([sys.executable, 'train.py', 'base.yml', 'stepz=5'], cwd=ROOT, capture_output=True,
-                       text=True, env={**ENV, 'JAX_NUM_CPU_DEVICES': '1'}, timeout=120)
-    assert r.returncode == 2 and r.stderr == "error: unknown key 'stepz'; did you mean steps?\n", r.stderr
+    r = subprocess.run(
+        [sys.executable, "train.py", "base.yml", "stepz=5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**ENV, "JAX_NUM_CPU_DEVICES": "1"},
+        timeout=120,
+    )
+    assert r.returncode == 2 and r.stderr == "error: unknown key 'stepz'; did you mean steps?\n", (
+        r.stderr
+    )
 
 
 def test_a_cpu_run_prints_nothing_on_stderr(tmp_path):
     """A successful run on this machine, libtpu installed by tests/requirements.txt and JAX_PLATFORMS not
     set: libtpu stays out of a host without TPU chips, and tfds (a files dataset built here), sentencepiece
     and orbax (a checkpoint written) say nothing on stderr. (A resume's stderr: test_checkpoint.py.)"""
-    write_corpus(tmp_path / 'corpus', 6, 'doc', 0)
-    env = {k: v for k, v in ENV.items() if k != 'JAX_PLATFORMS'}
-    argv = [sys.executable, 'train.py', 'base.yml', *args(tmp_path, 'eval_batches=1', 'steps=2',
-                                                          f'dataset_path={tmp_path}/corpus/*.txt', preset=TEXT)]
-    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**env, 'JAX_NUM_CPU_DEVICES': '1'})
-    assert r.returncode == 0 and r.stderr == '', r.stderr[-3000:]
-    assert 'building the text dataset' in r.stdout and 'step 2/2' in r.stdout, r.stdout
+    write_corpus(tmp_path / "corpus", 6, "doc", 0)
+    env = {k: v for k, v in ENV.items() if k != "JAX_PLATFORMS"}
+    argv = [
+        sys.executable,
+        "train.py",
+        "base.yml",
+        *args(
+            tmp_path,
+            "eval_batches=1",
+            "steps=2",
+            f"dataset_path={tmp_path}/corpus/*.txt",
+            preset=TEXT,
+        ),
+    ]
+    r = subprocess.run(
+        argv,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "JAX_NUM_CPU_DEVICES": "1"},
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-3000:]
+    assert "building the text dataset" in r.stdout and "step 2/2" in r.stdout, r.stdout
 
 
 def test_a_platform_jax_cannot_start_is_one_line():
-    r = subprocess.run([sys.executable, 'train.py', 'base.yml', 'steps=1'], cwd=ROOT, capture_output=True, text=True,
-                       env={**ENV, 'JAX_PLATFORMS': 'cuda'}, timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith('error: JAX_PLATFORMS=cuda: JAX cannot start it on this host'), \
-        r.stderr[-2000:]
+    r = subprocess.run(
+        [sys.executable, "train.py", "base.yml", "steps=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**ENV, "JAX_PLATFORMS": "cuda"},
+        timeout=120,
+    )
+    assert r.returncode == 2 and r.stderr.startswith(
+        "error: JAX_PLATFORMS=cuda: JAX cannot start it on this host"
+    ), r.stderr[-2000:]
 
 
-@pytest.mark.parametrize('length, ok', [(32, True), (1024, True), (768, True), (700, False)])
+@pytest.mark.parametrize("length, ok", [(32, True), (1024, True), (768, True), (700, False)])
 def test_splash_attention_needs_lengths_its_blocks_divide(tmp_path, length, ok):
     """Checked before compiling, against the kernel's 128-token blocks (a length up to 512 is one block)."""
-    cfg = train.load_config(BASE, args(tmp_path, 'attention=splash', f'max_target_length={length}'))
-    resolve = lambda: train.resolve(cfg, train.model_lib.TASKS['lm'], 'tpu', 'TPU v4')
+    cfg = train.load_config(BASE, args(tmp_path, "attention=splash", f"max_target_length={length}"))
+    resolve = lambda: train.resolve(cfg, train.model_lib.TASKS["lm"], "tpu", "TPU v4")
     if ok:
-        assert resolve().attention == 'splash'
+        assert resolve().attention == "splash"
     else:
-        with pytest.raises(train.ConfigError, match='max_target_length=700 is not a multiple of the kernel'):
+        with pytest.raises(
+            train.ConfigError, match="max_target_length=700 is not a multiple of the kernel"
+        ):
             resolve()
 
 
-@pytest.mark.parametrize('keys, what', [
-    (['d_model=8192', 'num_layers=64', 'num_heads=64', 'num_kv_heads=64', 'mlp_dim=32768'], 'the train state'),
-    (['per_device_batch=32768', 'max_target_length=4096', 'remat=none', 'scan_layers=false'], 'the step')])
-def test_a_run_past_the_hosts_memory_stops_before_it_allocates(tmp_path, capsys, monkeypatch, keys, what):
+@pytest.mark.parametrize(
+    "keys, what",
+    [
+        (
+            ["d_model=8192", "num_layers=64", "num_heads=64", "num_kv_heads=64", "mlp_dim=32768"],
+            "the train state",
+        ),
+        (
+            ["per_device_batch=32768", "max_target_length=4096", "remat=none", "scan_layers=false"],
+            "the step",
+        ),
+    ],
+)
+def test_a_run_past_the_hosts_memory_stops_before_it_allocates(
+    tmp_path, capsys, monkeypatch, keys, what
+):
     """On CPU the devices' memory is the host's: a 68B-parameter model's state, or a step whose compiled figures pass
     what the host has free, is one line naming it and what to lower (before: a silent hang after the parameter count,
     or a 40-line RESOURCE_EXHAUSTED traceback)."""
     one = jax.devices()[:1]
-    monkeypatch.setattr(jax, 'devices', lambda *_: one)
-    assert train.main(['train.py', BASE, *args(tmp_path, *keys, 'steps=1', 'dataset=synthetic')]) == 2
+    monkeypatch.setattr(jax, "devices", lambda *_: one)
+    assert (
+        train.main(["train.py", BASE, *args(tmp_path, *keys, "steps=1", "dataset=synthetic")]) == 2
+    )
     err = capsys.readouterr().err
-    assert err.count('\n') == 1 and re.fullmatch(rf'error: {what} needs [\d.]+ GiB of host memory on CPU and [\d.]+ GiB '
-                                                  r'is free: (train a smaller model|lower per_device_batch, or remat=full)\n',
-                                                  err), err
+    assert err.count("\n") == 1 and re.fullmatch(
+        rf"error: {what} needs [\d.]+ GiB of host memory on CPU and [\d.]+ GiB "
+        r"is free: (train a smaller model|lower per_device_batch, or remat=full)\n",
+        err,
+    ), err

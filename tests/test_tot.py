@@ -2,17 +2,18 @@
 and an oracle value, forced moves, one compile per batch shape, and end to end a tiny TRM that overfits four
 puzzles, then every decoder through mode=eval (its JSON line, forward passes, predictions.csv) and
 mode=generate."""
+
 import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import BASE, SUDOKU, args, config, init_trm, metrics, sudoku_batch
 
 import data
 import model as model_lib
 import train
-from conftest import BASE, SUDOKU, args, config, init_trm, metrics, sudoku_batch
 from model import Search
 
 
@@ -20,27 +21,35 @@ def oracle(a_BL):
     """A perfect value function (log 1 while every digit agrees with the solution, else ~log 0) with a
     uniform policy: it alone has to find the digits. It reads only the grid (a state agrees with at most
     its own puzzle's solution), so it holds however the search orders or regroups its rows."""
+
     def evaluate(g_NL):
         right_N = jnp.any(jnp.all((g_NL[:, None] == 0) | (g_NL[:, None] == a_BL), axis=-1), axis=1)
-        return jnp.full(g_NL.shape + (9,), -jnp.log(9.0)), jnp.where(right_N, 0.0, -1e9), jnp.zeros(len(g_NL))
+        return (
+            jnp.full(g_NL.shape + (9,), -jnp.log(9.0)),
+            jnp.where(right_N, 0.0, -1e9),
+            jnp.zeros(len(g_NL)),
+        )
+
     return evaluate
 
 
 def easy(n, seed=0, blanks=30):
-    q, a = data.generate_sudoku(n, blanks, seed, stream='tot')
+    q, a = data.generate_sudoku(n, blanks, seed, stream="tot")
     return jnp.asarray(q, jnp.int32), jnp.asarray(a, jnp.int32)
 
 
 def test_oracle_value_solves_easy_puzzles_and_log_prob_alone_does_not():
     for blanks in (30, 58):
         q, a = easy(4, blanks=blanks)
-        search = lambda score: model_lib.tree_search(oracle(a), q, Search(2, 9, 1, 81, 10_000, score))
-        grids, evals = jax.jit(lambda: search('value'))()
+        search = lambda score: model_lib.tree_search(
+            oracle(a), q, Search(2, 9, 1, 81, 10_000, score)
+        )
+        grids, evals = jax.jit(lambda: search("value"))()
         np.testing.assert_array_equal(grids, a)
         assert bool(data.solved(grids).all()) and (np.asarray(evals) <= 10_000).all()
     # Same search ranked by the (uniform) policy's log-prob: it keeps the first legal digits it tries, and
     # on sparse puzzles the rule checks alone do not rescue it.
-    grids, _ = jax.jit(lambda: search('logp'))()
+    grids, _ = jax.jit(lambda: search("logp"))()
     assert not bool((grids == a).all(-1).any())
 
 
@@ -49,14 +58,19 @@ def test_finished_puzzles_leave_the_batch_without_changing_a_result():
     and count equal those of batches of 4 (too small to shrink)."""
     q, a = (jnp.concatenate(x) for x in zip(easy(12, blanks=4), easy(4, seed=1, blanks=40)))
 
-    def as_in_batches_of_4(decode):  # the whole batch's (grids, counts), checked against 4 batches of 4
+    def as_in_batches_of_4(
+        decode,
+    ):  # the whole batch's (grids, counts), checked against 4 batches of 4
         decode = jax.jit(decode)
         grids, counts = decode(q)
-        parts = [decode(q[i:i + 4]) for i in range(0, 16, 4)]
+        parts = [decode(q[i : i + 4]) for i in range(0, 16, 4)]
         np.testing.assert_array_equal(grids, np.concatenate([g for g, _ in parts]))
         np.testing.assert_array_equal(counts, np.concatenate([n for _, n in parts]))
         return grids, counts
-    grids, evals = as_in_batches_of_4(lambda q: model_lib.tree_search(oracle(a), q, Search(2, 9, 1, 81, 10_000, 'value')))
+
+    grids, evals = as_in_batches_of_4(
+        lambda q: model_lib.tree_search(oracle(a), q, Search(2, 9, 1, 81, 10_000, "value"))
+    )
     np.testing.assert_array_equal(grids, a)
     assert int(evals[:12].max()) < int(evals[12:].min())
     # Greedy decoding leaves the batch the same way (with the uniform policy it fills the 4-blank puzzles
@@ -69,13 +83,19 @@ def known_policy(q, a, wrong, halting=False):
     """For 2 puzzles: a policy that knows the solution, except that with `wrong` the first blank's likeliest
     digit is a wrong one (the right one 2nd). Its halting head (with `halting`) is an oracle on the state's
     argmax answer: q > 0 exactly when it is the solution; without, it never halts."""
+
     def evaluate(g_NL):
         a_NL, q_NL = (jnp.repeat(x, g_NL.shape[0] // 2, axis=0) for x in (a, q))
         rows, blank_N = jnp.arange(len(a_NL)), jnp.argmax(q_NL == 0, axis=1)
-        bad_NL = a_NL.at[rows, blank_N].set(jnp.where(wrong, a_NL[rows, blank_N] % 9 + 1, a_NL[rows, blank_N]))
-        logp_NLC = jnp.log(jax.nn.one_hot(bad_NL - 1, 9) * 0.5 + jax.nn.one_hot(a_NL - 1, 9) * 0.3 + 0.2 / 9)
+        bad_NL = a_NL.at[rows, blank_N].set(
+            jnp.where(wrong, a_NL[rows, blank_N] % 9 + 1, a_NL[rows, blank_N])
+        )
+        logp_NLC = jnp.log(
+            jax.nn.one_hot(bad_NL - 1, 9) * 0.5 + jax.nn.one_hot(a_NL - 1, 9) * 0.3 + 0.2 / 9
+        )
         right_N = jnp.all(model_lib.fill_argmax(g_NL, logp_NLC) == a_NL, axis=1)
         return logp_NLC, jnp.zeros(g_NL.shape[0]), jnp.where(halting & right_N, 1.0, -1.0)
+
     return evaluate
 
 
@@ -83,13 +103,19 @@ def test_a_policy_answer_that_obeys_the_rules_ends_the_search():
     """Every evaluated state's argmax fill is checked: a policy that already knows the solution costs
     the puzzle's one pass, in greedy and in the search; one wrong digit in its answer costs more."""
     q, a = easy(2, blanks=50)
-    both = jax.jit(lambda w: (model_lib.tree_search(known_policy(q, a, w), q, Search(2, 2, 1, 81, 10_000, 'value')),
-                              model_lib.tree_search(known_policy(q, a, w), q, Search())))
+    both = jax.jit(
+        lambda w: (
+            model_lib.tree_search(known_policy(q, a, w), q, Search(2, 2, 1, 81, 10_000, "value")),
+            model_lib.tree_search(known_policy(q, a, w), q, Search()),
+        )
+    )
     for wrong in (False, True):
         (grids, evals), (greedy, passes) = both(wrong)
         np.testing.assert_array_equal(grids, a)
         np.testing.assert_array_equal(greedy, a)
-        assert (np.asarray(evals) > 1).tolist() == (np.asarray(passes) > 1).tolist() == [wrong, wrong]
+        assert (
+            (np.asarray(evals) > 1).tolist() == (np.asarray(passes) > 1).tolist() == [wrong, wrong]
+        )
 
 
 def test_without_rule_checks_the_halting_head_ends_the_search():
@@ -98,9 +124,14 @@ def test_without_rule_checks_the_halting_head_ends_the_search():
     pass per move). With one wrong surest digit, nothing rejects it: greedy commits to it, while the
     search also tries the right sibling, which the halting head accepts."""
     q, a = easy(2, blanks=50)
-    decode = jax.jit(lambda w, h: (model_lib.tree_search(known_policy(q, a, w, h), q,
-                                                         Search(2, 2, 1, 81, 10_000, 'value', rules=False)),
-                                   model_lib.tree_search(known_policy(q, a, w, h), q, Search(rules=False))))
+    decode = jax.jit(
+        lambda w, h: (
+            model_lib.tree_search(
+                known_policy(q, a, w, h), q, Search(2, 2, 1, 81, 10_000, "value", rules=False)
+            ),
+            model_lib.tree_search(known_policy(q, a, w, h), q, Search(rules=False)),
+        )
+    )
     (grids, evals), (greedy, passes) = decode(False, True)
     np.testing.assert_array_equal(grids, a)
     np.testing.assert_array_equal(greedy, a)
@@ -113,14 +144,23 @@ def test_without_rule_checks_the_halting_head_ends_the_search():
     assert not (np.asarray(greedy) == np.asarray(a)).all(-1).any()
 
 
-UNITS = ([[r * 9 + c for c in range(9)] for r in range(9)] + [[r * 9 + c for r in range(9)] for c in range(9)]
-         + [[(br * 3 + i) * 9 + bc * 3 + j for i in range(3) for j in range(3)] for br in range(3) for bc in range(3)])
+UNITS = (
+    [[r * 9 + c for c in range(9)] for r in range(9)]
+    + [[r * 9 + c for r in range(9)] for c in range(9)]
+    + [
+        [(br * 3 + i) * 9 + bc * 3 + j for i in range(3) for j in range(3)]
+        for br in range(3)
+        for bc in range(3)
+    ]
+)
 
 
 def forced_in_plain_python(grid):
     """Independent of model.py: naked and hidden singles, one cell at a time, until none is left."""
     g = list(grid)
-    legal = lambda i: set() if g[i] else set(range(1, 10)) - {g[j] for u in UNITS if i in u for j in u}
+    legal = lambda i: (
+        set() if g[i] else set(range(1, 10)) - {g[j] for u in UNITS if i in u for j in u}
+    )
     changed = True
     while changed:
         changed = False
@@ -139,7 +179,9 @@ def fewest_options(g_NL):
     """A policy from the rules alone: uniform over each cell's legal digits, so a search's surest cell is the
     one with the fewest options (a classic solver's branching). No value, no halting head."""
     ok_NLC = data.legal_digits(g_NL)
-    logp_NLC = jnp.where(ok_NLC, -jnp.log(jnp.maximum(jnp.sum(ok_NLC, -1, keepdims=True), 1)), -jnp.inf)
+    logp_NLC = jnp.where(
+        ok_NLC, -jnp.log(jnp.maximum(jnp.sum(ok_NLC, -1, keepdims=True), 1)), -jnp.inf
+    )
     return logp_NLC, jnp.zeros(len(g_NL)), jnp.zeros(len(g_NL))
 
 
@@ -147,12 +189,16 @@ def test_forced_moves_match_plain_python_and_make_a_solver():
     """tot.propagate: fill_forced reaches the same grid as a plain-Python propagation, every digit it fills is
     the solution's, and a best-first search that propagates solves minimal puzzles from a rules-only policy
     in far fewer evaluated states than the same search without it."""
-    q, a = (jnp.asarray(x, jnp.int32) for x in data.generate_sudoku(6, 81, seed=5, stream='tot'))
+    q, a = (jnp.asarray(x, jnp.int32) for x in data.generate_sudoku(6, 81, seed=5, stream="tot"))
     forced = np.asarray(jax.jit(model_lib.fill_forced)(q))
     assert forced.tolist() == [forced_in_plain_python(g) for g in q.tolist()]
     assert ((forced == 0) | (forced == np.asarray(a))).all() and (forced > 0).sum() > (q > 0).sum()
-    search = jax.jit(lambda p: model_lib.tree_search(fewest_options, q, Search(1, 9, 1, 500, 2_000, 'value', frontier=64,
-                                                                                    propagate=p)), static_argnums=0)
+    search = jax.jit(
+        lambda p: model_lib.tree_search(
+            fewest_options, q, Search(1, 9, 1, 500, 2_000, "value", frontier=64, propagate=p)
+        ),
+        static_argnums=0,
+    )
     (solver, evals), (_, plain_evals) = search(True), search(False)
     np.testing.assert_array_equal(solver, a)
     assert int(np.sum(evals)) * 4 < int(np.sum(plain_evals)), (evals, plain_evals)
@@ -164,7 +210,9 @@ def test_frontier_backtracks_where_the_beam_commits():
     commits to the decoy and fails; with a frontier the search goes back to the right sibling (0.5)."""
     q, a = easy(2, blanks=40)
     legal_wrong = ~data.digits_seen(q) & (jnp.arange(1, 10) != a[..., None]) & (q == 0)[..., None]
-    cell_B = jnp.argmax(jnp.any(legal_wrong, -1), axis=1)  # a blank cell where some wrong digit is legal
+    cell_B = jnp.argmax(
+        jnp.any(legal_wrong, -1), axis=1
+    )  # a blank cell where some wrong digit is legal
     wrong_B = jnp.argmax(legal_wrong[jnp.arange(2), cell_B], axis=1) + 1
     decoy_BL = q.at[jnp.arange(2), cell_B].set(wrong_B)
 
@@ -173,12 +221,20 @@ def test_frontier_backtracks_where_the_beam_commits():
         a_NL, d_NL, c_N, w_N = (jnp.repeat(x, r, axis=0) for x in (a, decoy_BL, cell_B, wrong_B))
         # Every cell: the right digit 0.42 sure, another 0.43 (so the policy's own fill is no solution).
         p_NLC = jax.nn.one_hot(a_NL - 1, 9) * 0.4 + jax.nn.one_hot(a_NL % 9, 9) * 0.41 + 0.19 / 9
-        sure_NC = jax.nn.one_hot(w_N - 1, 9) * 0.5 + jax.nn.one_hot(a_NL[jnp.arange(len(c_N)), c_N] - 1, 9) * 0.3
-        p_NLC = p_NLC.at[jnp.arange(len(c_N)), c_N].set(sure_NC + 0.2 / 9)  # the decoy 0.5, the right digit 0.3
+        sure_NC = (
+            jax.nn.one_hot(w_N - 1, 9) * 0.5
+            + jax.nn.one_hot(a_NL[jnp.arange(len(c_N)), c_N] - 1, 9) * 0.3
+        )
+        p_NLC = p_NLC.at[jnp.arange(len(c_N)), c_N].set(
+            sure_NC + 0.2 / 9
+        )  # the decoy 0.5, the right digit 0.3
         v_N = jnp.where(jnp.all((g_NL == 0) | (g_NL == a_NL), -1), 0.5, 0.01)
         v_N = jnp.where(jnp.all(g_NL == d_NL, -1), 0.9, v_N)
         return jnp.log(p_NLC), jnp.log(v_N), jnp.zeros(len(g_NL))
-    search = lambda frontier: model_lib.tree_search(evaluate, q, Search(1, 2, 1, 500, 10_000, 'value', frontier=frontier))
+
+    search = lambda frontier: model_lib.tree_search(
+        evaluate, q, Search(1, 2, 1, 500, 10_000, "value", frontier=frontier)
+    )
     beam, _ = jax.jit(lambda: search(0))()
     best_first, evals = jax.jit(lambda: search(8))()
     assert not bool((beam == a).all(-1).any())
@@ -191,8 +247,12 @@ def test_max_depth_and_max_thoughts_cut_the_search_short():
     stops it after 3 steps (at most 1 + 3 x W x E states), max_thoughts=20 once 20 states were evaluated."""
     q, a = easy(2, blanks=40)
     W, E = 2, 9
-    search = jax.jit(lambda depth, thoughts: model_lib.tree_search(oracle(a), q, Search(W, E, 1, depth, thoughts, 'value')),
-                     static_argnums=(0, 1))
+    search = jax.jit(
+        lambda depth, thoughts: model_lib.tree_search(
+            oracle(a), q, Search(W, E, 1, depth, thoughts, "value")
+        ),
+        static_argnums=(0, 1),
+    )
     full, full_evals = search(81, 10_000)
     np.testing.assert_array_equal(full, a)
     assert (np.asarray(full_evals) > 20 + W * E).all()
@@ -200,7 +260,9 @@ def test_max_depth_and_max_thoughts_cut_the_search_short():
         grids, evals = (np.asarray(x) for x in search(depth, thoughts))
         assert not (grids == a).all(-1).any(), (depth, thoughts)
         if depth == 3:
-            assert (evals <= 1 + 3 * W * E).all() and ((q != grids) & (grids != 1)).sum(1).max() <= 3, evals
+            assert (evals <= 1 + 3 * W * E).all() and ((q != grids) & (grids != 1)).sum(
+                1
+            ).max() <= 3, evals
         else:  # the step that reaches 20 evaluations is the last: it adds at most W x E
             assert ((evals >= 20) & (evals < 20 + W * E)).all(), evals
 
@@ -220,7 +282,10 @@ def plain_greedy(evaluate, q_L):
     while not data.solved(np.where(g == 0, logp.argmax(-1) + 1, g)[None])[0]:
         legal = np.where(data.legal_digits(g), logp, -np.inf)
         cell, digit = divmod(int(legal.argmax()), 9)
-        if np.isinf(legal.max()) or data.dead_end(np.where(np.arange(81) == cell, digit + 1, g)[None])[0]:
+        if (
+            np.isinf(legal.max())
+            or data.dead_end(np.where(np.arange(81) == cell, digit + 1, g)[None])[0]
+        ):
             break
         g, passes = np.where(np.arange(81) == cell, digit + 1, g), passes + 1
         logp = np.asarray(evaluate(jnp.asarray(g)[None])[0][0])
@@ -236,23 +301,32 @@ def test_greedy_is_the_width_one_search_and_compiles_once():
     want = [plain_greedy(hashed_policy, q_L) for q_L in q]
     np.testing.assert_array_equal(grids, np.stack([g for g, _ in want]))
     assert np.asarray(passes).tolist() == [p for _, p in want] and max(p for _, p in want) > 3
-    search(jnp.asarray(data.generate_sudoku(4, 60, 1, stream='tot')[0], jnp.int32))
+    search(jnp.asarray(data.generate_sudoku(4, 60, 1, stream="tot")[0], jnp.int32))
     assert search._cache_size() == 1
 
 
 def test_partial_states_labels_and_where_the_value_is_read(tmp_path):
-    q, a = data.generate_sudoku(64, 45, 0, stream='partial')
+    q, a = data.generate_sudoku(64, 45, 0, stream="partial")
     q, a = jnp.asarray(q, jnp.int32), jnp.asarray(a, jnp.int32)
     g, label = jax.jit(model_lib.partial_states)(jax.random.key(3), q, a)
     filled = g != 0
     wrong = (filled & (g != a)).sum(1)
-    blanked = np.asarray((q != 0) & (g == 0)).any(1)           # givens blanked: odd rows only (sparser states)
+    blanked = np.asarray((q != 0) & (g == 0)).any(
+        1
+    )  # givens blanked: odd rows only (sparser states)
     assert not blanked[::2].any() and blanked[1::2].mean() > 0.7
-    assert ((g == q) | (q == 0) | (g == 0) | ~label[:, None]).all()  # a right grid keeps every given it shows
-    np.testing.assert_array_equal(wrong, np.where(label, 0, 1))  # right grids have no wrong digit, others one
+    assert (
+        (g == q) | (q == 0) | (g == 0) | ~label[:, None]
+    ).all()  # a right grid keeps every given it shows
+    np.testing.assert_array_equal(
+        wrong, np.where(label, 0, 1)
+    )  # right grids have no wrong digit, others one
     assert 0.3 < float(label.mean()) < 0.7
     # Wrong digits avoid clashing with the grid where some digit allows it (a solver's kind of mistake).
-    clash = jnp.take_along_axis(data.digits_seen(g), jnp.maximum(g - 1, 0)[..., None], -1)[..., 0] & filled
+    clash = (
+        jnp.take_along_axis(data.digits_seen(g), jnp.maximum(g - 1, 0)[..., None], -1)[..., 0]
+        & filled
+    )
     assert int(clash.any(1).sum()) < int((~label).sum()) // 2
     # Eval draws them per puzzle: a puzzle gets the same state in a batch of 64 as in one of 8 (value_auroc
     # does not depend on the eval batch), still about half of them right and half sparse.
@@ -263,9 +337,12 @@ def test_partial_states_labels_and_where_the_value_is_read(tmp_path):
     np.testing.assert_array_equal(((pg != 0) & (pg != a)).sum(1), np.where(pl, 0, 1))
     assert 0.3 < float(pl.mean()) < 0.7 and 0.3 < float(((q != 0) & (pg == 0)).any(1).mean()) < 0.7
     # The value is read after supervision step tot.value_step (2 here) however many steps run after it.
-    cfg = config(tmp_path, 'tot.value_step=2', preset=SUDOKU)
+    cfg = config(tmp_path, "tot.value_step=2", preset=SUDOKU)
     m, params, _ = init_trm(cfg, sudoku_batch(2))
-    log_v = {n: jax.jit(lambda g, n=n: model_lib.trm_steps(cfg, m, params, g, n).log_value_N)(g) for n in (1, 2, 3)}
+    log_v = {
+        n: jax.jit(lambda g, n=n: model_lib.trm_steps(cfg, m, params, g, n).log_value_N)(g)
+        for n in (1, 2, 3)
+    }
     assert log_v[2].shape == (64,)
     np.testing.assert_array_equal(log_v[3], log_v[2])
     assert not np.allclose(log_v[1], log_v[2])
@@ -277,46 +354,101 @@ def test_partial_states_labels_and_where_the_value_is_read(tmp_path):
 # ---- every decoder end to end --------------------------------------------------------------------
 def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys, monkeypatch):
     one = jax.devices()[:1]
-    monkeypatch.setattr(jax, 'devices', lambda *_: one)  # the command line on one device
-    q, a = data.generate_sudoku(4, 45, 0, stream='handful')
-    path = str(tmp_path / 'four.csv')
+    monkeypatch.setattr(jax, "devices", lambda *_: one)  # the command line on one device
+    q, a = data.generate_sudoku(4, 45, 0, stream="handful")
+    path = str(tmp_path / "four.csv")
     data.write_sudoku_csv(path, q, a)
-    common = [f'dataset_path={path}', f'eval_path={path}', 'augment=false', 'per_device_batch=4', 'd_model=64',
-              'mlp_dim=128', 'learning_rate=3e-3', 'weight_decay=0', 'warmup_steps=10', 'trm.ema_decay=0.9',
-              'log_every=50', 'trm.halt_explore_prob=1',  # every puzzle trains both supervision steps
-              'trm.eval_halt=last']  # decoder=trm runs every step (halting: test_trm.py)
+    common = [
+        f"dataset_path={path}",
+        f"eval_path={path}",
+        "augment=false",
+        "per_device_batch=4",
+        "d_model=64",
+        "mlp_dim=128",
+        "learning_rate=3e-3",
+        "weight_decay=0",
+        "warmup_steps=10",
+        "trm.ema_decay=0.9",
+        "log_every=50",
+        "trm.halt_explore_prob=1",  # every puzzle trains both supervision steps
+        "trm.eval_halt=last",
+    ]  # decoder=trm runs every step (halting: test_trm.py)
     # Solved from step 50 on (eval every 10 steps, 2026-11-23): 100 steps leave twice that.
-    s = train.run(config(tmp_path, *common, 'steps=100', 'checkpoint_every=0', 'eval_every=100', preset=SUDOKU),
-                  jax.devices()[:1])
-    assert s['eval_exact_accuracy'] == 1.0  # the TRM decoder (the in-training eval): all N_sup=2 steps
-    row = metrics(s['run_dir'])[-1]
-    assert row['eval_decoder'] == 'trm' and row['eval_forward_passes'] == 2
-    assert len(row['eval_exact_accuracy_per_step']) == 2 and 0 < row['eval_cell_accuracy'] <= 1
+    s = train.run(
+        config(
+            tmp_path, *common, "steps=100", "checkpoint_every=0", "eval_every=100", preset=SUDOKU
+        ),
+        jax.devices()[:1],
+    )
+    assert (
+        s["eval_exact_accuracy"] == 1.0
+    )  # the TRM decoder (the in-training eval): all N_sup=2 steps
+    row = metrics(s["run_dir"])[-1]
+    assert row["eval_decoder"] == "trm" and row["eval_forward_passes"] == 2
+    assert len(row["eval_exact_accuracy_per_step"]) == 2 and 0 < row["eval_cell_accuracy"] <= 1
 
     # mode=eval on the same checkpoint with every decoder: its JSON line (the same as eval.json), the forward
     # passes it spent, and predictions.csv keeping the givens.
     def evaluate(decoder):
         capsys.readouterr()
-        assert train.main(['train.py', BASE, *eval_args, f'run_name=ev-{decoder}', f'decoder={decoder}']) == 0
+        assert (
+            train.main(
+                ["train.py", BASE, *eval_args, f"run_name=ev-{decoder}", f"decoder={decoder}"]
+            )
+            == 0
+        )
         r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert r == json.load(open(os.path.join(tmp_path, f'ev-{decoder}', 'eval.json')))
-        assert r['decoder'] == decoder and r['num_puzzles'] == 4 and r['step'] == 100 and 0 <= r['value_auroc'] <= 1
-        got_q, got_grid = data.read_sudoku_csv(os.path.join(tmp_path, f'ev-{decoder}', 'predictions.csv'))
+        assert r == json.load(open(os.path.join(tmp_path, f"ev-{decoder}", "eval.json")))
+        assert (
+            r["decoder"] == decoder
+            and r["num_puzzles"] == 4
+            and r["step"] == 100
+            and 0 <= r["value_auroc"] <= 1
+        )
+        got_q, got_grid = data.read_sudoku_csv(
+            os.path.join(tmp_path, f"ev-{decoder}", "predictions.csv")
+        )
         np.testing.assert_array_equal(got_q, q)
         assert ((got_grid == q) | (q == 0)).all()
         return r
 
-    eval_args = args(tmp_path, *common, 'mode=eval', f'load_params={s["run_dir"]}', preset=SUDOKU)
-    trm = evaluate('trm')
-    assert trm['exact_accuracy'] == 1.0 and trm['forward_passes'] == 2 and len(trm['exact_accuracy_per_step']) == 2
+    eval_args = args(tmp_path, *common, "mode=eval", f"load_params={s['run_dir']}", preset=SUDOKU)
+    trm = evaluate("trm")
+    assert (
+        trm["exact_accuracy"] == 1.0
+        and trm["forward_passes"] == 2
+        and len(trm["exact_accuracy_per_step"]) == 2
+    )
     # The policy's answer at the root already obeys the rules (the net memorised these four), so the search
     # stops there: one pass of one supervision step (tot.policy_steps = tot.value_step = 1). greedy and beam_logp
     # are the same tree_search with another width or ranking (the tests above).
-    r = evaluate('tot')
-    assert r['exact_accuracy'] == 1.0 and r['forward_passes'] == 1 and 'exact_accuracy_per_step' not in r
+    r = evaluate("tot")
+    assert (
+        r["exact_accuracy"] == 1.0
+        and r["forward_passes"] == 1
+        and "exact_accuracy_per_step" not in r
+    )
     # mode=generate solves one puzzle given on the command line, keeping its givens.
-    puzzle = ''.join('.' if d == 0 else str(d) for d in q[0])
-    assert train.main(['train.py', BASE, *args(tmp_path, *common, 'mode=generate', 'run_name=gen',
-                                               f'load_params={s["run_dir"]}', f'prompt={puzzle}', preset=SUDOKU)]) == 0
-    assert 'a valid solution' in capsys.readouterr().out
-    assert open(os.path.join(tmp_path, 'gen', 'generation.txt')).read().strip() == ''.join(map(str, a[0]))
+    puzzle = "".join("." if d == 0 else str(d) for d in q[0])
+    assert (
+        train.main(
+            [
+                "train.py",
+                BASE,
+                *args(
+                    tmp_path,
+                    *common,
+                    "mode=generate",
+                    "run_name=gen",
+                    f"load_params={s['run_dir']}",
+                    f"prompt={puzzle}",
+                    preset=SUDOKU,
+                ),
+            ]
+        )
+        == 0
+    )
+    assert "a valid solution" in capsys.readouterr().out
+    assert open(os.path.join(tmp_path, "gen", "generation.txt")).read().strip() == "".join(
+        map(str, a[0])
+    )
