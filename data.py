@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -50,7 +51,11 @@ from typing import NamedTuple
 import grain
 import numpy as np
 from etils import epath
-from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
+from grain.experimental import (
+    ConcatThenSplitIterDataset,
+    ThreadPrefetchIterDataset,
+    ZipIterDataset,
+)
 from tensorboardX import SummaryWriter
 
 # Special ids of the tokenizers trained here. A tokenizer given by tokenizer_path keeps its own ids
@@ -171,7 +176,7 @@ def hf_dir(name):
         logging.getLogger(logger).setLevel(logging.CRITICAL)
     try:
         return snapshot_download(name, allow_patterns=list(HF_FILES))
-    except Exception as e:  # no network, no such repo, gated, offline and not cached: all one line
+    except Exception as e:  # noqa: BLE001 - no network, no such repo, gated, offline, not cached
         raise DataError(
             f"load_hf={name}: no such directory, and the Hugging Face hub did not give that model "
             f"({first_line(e, limit=120)}); a gated model needs HF_TOKEN, and offline "
@@ -338,7 +343,7 @@ class BucketLease:
         while not self.stop.wait(self.LEASE_SECONDS / 3):
             try:
                 self.generation = self.put(self.generation)
-            except Exception as e:  # taken over (FileExistsError) or the bucket unreachable
+            except Exception as e:  # noqa: BLE001 - taken over (FileExistsError) or the bucket unreachable
                 self.lost = storage_reason(e)
                 self.log(
                     f"WARNING: {self.path}: could not renew this run's lease on its directory ({self.lost})"
@@ -380,7 +385,7 @@ def own(run_dir, log=print):
     if remote(run_dir):
         lock = BucketLease(os.path.join(run_dir, ".lock"), log)
         return lock, lock.acquire()
-    lock = open(os.path.join(run_dir, ".lock"), "a+")
+    lock = open(os.path.join(run_dir, ".lock"), "a+")  # noqa: SIM115 - held for the whole run
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -665,7 +670,7 @@ def open_wandb(cfg, run_dir):
             config=cfg.model_dump(mode="json"),
             settings=wandb.Settings(silent=True, console="off"),
         )
-    except Exception as e:  # not logged in, no network, a project the entity cannot write to
+    except Exception as e:  # noqa: BLE001 - not logged in, no network, a project it cannot write
         raise DataError(
             f"wandb_project={cfg.wandb_project}: W&B refused the run ({first_line(e)}): log in with "
             "`wandb login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline, or set "
@@ -1223,7 +1228,7 @@ def _hf_split(cfg, key):
                 streaming=cfg.hf_streaming,
                 cache_dir=os.path.join(cfg.cache_dir, "hf"),
             )
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - datasets' many errors, each one line
         raise _hf_error(cfg, e, key) from None
 
 
@@ -1249,7 +1254,7 @@ def _records(cfg, key, stream=None):
     stream = _hf_split(cfg, key) if stream is None else stream
     try:
         yield from stream
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - datasets' many errors, each one line
         raise _hf_error(cfg, e, key) from None
 
 
@@ -1481,7 +1486,7 @@ def hf_tokenizer(path):
             if stored(os.path.join(folder, name)).is_file()
         }
         tok = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode())
-    except Exception as e:  # a damaged file: tokenizers' own reason, one line
+    except Exception as e:  # noqa: BLE001 - a damaged file: tokenizers' own reason, one line
         raise DataError(
             f"{file}: not a Hugging Face tokenizer ({first_line(e, limit=120)})"
         ) from None
@@ -1793,7 +1798,7 @@ def chat_spans(messages, render, first, where):
             at = len(through)
     except DataError:
         raise
-    except Exception as e:  # the template's own error (raise_exception, a missing variable)
+    except Exception as e:  # noqa: BLE001 - the template's own error (raise_exception, ...)
         raise DataError(f"{where}: the chat template failed ({first_line(e, limit=120)})") from None
     return spans + [(whole[at:], False)]
 
@@ -2394,7 +2399,7 @@ def make_chat(out, count, seed):
         {
             m.group(0).strip()
             for f in _stdlib_files()
-            for m in plain.finditer(open(f, errors="replace").read())
+            for m in plain.finditer(pathlib.Path(f).read_text(errors="replace"))
         }
     )
     questions = []

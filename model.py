@@ -343,8 +343,12 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
     batch, so k and v are never copied R times); packing's segment ids mask across documents. Under a mesh
     it runs per device (shard_map): batch split as the 'batch' rule says, heads as 'heads' and 'kv_heads'.
     interpret=True runs the kernel's reference interpreter on any backend (the numerics tests, on CPU)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as masks,
+    )
 
     def local(q_BLHK, k_BTGK, v_BTGK, seg_BL):
         (B, L, H, K), G = q_BLHK.shape, k_BTGK.shape[2]
@@ -551,7 +555,7 @@ class Trunk(nnx.Module):
             return jax.lax.scan(lambda x_BLD, xs: layer(x_BLD, *xs), x_BLD, (self.layers, cache))
         caches = []
         for i, block in enumerate(self.layers):
-            x_BLD, c = layer(x_BLD, block, jax.tree.map(lambda a: a[i], cache))
+            x_BLD, c = layer(x_BLD, block, jax.tree.map(lambda a, i=i: a[i], cache))
             caches.append(c)
         return x_BLD, (None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *caches))
 
@@ -884,7 +888,7 @@ def hf_rope(conf):
     """(the RoPE scaling type, its parameters) of a config.json: rope_scaling, or transformers 5's rope_parameters."""
     rope = conf.get("rope_scaling") or conf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
-        raise ValueError(f"rope_scaling={rope!r} is not an object")
+        raise ValueError(f"rope_scaling={rope!r} is not an object")  # noqa: TRY004 - read as a bad value
     return rope.get("rope_type", rope.get("type", "default")), rope
 
 
