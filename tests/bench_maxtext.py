@@ -13,6 +13,7 @@ libtpu MaxText's environment has (MaxText 0.2.5 installs on Python 3.12 only):
 import argparse
 import datetime
 import os
+import pathlib
 import platform
 import re
 import subprocess
@@ -66,7 +67,7 @@ def ours(topology, vocab, tile):
         f"vocab_size={vocab}",
         f"vocab_tile={tile}",
     ]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=ENV)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=ENV, check=False)
     found = re.search(r"= ([\d.]+) GiB of", out.stdout)
     return float(found.group(1)) if found else None
 
@@ -93,7 +94,7 @@ def maxtext(python, topology, vocab, tiles, workdir):
         f"vocab_size={vocab}",
         f"num_vocab_tiling={tiles}",
     ]
-    out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=ENV)
+    out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=ENV, check=False)
     m = {k: int(v) for k, v in re.findall(r"(\w+)_size_in_bytes=(\d+)", out.stdout + out.stderr)}
     return (m["argument"] + m["temp"] + m["output"] - m["alias"]) / 2**30 if m else None
 
@@ -113,7 +114,7 @@ def main():
     cpu = next(
         (
             line.split(":", 1)[1].strip()
-            for line in open("/proc/cpuinfo")
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("model name")
         ),
         "?",

@@ -15,6 +15,7 @@ import argparse
 import collections
 import datetime
 import os
+import pathlib
 import platform
 import subprocess
 import sys
@@ -61,7 +62,7 @@ def machine():
     cpu = next(
         (
             line.split(":", 1)[1].strip()
-            for line in open("/proc/cpuinfo")
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("model name")
         ),
         platform.processor(),
@@ -83,7 +84,9 @@ def checkpoint_costs(emulator, work):
         built = train.build(cfg, task, devices)
         with jax.set_mesh(built.mesh), train.nnx.logical_axis_rules(cfg.logical_axis_rules):
             state = train.init_state(cfg, built.layout)
-        it = types.SimpleNamespace(state=lambda: [{"row": 0}] * built.feed.rows, source="bench")
+        it = types.SimpleNamespace(
+            state=lambda built=built: [{"row": 0}] * built.feed.rows, source="bench"
+        )
         n = sum(x.size for x in jax.tree.leaves(state["params"]))
         for where in (os.path.join(work, name[:5]), f"{emulator.bucket()}/bench"):
             stall, commit = [], []
@@ -116,6 +119,7 @@ def uploads(emulator):
         capture_output=True,
         text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT},
+        check=False,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     import json

@@ -22,6 +22,7 @@ import datetime
 import glob
 import json
 import os
+import pathlib
 import platform
 import subprocess
 import sys
@@ -243,7 +244,7 @@ def machine():
     cpu = next(
         (
             line.split(":", 1)[1].strip()
-            for line in open("/proc/cpuinfo")
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("model name")
         ),
         platform.processor(),
@@ -255,7 +256,10 @@ def machine():
 def run_worker(torch_python, *argv):
     """This file's worker in the venv; its stderr (transformers' warnings) shown if it fails."""
     p = subprocess.run(
-        [torch_python, os.path.abspath(__file__), "--worker", *argv], capture_output=True, text=True
+        [torch_python, os.path.abspath(__file__), "--worker", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if p.returncode:
         sys.exit(f"torch worker {' '.join(argv)} failed:\n{p.stderr[-4000:]}")
@@ -364,13 +368,13 @@ def check_model(name, out):
     )
     theirs = np.load(os.path.join(out, name, "greedy.npy")).tolist()
     ours = our_greedy(cfg, graph, params, ids[:1, :PROMPT_LEN])
-    source = json.load(open(os.path.join(folder, "config.json")))
+    source = json.loads(pathlib.Path(folder, "config.json").read_text())
     default, model.SHARD_BYTES = model.SHARD_BYTES, EXPORT_SHARD_BYTES.get(name, model.SHARD_BYTES)
     try:
         model.save_hf(cfg, jax.tree.map(np.asarray, params), export, tokenizer=None, source=source)
     finally:
         model.SHARD_BYTES = default
-    exported = json.load(open(os.path.join(export, "config.json")))
+    exported = json.loads(pathlib.Path(export, "config.json").read_text())
     return {
         "name": name,
         "arch": source["architectures"][0],
@@ -406,7 +410,7 @@ def check_export(folder, out, theirs_logits, answer):
         our_logits(graph, params, np.load(os.path.join(out, "export_ids.npy"))), theirs_logits
     )
     ours = our_greedy(cfg, graph, params, [answer["prompt_ids"]])
-    arch = json.load(open(os.path.join(folder, "config.json")))["architectures"][0]
+    arch = json.loads(pathlib.Path(folder, "config.json").read_text())["architectures"][0]
     return {
         "name": folder,
         "arch": arch,
@@ -470,7 +474,7 @@ def part1(out, torch_python, export=None, prompt=PROMPT):
         logits = os.path.join(out, name, "export_logits.npy")
         job.append({"dir": folder, "ids": os.path.join(out, "ids.npy"), "logits": logits})
     if export:  # Part 2's transformers side rides along: torch is imported once
-        vocab = json.load(open(os.path.join(export, "config.json")))["vocab_size"]
+        vocab = json.loads(pathlib.Path(export, "config.json").read_text())["vocab_size"]
         ids = np.random.default_rng(1).integers(0, vocab, BATCH).astype(np.int32)
         np.save(os.path.join(out, "export_ids.npy"), ids)
         job.append(
@@ -513,7 +517,7 @@ def part2(folder, out, prompt):
     """--export: ours on the export against transformers' logits and greedy answer; printed."""
     import numpy as np
 
-    answer = json.load(open(os.path.join(out, "export_answer.json")))
+    answer = json.loads(pathlib.Path(out, "export_answer.json").read_text())
     row = check_export(folder, out, np.load(os.path.join(out, "export_logits.npy")), answer)
     print(f"\nPart 2: {folder} ({BATCH[0]} x {BATCH[1]} random tokens)")
     print(table([row], COLUMNS))
@@ -552,7 +556,7 @@ def main(argv):
     os.makedirs(out, exist_ok=True)
     start = time.time()
     run_worker(args.torch_python, "make", out)
-    versions = json.load(open(os.path.join(out, "versions.json")))
+    versions = json.loads(pathlib.Path(out, "versions.json").read_text())
     print(machine())
     print(
         f"python {platform.python_version()}, jax {jax.__version__}, torch {versions['torch']}, "

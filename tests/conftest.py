@@ -327,7 +327,7 @@ class Emulator:
     def start(self):
         import urllib.request
 
-        self.log = open(os.path.join(self.root, "emulator.log"), "a")
+        self.log = open(os.path.join(self.root, "emulator.log"), "a")  # noqa: SIM115 closed in stop()
         self.process = subprocess.Popen(
             [
                 self.binary,

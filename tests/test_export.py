@@ -3,12 +3,20 @@
 import itertools
 import json
 import os
+import pathlib
 import struct
 
 import jax
 import numpy as np
 import pytest
-from conftest import TEXT, config, init_model, read_checkpoint, train_state, write_corpus
+from conftest import (
+    TEXT,
+    config,
+    init_model,
+    read_checkpoint,
+    train_state,
+    write_corpus,
+)
 from flax import nnx
 
 import model as model_lib
@@ -69,7 +77,7 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
     ranges = sorted(h["data_offsets"] for h in header.values())
     assert ranges[0][0] == 0 and ranges[-1][1] == len(body)
     assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
-    conf = json.load(open(os.path.join(hf, "config.json")))
+    conf = json.loads(pathlib.Path(hf, "config.json").read_text())
     assert (
         conf["model_type"] == "llama" and conf["num_key_value_heads"] == G and conf["head_dim"] == K
     )
@@ -189,10 +197,7 @@ def test_cli_export_and_generate(tmp_path, capsys):
         "tokenizer_config.json",
     ]
     for name in os.listdir(hf):
-        assert (
-            open(os.path.join(hf, name), "rb").read()
-            == open(os.path.join(first, name), "rb").read()
-        ), name
+        assert pathlib.Path(hf, name).read_bytes() == pathlib.Path(first, name).read_bytes(), name
     cfg = text(
         "mode=generate",
         f"load_hf={hf}",

@@ -6,6 +6,7 @@ import json
 import math
 import operator
 import os
+import pathlib
 import re
 import shlex
 import signal
@@ -406,7 +407,7 @@ def test_two_processes_train_like_one_and_stop_together(tmp_path):
     try:
         deadline, logged = time.time() + 180, os.path.join(tmp_path, "two", "metrics.jsonl")
         while time.time() < deadline and procs[2].poll() is None:
-            if os.path.exists(logged) and len(open(logged).readlines()) >= 3:
+            if os.path.exists(logged) and len(pathlib.Path(logged).read_text().splitlines()) >= 3:
                 procs[2].send_signal(signal.SIGTERM)  # the non-coordinator process only
                 break
             time.sleep(0.01)
@@ -478,7 +479,10 @@ def test_elastic_resume_reads_what_an_uninterrupted_run_reads(tmp_path, source):
             for p in procs:
                 p.kill()
         assert [code for code, _ in done] == [0] * processes, [err[-2000:] for _, err in done]
-        read = [[json.loads(line) for line in open(f"{rows_file}.{i}")] for i in range(processes)]
+        read = [
+            [json.loads(line) for line in pathlib.Path(f"{rows_file}.{i}").read_text().splitlines()]
+            for i in range(processes)
+        ]
         return [
             {k: functools.reduce(operator.iadd, (b[k] for b in batches), []) for k in batches[0]}
             for batches in zip(*read)
@@ -525,7 +529,7 @@ def test_two_processes_evaluate_sudoku_like_one(tmp_path):
         r[1][0][1][-2000:] for r in done
     ]  # exit codes, stderr
     assert "8 x cpu (cpu), 2 process(es)" in done[0][0] and "devices:" not in done[1][0]
-    read = lambda run, name: open(os.path.join(tmp_path, run, name)).read()
+    read = lambda run, name: pathlib.Path(tmp_path, run, name).read_text()
     want, got = (json.loads(read(run, "eval.json")) for run in ("one", "two"))
     assert want.pop("seconds") > 0 and got.pop("seconds") > 0
     assert want == {k: v for k, v in one.items() if k != "seconds"} and want["num_puzzles"] == 32

@@ -178,9 +178,9 @@ def reference_logits(conf, t, ids):
     )
     x = w["model.embed_tokens.weight"][ids]
     for i in range(conf["num_hidden_layers"]):
-        p = lambda n: w[f"model.layers.{i}.{n}"]
+        p = lambda n, i=i: w[f"model.layers.{i}.{n}"]
         h = rms(x, p("input_layernorm.weight"))
-        proj = lambda n, heads: (
+        proj = lambda n, heads, h=h, p=p: (
             h @ p(f"self_attn.{n}_proj.weight").T
             + (p(f"self_attn.{n}_proj.bias") if conf["model_type"] == "qwen2" else 0)
         ).reshape(B, L, heads, K)
@@ -252,7 +252,7 @@ def test_each_family_loads_and_gives_transformers_logits(tmp_path, family, dtype
     out = tmp_path / "export"
     written = model_lib.save_hf(cfg, jax.tree.map(np.asarray, params), str(out), source=conf)
     assert set(written) == set(tensors)
-    back = json.load(open(out / "config.json"))
+    back = json.loads((out / "config.json").read_text())
     assert back["architectures"] == conf["architectures"] and back.get("rope_scaling") == conf.get(
         "rope_scaling"
     )
@@ -628,7 +628,9 @@ def test_sft_run_answers_exports_and_the_export_loads(tmp_path, qwen):
         4, 1, 1
     )
     result = run("mode=eval", "eval_answers=3", "max_new_tokens=4")
-    answers = [json.loads(line) for line in open(tmp_path / "sft" / "answers.jsonl")]
+    answers = [
+        json.loads(line) for line in (tmp_path / "sft" / "answers.jsonl").read_text().splitlines()
+    ]
     assert len(answers) == result["answered"] == 3 and 0 <= result["exact_match"] <= 1
     assert result["exact_match"] == np.mean(
         [a["answer"].strip() == a["reference"] for a in answers]
@@ -645,9 +647,12 @@ def test_sft_run_answers_exports_and_the_export_loads(tmp_path, qwen):
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    conf = json.load(open(tmp_path / "out" / "config.json"))
+    conf = json.loads((tmp_path / "out" / "config.json").read_text())
     assert conf["architectures"] == ["Qwen2ForCausalLM"] and conf["eos_token_id"] == [2, 0]
-    assert json.load(open(tmp_path / "out" / "tokenizer_config.json"))["chat_template"] == CHATML
+    assert (
+        json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"]
+        == CHATML
+    )
     _, params = loaded(tmp_path, tmp_path / "out")
     trained = read_checkpoint(tmp_path / "sft", out["step"])["train_state"]["params"]
     by_path = lambda tree: {
@@ -697,6 +702,7 @@ def test_a_hub_id_loads_from_the_hub_cache_offline(tmp_path):
         text=True,
         cwd=tmp_path,
         timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert (
@@ -710,6 +716,7 @@ def test_a_hub_id_loads_from_the_hub_cache_offline(tmp_path):
         text=True,
         cwd=tmp_path,
         timeout=300,
+        check=False,
     )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(

@@ -266,7 +266,7 @@ def test_a_stalled_host_is_named_with_its_stacks(tmp_path):
     at_step(metrics_file, 3, pair)
     child = int(
         subprocess.run(
-            ["pgrep", "-P", str(pair[1].pid)], capture_output=True, text=True
+            ["pgrep", "-P", str(pair[1].pid)], capture_output=True, text=True, check=False
         ).stdout.split()[0]
     )
     os.kill(child, signal.SIGSTOP)
@@ -306,7 +306,7 @@ def test_a_host_later_than_gloo_waits_still_trains_and_evaluates(tmp_path):
     ... GetKeyValue() timed out'."""
     for late_at, mode in (("checkpoints,compile_step", "train"), ("evaluator", "eval")):
         port, t0 = free_port(), time.time()
-        env = lambda i: {
+        env = lambda i, port=port, late_at=late_at: {
             **ENV,
             "JAX_NUM_CPU_DEVICES": "2",
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",

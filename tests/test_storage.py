@@ -250,7 +250,10 @@ def test_bucket_lease_expires_and_is_taken_over_once(gcs):
         )
     ], said_once
     dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     gs().pipe_file(
         path, json.dumps({**other, "pid": int(dead.stdout), "host": socket.gethostname()}).encode()

@@ -3,8 +3,10 @@ and an oracle value, forced moves, one compile per batch shape, and end to end a
 puzzles, then every decoder through mode=eval (its JSON line, forward passes, predictions.csv) and
 mode=generate."""
 
+import functools
 import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +43,10 @@ def easy(n, seed=0, blanks=30):
 def test_oracle_value_solves_easy_puzzles_and_log_prob_alone_does_not():
     for blanks in (30, 58):
         q, a = easy(4, blanks=blanks)
-        search = lambda score: model_lib.tree_search(
+        search = lambda score, q=q, a=a: model_lib.tree_search(
             oracle(a), q, Search(2, 9, 1, 81, 10_000, score)
         )
-        grids, evals = jax.jit(lambda: search("value"))()
+        grids, evals = jax.jit(functools.partial(search, "value"))()
         np.testing.assert_array_equal(grids, a)
         assert bool(data.solved(grids).all()) and (np.asarray(evals) <= 10_000).all()
     # Same search ranked by the (uniform) policy's log-prob: it keeps the first legal digits it tries, and
@@ -398,7 +400,7 @@ def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys, monkeypatch)
             == 0
         )
         r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert r == json.load(open(os.path.join(tmp_path, f"ev-{decoder}", "eval.json")))
+        assert r == json.loads(pathlib.Path(tmp_path, f"ev-{decoder}", "eval.json").read_text())
         assert (
             r["decoder"] == decoder
             and r["num_puzzles"] == 4
@@ -449,6 +451,6 @@ def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys, monkeypatch)
         == 0
     )
     assert "a valid solution" in capsys.readouterr().out
-    assert open(os.path.join(tmp_path, "gen", "generation.txt")).read().strip() == "".join(
+    assert pathlib.Path(tmp_path, "gen", "generation.txt").read_text().strip() == "".join(
         map(str, a[0])
     )

@@ -2,6 +2,7 @@
 and what a run writes (config, metrics, TensorBoard events)."""
 
 import os
+import pathlib
 import re
 
 import jax
@@ -116,7 +117,7 @@ def test_remat_saves_memory_without_changing_the_math(tmp_path):
         )
         mesh, state, step = _state_and_step(cfg)
         model = model_lib.abstract(cfg)[0]
-        loss = lambda p: model_lib.lm_loss(
+        loss = lambda p, cfg=cfg, model=model: model_lib.lm_loss(
             cfg, model, p, {k: v[0] for k, v in b.items()}, None, None
         )[0]
         with jax.set_mesh(mesh):
@@ -133,7 +134,9 @@ def test_remat_saves_memory_without_changing_the_math(tmp_path):
             outs[remat]["grad_norm"], outs["none"]["grad_norm"], rtol=1e-5, err_msg=remat
         )
         jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=remat),
+            lambda a, b, remat=remat: np.testing.assert_allclose(
+                a, b, rtol=1e-4, atol=1e-5, err_msg=remat
+            ),
             grads[remat],
             grads["none"],
         )
@@ -237,9 +240,13 @@ def test_bfloat16_compute_agrees_with_float32(tmp_path):
             cfg
         )  # float32 weights (weight_dtype): the same parameters for both
         forward = jax.jit(
-            lambda p: nnx.merge(graph, p)(b["inputs"], b["positions"], b["segment_ids"])
+            lambda p, graph=graph: nnx.merge(graph, p)(
+                b["inputs"], b["positions"], b["segment_ids"]
+            )
         )
-        lm_loss = jax.jit(lambda p: model_lib.lm_loss(cfg, graph, p, b, None, None))
+        lm_loss = jax.jit(
+            lambda p, cfg=cfg, graph=graph: model_lib.lm_loss(cfg, graph, p, b, None, None)
+        )
         logits[dtype] = np.asarray(forward(params)).astype(np.float32)
         assert forward(params).dtype == jnp.dtype(dtype)
         summed, (sums, _) = lm_loss(params)
@@ -353,7 +360,9 @@ def test_bfloat16_gradients_agree_with_float32(tmp_path, vocab_tile):
     for dtype in ("float32", "bfloat16"):
         cfg = config(tmp_path, f"dtype={dtype}", f"vocab_tile={vocab_tile}", "scan_layers=true")
         graph, params = init_model(cfg)
-        loss = lambda p: model_lib.lm_loss(cfg, graph, p, b, None, None)[0] / np.sum(b["loss_mask"])
+        loss = lambda p, cfg=cfg, graph=graph: (
+            model_lib.lm_loss(cfg, graph, p, b, None, None)[0] / np.sum(b["loss_mask"])
+        )
         grads[dtype] = [
             np.asarray(g, np.float64) for g in jax.tree.leaves(jax.jit(jax.grad(loss))(params))
         ]
@@ -516,7 +525,7 @@ def test_mesh_fill_and_mismatch(tmp_path):
 # ---- config files ---------------------------------------------------------------------------------
 def test_duplicate_key_in_yaml(tmp_path):
     path = tmp_path / "dup.yml"
-    path.write_text(open(BASE).read() + "\nsteps: 7\n")
+    path.write_text(pathlib.Path(BASE).read_text() + "\nsteps: 7\n")
     with pytest.raises(train.ConfigError, match="key 'steps' is set twice"):
         train.load_config(str(path))
 
@@ -611,8 +620,8 @@ def test_nonfinite_loss_stops_naming_the_step(tmp_path, capsys, monkeypatch):
 
 
 def test_ci_runs_the_readme_test_command():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    readme = pathlib.Path(ROOT, "README.md").read_text()
+    ci = pathlib.Path(ROOT, ".ci", "run").read_text()
     test_cmd = next(line.strip() for line in readme.splitlines() if "pytest" in line)
     assert test_cmd in ci
 
@@ -665,7 +674,7 @@ def test_tiled_lm_head_equals_the_untiled_one(tmp_path):
             config(tmp_path, f"tie_embeddings={tie}", "vocab_tile=32"),
         )
         graph, params = init_model(cfg)
-        loss = lambda c: jax.jit(
+        loss = lambda c, graph=graph, params=params: jax.jit(
             jax.value_and_grad(lambda p: model_lib.lm_loss(c, graph, p, b, None, None)[0])
         )(params)
         (want, want_g), (got, got_g) = loss(cfg), loss(tiled)
