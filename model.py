@@ -1,21 +1,30 @@
 """A Llama-style GQA transformer in Flax NNX, two puzzle heads on it, and the tasks train.py trains.
 
-  Transformer    token ids -> logits; exactly Llama's math (rotate-half RoPE, RMSNorm with eps inside the
-                 rsqrt, SwiGLU, no biases), so the weights export to Hugging Face's LlamaForCausalLM.
-  Task           the one interface train.py reads: a task's module, loss, extra train state, what follows
-                 an update, evaluation and generation. TASKS holds the language model ('lm') and the
-                 Sudoku solver ('sudoku'); the puzzle sections below can be skipped by an LM reader.
-  TRM            Tiny Recursive Model: the trunk recursed over an answer state and a latent, with deep
-                 supervision and a halting head (trm_loss is its training step's loss).
+Its sections, in reading order (an LM reader can stop after the Task interface):
+  Transformer    token ids -> logits; exactly Llama's math (rotate-half RoPE, RMSNorm with eps
+                 inside the rsqrt, SwiGLU, no biases), so the weights export to Hugging Face's
+                 LlamaForCausalLM. Its layers in order: RMSNorm, RoPE, Attention, SwiGLU (the MLP),
+                 Block, Trunk, Transformer; then the loss (cross_entropy) and FLOPs.
+  LM task        the language model's loss, eval and generation with a KV cache (lm_loss, generate).
+  bf16 matmuls   dot, product, contract: the model's matmuls, each a plain jnp.einsum in float32,
+                 written so that a bf16 step runs at bf16 speed on XLA:CPU.
+  HF checkpoints Llama, Qwen2 and Qwen3 weights and config.json in and out (load_hf, save_hf).
+  Task           the one interface train.py reads: a task's module, loss, extra train state, what
+                 follows an update, evaluation and generation; LM is the language model's.
+  TRM            Tiny Recursive Model: the trunk recursed over an answer state and a latent, with
+                 deep supervision and a halting head (trm_loss is its training step's loss).
   ToT            a value head on the TRM's answer state and a step-level beam search over thoughts
                  (tree_search), plus greedy decoding and the Sudoku scoring they are measured with.
+  Sudoku task    the TRM's Task (SUDOKU). TASKS holds the language model ('lm') and the Sudoku
+                 solver ('sudoku'); the puzzle sections can be skipped by an LM reader.
 
-Modules are NNX; the trainer keeps no module objects. `init` splits a model into its graph (structure
-and settings, static) and its parameters (a plain nested dict of arrays: what optax, orbax and the HF
-export see); a loss merges them back, `nnx.merge(graph, params)(...)`, inside the jitted step, so the
-step is a pure function of arrays. Parameters carry *logical* axis names only ('embed', 'heads',
-'mlp', ...); train.py maps them to mesh axes with the one table `logical_axis_rules` in base.yml, and
-nothing here knows the mesh. The puzzle heads read the Sudoku rules and token layout from data.py.
+Modules are NNX; the trainer keeps no module objects. `init` splits a model into its graph
+(structure and settings, static) and its parameters (a plain nested dict of arrays: what optax,
+orbax and the HF export see); a loss merges them back, `nnx.merge(graph, params)(...)`, inside the
+jitted step, so the step is a pure function of arrays. Parameters carry *logical* axis names only
+('embed', 'heads', 'mlp', ...); train.py maps them to mesh axes with the one table
+`logical_axis_rules` in base.yml, and nothing here knows the mesh. The puzzle heads read the Sudoku
+rules and token layout from data.py.
 
 Shape letters, for the whole repository (x_BLD is a [batch, length, d_model] array). They name array
 axes only; the config keys trm.T and trm.n keep the TRM paper's names.
@@ -49,14 +58,15 @@ from jax.sharding import PartitionSpec
 import data
 from data import MEMBERS, SUDOKU_LEN, dead_end, digits_seen, legal_digits, solved
 
-# remat=full recomputes everything in the backward pass: least memory. save_dots keeps the projections' outputs
-# (dot's results named 'dot'), in the compute dtype: a policy on the dot primitives themselves would keep their
-# float32 sums, twice the bytes in a bf16 step.
+# remat=full recomputes everything in the backward pass: least memory. save_dots keeps the
+# projections' outputs (dot's results named 'dot'), in the compute dtype: a policy on the dot
+# primitives themselves would keep their float32 sums, twice the bytes in a bf16 step.
 REMAT_POLICIES = {"full": None, "save_dots": jax.checkpoint_policies.save_only_these_names("dot")}
 
 
 # ==================================================================================================
-# The transformer: layers, the LM, its loss and FLOPs.
+# The transformer: layers, the LM, its loss and FLOPs. Its matmuls (dot, product) are the bf16
+# matmul layer's, the section after the language-model task.
 # ==================================================================================================
 def dims(cfg):
     """Head width, derived once: explicit head_dim or d_model / num_heads."""
@@ -64,8 +74,9 @@ def dims(cfg):
 
 
 def param(rngs, shape, axes, std, dtype, fill=None):
-    """A parameter drawn N(0, std) in `dtype` (or filled with `fill`), annotated with its logical axes.
-    train.py places the whole state in one jit, so variables are not sharded one by one as they are made."""
+    """A parameter drawn N(0, std) in `dtype` (or filled with `fill`), annotated with its
+    logical axes. train.py places the whole state in one jit, so variables are not sharded one
+    by one as they are made."""
     value = (
         jnp.full(shape, fill, dtype)
         if fill is not None
@@ -82,10 +93,10 @@ def constrain(x, axes):
 
 
 def dividing_spec(logical, shape, rules, mesh_shape):
-    """A PartitionSpec for an array of `shape` with these logical axis names: each dimension takes the longest
-    prefix of its rule's mesh axes (size-1 axes and axes used by an earlier dimension left out) that divides
-    it, so odd sizes stay whole instead of failing. train.py places every array by it; the kernels here
-    split their inputs by it."""
+    """A PartitionSpec for an array of `shape` with these logical axis names: each dimension takes
+    the longest prefix of its rule's mesh axes (size-1 axes and axes used by an earlier dimension
+    left out) that divides it, so odd sizes stay whole instead of failing. train.py places every
+    array by it; the kernels here split their inputs by it."""
     used, out = set(), []
     for name, size in zip(tuple(logical) + (None,) * (len(shape) - len(logical)), shape):
         axes = rules.get(name) or ()
@@ -101,133 +112,9 @@ def dividing_spec(logical, shape, rules, mesh_shape):
     return PartitionSpec(*out)
 
 
-# --------------------------------------------------------------------------------------------------
-# Matmuls. In float32 every one is a plain jnp.einsum. This layer exists for the bf16 step on CPU: XLA:CPU
-# runs a dot at bf16 speed (AVX-512 BF16) only as bf16 x bf16 accumulating in float32, with the left operand
-# stored with its summed axes last; any other dot runs as float32 x float32. jnp.einsum and its autodiff
-# miss that form in three places, each fixed by one piece here:
-#   dot       a projection as one 2-D matmul [rows, in] x [in, out] (XLA:CPU differentiates that into plain
-#             matmuls; the 3-D einsum made it copy a transposed activation for each weight gradient)
-#   product   einsum in the compute dtype, float32 sums; in bf16 its own gradient (narrow_product) casts the
-#             float32 cotangent back to bf16, so the backward dots are bf16 x bf16 as well
-#   contract  each backward dot in the kernel's form, transposing (transposed) whichever operand is cheaper
-# saved_bits keeps what remat=save_dots saves in bf16 too.
-# --------------------------------------------------------------------------------------------------
-def dot(eq, x, w, dtype, out_dtype=None):
-    """A projection: einsum `eq` where x's trailing axes contract with w's leading ones ('bld,dhk->blhk'), as
-    one [rows, in] x [in, out] product (compute dtype, float32 sums), the result in the compute dtype or
-    out_dtype. A result in the compute dtype is what remat=save_dots keeps: named 'dot' here, after the cast,
-    not the float32 sums before it (twice the bytes in a bf16 step)."""
-    lhs, rhs = eq.split("->")[0].split(",")
-    n = len(set(lhs) & set(rhs))  # the contracted axes
-    assert n and lhs[-n:] == rhs[:n] and eq.endswith("->" + lhs[:-n] + rhs[n:]), (
-        f"not a projection: {eq}"
-    )
-    I = math.prod(w.shape[:n])
-    y = product("ni,io->no", x.reshape(-1, I), w.reshape(I, -1), dtype, out_dtype or dtype)
-    if y.dtype == jnp.dtype(dtype):
-        y = saved_bits(y) if y.dtype.itemsize == 2 else checkpoint_name(y, "dot")
-    return y.reshape(x.shape[:-n] + w.shape[n:])
-
-
-@jax.custom_vjp
-def saved_bits(y):
-    """y itself, named 'dot' for remat=save_dots as its uint16 bits: the layer scan stacks what is kept, and
-    XLA:CPU has no bf16 dynamic-slice, so a bf16 y named as it is would be kept as a float32 copy for the
-    backward pass. The bits are named only when differentiated (saved_bits_fwd); the cotangent passes
-    straight through (a bit cast has no gradient of its own)."""
-    return y
-
-
-def saved_bits_fwd(y):
-    bits = checkpoint_name(jax.lax.bitcast_convert_type(y, jnp.uint16), "dot")
-    return jax.lax.bitcast_convert_type(bits, y.dtype), None
-
-
-saved_bits.defvjp(saved_bits_fwd, lambda _, g: (g,))
-
-
-def product(eq, x, w, dtype, out_dtype):
-    """einsum(eq, x, w) of x and w cast to the compute dtype, accumulated in float32, result in out_dtype.
-
-    In float32 that is all. In a narrower dtype (bf16) jnp.einsum's own gradient would not stay in it: the
-    cotangent of the float32 sum is float32, so both backward products would be float32 x bf16, which
-    XLA:CPU runs as float32 x float32. Here (narrow_product) the cotangent is cast to the compute dtype and
-    both backward products are bf16 x bf16 accumulating in float32, as the forward one; the gradients come
-    back in x's and w's own dtypes (a float32 master weight gets its gradient unrounded)."""
-    if jnp.dtype(dtype) == jnp.float32:
-        return jnp.einsum(
-            eq, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32
-        ).astype(out_dtype)
-    return narrow_product(eq, (x.dtype, w.dtype, jnp.dtype(dtype), jnp.dtype(out_dtype)), x, w)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def narrow_product(eq, dtypes, x, w):
-    """product in a narrow compute dtype; dtypes = (x's, w's, compute, result)."""
-    return narrow_product_fwd(eq, dtypes, x, w)[0]
-
-
-def narrow_product_fwd(eq, dtypes, x, w):
-    x, w = x.astype(dtypes[2]), w.astype(dtypes[2])  # the residuals too: half float32's bytes
-    return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(dtypes[3]), (x, w)
-
-
-def narrow_product_bwd(eq, dtypes, xw, g):
-    """x's and w's gradients as einsums of the same form: g with w gives x's axes, x with g gives w's."""
-    (lhs, rhs), out = eq.split("->")[0].split(","), eq.split("->")[1]
-    (x, w), g = xw, g.astype(dtypes[2])
-    return contract(out, rhs, lhs, g, w).astype(dtypes[0]), contract(lhs, out, rhs, x, g).astype(
-        dtypes[1]
-    )
-
-
-narrow_product.defvjp(narrow_product_fwd, narrow_product_bwd)
-
-
-def contract(a_spec, b_spec, out_spec, a, b):
-    """einsum a_spec,b_spec->out_spec accumulating in float32, in the one form XLA:CPU's bf16 matmuls (YNNPACK)
-    take: the left operand stored with its summed axes last, the result in the dot's own order (shared axes,
-    the left's, the right's). A weight gradient sums over the rows, which lead both operands, so one of them is
-    copied transposed: of the two ways (either operand on the left, the result transposed after if its order
-    differs) the one that moves fewer bytes. For the MLP's down projection that copies the [rows, d_model]
-    gradient, not the [rows, mlp_dim] activation."""
-    out_bytes = 4 * math.prod(
-        dict(zip(a_spec + b_spec, a.shape + b.shape))[c] for c in out_spec
-    )  # float32
-
-    def plan(
-        l_spec, l, r_spec, r
-    ):  # l on the left: the bytes copied, the operands, l's layout, the result's
-        summed = [c for c in l_spec if c in r_spec and c not in out_spec]
-        order = "".join([c for c in l_spec if c not in summed] + summed)
-        natural = "".join(
-            [c for c in order if c in r_spec and c in out_spec]
-            + [c for c in order if c not in r_spec]
-            + [c for c in r_spec if c not in l_spec]
-        )
-        cost = (order != l_spec) * l.size * l.dtype.itemsize + (natural != out_spec) * out_bytes
-        return cost, l_spec, l, r_spec, r, order, natural
-
-    _, l_spec, l, r_spec, r, order, natural = min(
-        plan(a_spec, a, b_spec, b), plan(b_spec, b, a_spec, a), key=lambda p: p[0]
-    )  # a tie: a on the left
-    if order != l_spec:
-        l = transposed(l, [l_spec.index(c) for c in order])
-    y = jnp.einsum(f"{order},{r_spec}->{natural}", l, r, preferred_element_type=jnp.float32)
-    return y if natural == out_spec else transposed(y, [natural.index(c) for c in out_spec])
-
-
-def transposed(x, perm):
-    """x.transpose(perm), on CPU stored in its new order: XLA:CPU may keep a plain transpose as a relabelled
-    layout of x's buffer, which its bf16 dot cannot read (contract); through a unit axis it is a real copy.
-    Other backends pick their own layouts, and a copy there only costs memory (v3-8 by AOT: +1.4 GiB)."""
-    copy = lambda x: x[..., None].transpose(*perm, x.ndim)[..., 0]
-    return jax.lax.platform_dependent(x, cpu=copy, default=lambda x: x.transpose(perm))
-
-
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis: d_model wide, or `size` (qk_norm: each head's K channels, Qwen3)."""
+    """RMSNorm over the last axis: d_model wide, or
+    `size` (qk_norm: each head's K channels, Qwen3)."""
 
     def __init__(self, cfg, size=None, axis="embed"):
         wdt = jnp.dtype(cfg.weight_dtype)
@@ -241,10 +128,11 @@ class RMSNorm(nnx.Module):
 
 
 def rope_frequencies(cfg):
-    """RoPE's K/2 inverse frequencies, theta^(-2i/K). rope_scaling.type=llama3 (Llama 3.1 to 3.3) stretches the
-    long wavelengths for a longer context: a wavelength longer than original / low_freq_factor is divided by
-    factor, one shorter than original / high_freq_factor kept, and those between interpolated (transformers'
-    llama3 rule, so imported weights see the angles they were trained with)."""
+    """RoPE's K/2 inverse frequencies, theta^(-2i/K). rope_scaling.type=llama3 (Llama 3.1 to 3.3)
+    stretches the long wavelengths for a longer context: a wavelength longer than original /
+    low_freq_factor is divided by factor, one shorter than original / high_freq_factor kept, and
+    those between interpolated (transformers' llama3 rule, so imported weights see the angles
+    they were trained with)."""
     K, s = dims(cfg), cfg.rope_scaling
     inv_freq_k = 1.0 / cfg.rope_theta ** (np.arange(0, K, 2, dtype=np.float32) / K)
     if s.type == "none":
@@ -265,10 +153,10 @@ def rope_frequencies(cfg):
 
 
 def rope_table(positions_BL, cfg, num_positions):
-    """(cos, sin) [B, L, 1, K/2] of the rotary angles (rotate-half convention, Hugging Face Llama), float32.
-    Gathered from a table for positions 0..num_positions-1 made with numpy at trace time, once per forward
-    for all layers: computed in the graph, XLA:CPU recomputes cos/sin inside every fusion that uses them
-    (per head, layer and pass). A position past the table reads NaN
+    """(cos, sin) [B, L, 1, K/2] of the rotary angles (rotate-half convention, Hugging Face Llama),
+    float32. Gathered from a table for positions 0..num_positions-1 made with numpy at trace time,
+    once per forward for all layers: computed in the graph, XLA:CPU recomputes cos/sin inside every
+    fusion that uses them (per head, layer and pass). A position past the table reads NaN
     (jnp.take's fill), never a wrong angle."""
     inv_freq_k = rope_frequencies(cfg)
     angles_Tk = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq_k
@@ -276,8 +164,9 @@ def rope_table(positions_BL, cfg, num_positions):
 
 
 def rope(x_BLHK, rope_BL1k):
-    """Rotary embedding of q or k with rope_table's (cos, sin), in float32: the halves x1, x2 of the head
-    dimension become x1 cos - x2 sin, x2 cos + x1 sin (HF's x cos + rotate_half(x) sin, the same products)."""
+    """Rotary embedding of q or k with rope_table's (cos, sin), in float32: the halves x1, x2
+    of the head dimension become x1 cos - x2 sin, x2 cos + x1 sin (HF's x cos + rotate_half(x)
+    sin, the same products)."""
     (cos_BL1k, sin_BL1k), K = rope_BL1k, x_BLHK.shape[-1]
     x1, x2 = x_BLHK[..., : K // 2].astype(jnp.float32), x_BLHK[..., K // 2 :].astype(jnp.float32)
     return jnp.concatenate(
@@ -286,13 +175,13 @@ def rope(x_BLHK, rope_BL1k):
 
 
 def kv_cache(cache, k_BLGK, v_BLGK, positions_BL, segment_ids_BL):
-    """Generation: write this call's keys/values into the layer's [B, T, G, K] cache at their positions
-    (all rows share positions) and let each query see every cached slot at or before its own position
-    that holds its segment: prompts of several lengths are padded on the left with segment 0, which the
-    real tokens (segment 1) never see. RoPE depends only on the distance between positions, so a padded
-    prompt gives the logits it gives alone. A prompt fills many slots at once (prefill); a decode step
-    fills one, so a new token costs one position. Returns the whole cache's keys, values, the mask, and
-    the updated cache."""
+    """Generation: write this call's keys/values into the layer's [B, T, G, K] cache at their
+    positions (all rows share positions) and let each query see every cached slot at or before its
+    own position that holds its segment: prompts of several lengths are padded on the left with
+    segment 0, which the real tokens (segment 1) never see. RoPE depends only on the distance
+    between positions, so a padded prompt gives the logits it gives alone. A prompt fills many slots
+    at once (prefill); a decode step fills one, so a new token costs one position. Returns the whole
+    cache's keys, values, the mask, and the updated cache."""
     start = positions_BL[0, 0]
     k_BTGK = jax.lax.dynamic_update_slice(
         cache["k"], k_BLGK.astype(cache["k"].dtype), (0, start, 0, 0)
@@ -307,16 +196,15 @@ def kv_cache(cache, k_BLGK, v_BLGK, positions_BL, segment_ids_BL):
 
 
 def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
-    """attention=einsum: jax.nn.dot_product_attention's math (float32 scores and softmax) in a layout
-    XLA:CPU runs well. The R = H/G query heads sharing a kv head are stacked along the length, so each kv
-    head is one [R*L, K] x [K, T] matmul; the dot_product_attention layout costs more fwd+bwd on CPU
-    (transposed copies of the [B, H, L, T] scores)."""
+    """attention=einsum: jax.nn.dot_product_attention's math (float32 scores and softmax) in a
+    layout XLA:CPU runs well. The R = H/G query heads sharing a kv head are stacked along the
+    length, so each kv head is one [R*L, K] x [K, T] matmul; the dot_product_attention layout costs
+    more fwd+bwd on CPU (transposed copies of the [B, H, L, T] scores)."""
     (B, L, H, K), (_, T, G, _) = q_BLHK.shape, k_BTGK.shape
     R = H // G
     q_BGQK = q_BLHK.reshape(B, L, G, R, K).transpose(0, 2, 3, 1, 4).reshape(B, G, R * L, K)
-    move = (
-        jnp.transpose if jnp.dtype(dtype) == jnp.float32 else transposed
-    )  # bf16 dots need a real copy
+    # bf16 dots need a real copy
+    move = jnp.transpose if jnp.dtype(dtype) == jnp.float32 else transposed
     k_BGTK, v_BGTK = move(k_BTGK, (0, 2, 1, 3)), move(v_BTGK, (0, 2, 1, 3))
     s_BGRLT = (
         product("bgqk,bgtk->bgqt", q_BGQK, k_BGTK, dtype, jnp.float32).reshape(B, G, R, L, T)
@@ -331,18 +219,20 @@ def gqa_attention(q_BLHK, k_BTGK, v_BTGK, mask_B1LT, causal, dtype):
 
 
 def splash_block(L):
-    """The splash kernel's tile over a sequence of L tokens: the largest of 512, 256, 128 that divides L, the
-    whole length at toy sizes (up to 512); 0 where none fits (train.py refuses the config)."""
+    """The splash kernel's tile over a sequence of L tokens: the largest of 512, 256, 128
+    that divides L, the whole length at toy sizes (up to 512); 0 where none fits
+    (train.py refuses the config)."""
     return L if L <= 512 else next((b for b in (512, 256, 128) if L % b == 0), 0)
 
 
 def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=False):
-    """attention=splash: the Pallas TPU flash-attention kernel that ships with JAX (splash attention). Scores
-    are made block by block in on-chip memory, never the [B, H, L, T] array the einsum keeps for the backward
-    pass. Each kv head serves its R query heads through the kernel's MQA form (vmapped over kv heads and
-    batch, so k and v are never copied R times); packing's segment ids mask across documents. Under a mesh
-    it runs per device (shard_map): batch split as the 'batch' rule says, heads as 'heads' and 'kv_heads'.
-    interpret=True runs the kernel's reference interpreter on any backend (the numerics tests, on CPU)."""
+    """attention=splash: the Pallas TPU flash-attention kernel that ships with JAX (splash
+    attention). Scores are made block by block in on-chip memory, never the [B, H, L, T] array the
+    einsum keeps for the backward pass. Each kv head serves its R query heads through the kernel's
+    MQA form (vmapped over kv heads and batch, so k and v are never copied R times); packing's
+    segment ids mask across documents. Under a mesh it runs per device (shard_map): batch split as
+    the 'batch' rule says, heads as 'heads' and 'kv_heads'. interpret=True runs the kernel's
+    reference interpreter on any backend (the numerics tests, on CPU)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
     )
@@ -352,17 +242,15 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
 
     def local(q_BLHK, k_BTGK, v_BTGK, seg_BL):
         (B, L, H, K), G = q_BLHK.shape, k_BTGK.shape[2]
-        sizes = splash.BlockSizes(
-            *[splash_block(L)] * 8
-        )  # one tile for every block size the kernel takes
+        # one tile for every block size the kernel takes
+        sizes = splash.BlockSizes(*[splash_block(L)] * 8)
         head = masks.CausalMask((L, L)) if causal else masks.FullMask((L, L))
         kernel = splash.make_splash_mqa_single_device(
             masks.MultiHeadMask([head] * (H // G)), block_sizes=sizes, interpret=interpret
         )
         q_BGRLK = (q_BLHK * K**-0.5).reshape(B, L, G, H // G, K).transpose(0, 2, 3, 1, 4)
-        o_BGRLK = jax.vmap(
-            jax.vmap(kernel, in_axes=(0, 0, 0, None))
-        )(  # kernel(q_RLK, k_TK, v_TK, segment ids)
+        # kernel(q_RLK, k_TK, v_TK, segment ids)
+        o_BGRLK = jax.vmap(jax.vmap(kernel, in_axes=(0, 0, 0, None)))(
             q_BGRLK,
             k_BTGK.transpose(0, 2, 1, 3),
             v_BTGK.transpose(0, 2, 1, 3),
@@ -378,9 +266,8 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
         spec(("batch", None, "heads"), q_BLHK),
         spec(("batch", None, "kv_heads"), k_BTGK),
     )
-    if (
-        q_spec[2] != kv_spec[2]
-    ):  # heads and kv heads must split alike, or the groups break apart: keep both whole
+    # heads and kv heads must split alike, or the groups break apart: keep both whole
+    if q_spec[2] != kv_spec[2]:
         q_spec, kv_spec = (PartitionSpec(s[0], None, None, None) for s in (q_spec, kv_spec))
     return jax.shard_map(
         local,
@@ -391,8 +278,8 @@ def splash_attention(q_BLHK, k_BTGK, v_BTGK, segment_ids_BL, causal, interpret=F
 
 
 class Attention(nnx.Module):
-    """GQA attention. Two options cover the families load_hf reads: qkv_bias (Qwen2: biases on the q, k and v
-    projections) and qk_norm (Qwen3: an RMSNorm over each head's q and k before RoPE)."""
+    """GQA attention. Two options cover the families load_hf reads: qkv_bias (Qwen2: biases on the
+    q, k and v projections) and qk_norm (Qwen3: an RMSNorm over each head's q and k before RoPE)."""
 
     def __init__(self, cfg, rngs):
         D, H, G, K, wdt = (
@@ -439,9 +326,8 @@ class Attention(nnx.Module):
                 kv_cache(cache, k_BLGK, v_BLGK, positions_BL, segment_ids_BL),
                 False,
             )
-        if (
-            cfg.attention == "einsum" or cache is not None
-        ):  # a decode step has one query: no kernel needed
+        # a decode step has one query: no kernel needed
+        if cfg.attention == "einsum" or cache is not None:
             out_BLHK = gqa_attention(q_BLHK, k_BLGK, v_BLGK, mask_B1LL, causal, dt)
         elif cfg.attention == "splash":
             out_BLHK = splash_attention(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, causal)
@@ -458,11 +344,12 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """silu(x W_gate) * (x W_up) W_down over the last axis of x (width D, hidden F). The blocks' MLP runs it
-    over d_model; TRM's token mixer (trm.mixer=mlp) over the L positions instead of attention.
-    Under remat=full it runs on gcd(mlp_chunks, L) slices of axis 1 in turn, each recomputed alone in the
-    backward pass: the [rows, F] buffers there (gate, up, their gradients) that many times smaller, the FLOPs
-    unchanged (the layer's own recompute of the forward pass drops the MLP, whose output it does not need)."""
+    """silu(x W_gate) * (x W_up) W_down over the last axis of x (width D, hidden F). The blocks' MLP
+    runs it over d_model; TRM's token mixer (trm.mixer=mlp) over the L positions instead of
+    attention. Under remat=full it runs on gcd(mlp_chunks, L) slices of axis 1 in turn, each
+    recomputed alone in the backward pass: the [rows, F] buffers there (gate, up, their gradients)
+    that many times smaller, the FLOPs unchanged (the layer's own recompute of the forward pass
+    drops the MLP, whose output it does not need)."""
 
     def __init__(self, cfg, D, F, axis, rngs):
         wdt, self.dtype = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
@@ -489,9 +376,10 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). mixer='mlp' (fixed-length puzzles only:
-    `length` positions) swaps attention for a SwiGLU across the positions (TRM-MLP): for a fixed-size grid
-    the mixing pattern can be learned outright, which the TRM paper found best on Sudoku."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). mixer='mlp' (fixed-length
+    puzzles only: `length` positions) swaps attention for a SwiGLU across the positions
+    (TRM-MLP): for a fixed-size grid the mixing pattern can be learned outright, which the TRM
+    paper found best on Sudoku."""
 
     def __init__(self, cfg, rngs, causal=True, mixer="attention", length=None):
         self.causal, self.attn_norm, self.mlp_norm = causal, RMSNorm(cfg), RMSNorm(cfg)
@@ -505,9 +393,8 @@ class Block(nnx.Module):
 
     def __call__(self, x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache=None):
         x_BLD = constrain(x_BLD, ("batch", "length", None))
-        if hasattr(
-            self, "token_mlp"
-        ):  # mixing over L, as the last axis: XLA:CPU's dot has no bf16 x bf16
+        # mixing over L, as the last axis: XLA:CPU's dot has no bf16 x bf16
+        if hasattr(self, "token_mlp"):
             # -> f32 kernel for contracting the middle axis
             h_BLD = jnp.swapaxes(self.token_mlp(jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)), 1, 2)
         else:
@@ -520,9 +407,10 @@ class Block(nnx.Module):
 
 
 class Trunk(nnx.Module):
-    """The stack of blocks. scan_layers: one Block whose parameters are stacked on a leading 'layers' axis
-    (made by nnx.vmap), run by jax.lax.scan: one compiled layer, whatever the depth. Otherwise a list of
-    blocks, unrolled. remat wraps each layer in jax.checkpoint with the chosen policy."""
+    """The stack of blocks. scan_layers: one Block whose parameters are stacked on a leading
+    'layers' axis (made by nnx.vmap), run by jax.lax.scan: one compiled layer, whatever the
+    depth. Otherwise a list of blocks, unrolled. remat wraps each layer in jax.checkpoint
+    with the chosen policy."""
 
     def __init__(self, cfg, rngs, causal=True, mixer="attention", length=None):
         self.cfg = cfg
@@ -536,9 +424,8 @@ class Trunk(nnx.Module):
             self.layers = nnx.List([make(rngs) for _ in range(cfg.num_layers)])
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None):
-        P = (
-            x_BLD.shape[1] if cache is None else cache["k"].shape[2]
-        )  # positions are below the length / cache
+        # positions are below the length / cache
+        P = x_BLD.shape[1] if cache is None else cache["k"].shape[2]
         rope_BL1k = rope_table(positions_BL, self.cfg, P)
 
         # blocks are pytrees: jax transforms take them as arguments
@@ -549,9 +436,8 @@ class Trunk(nnx.Module):
             layer = jax.checkpoint(
                 layer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers
             )
-        if (
-            self.cfg.scan_layers
-        ):  # the cache (if any) is stacked like the parameters: scanned along with them
+        # the cache (if any) is stacked like the parameters: scanned along with them
+        if self.cfg.scan_layers:
             return jax.lax.scan(lambda x_BLD, xs: layer(x_BLD, *xs), x_BLD, (self.layers, cache))
         caches = []
         for i, block in enumerate(self.layers):
@@ -561,8 +447,9 @@ class Trunk(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Token ids -> logits over the vocabulary (compute dtype); with a KV cache (generation), (logits, cache);
-    logits=False: the final hidden states, for a loss that applies the head itself (tiled_cross_entropy)."""
+    """Token ids -> logits over the vocabulary (compute dtype); with a KV cache (generation),
+    (logits, cache); logits=False: the final hidden states, for a loss that applies the head itself
+    (tiled_cross_entropy)."""
 
     def __init__(self, cfg, rngs):
         D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
@@ -574,15 +461,17 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BL, positions_BL, segment_ids_BL, cache=None, logits=True):
         dt = jnp.dtype(self.cfg.dtype)
-        # Gather from a whole (all-gathered) table: a gather whose table is sharded over vocab and embed
-        # while its indices are sharded over batch makes XLA replicate everything anyway, less cleanly.
+        # Gather from a whole (all-gathered) table: a gather whose table is sharded over
+        # vocab and embed while its indices are sharded over batch makes XLA replicate
+        # everything anyway, less cleanly.
         x_BLD = jnp.take(constrain(self.embed[...], (None, None)), tokens_BL, axis=0).astype(dt)
         x_BLD = constrain(x_BLD, ("batch", "length", None))
         x_BLD, new_cache = self.trunk(x_BLD, positions_BL, segment_ids_BL, cache)
         x_BLD = self.final_norm(x_BLD)
         if not logits:
             return x_BLD
-        # Logits in the compute dtype, summed in float32; cross_entropy takes their softmax in float32.
+        # Logits in the compute dtype, summed in float32;
+        # cross_entropy takes their softmax in float32.
         logits_BLV = product("bld,dv->blv", x_BLD, self.head(), dt, dt)
         return logits_BLV if cache is None else (logits_BLV, new_cache)
 
@@ -592,10 +481,11 @@ class Transformer(nnx.Module):
 
 
 def cross_entropy(logits_NV, targets_N):
-    """Per-row cross-entropy of logits in the compute dtype (batch axes allowed) against integer targets, summed in
-    float32. The max and the target's logit are read from the logits as they are (exact in any dtype), so each
-    float32 use is fused into its own pass: no float32 copy of the [rows, V] logits is ever stored, forward or
-    backward (optax's loss on float32 logits kept two such buffers: 3.3 GiB a device at the 0.9B preset on v4-8)."""
+    """Per-row cross-entropy of logits in the compute dtype (batch axes allowed) against integer
+    targets, summed in float32. The max and the target's logit are read from the logits as they are
+    (exact in any dtype), so each float32 use is fused into its own pass: no float32 copy of the
+    [rows, V] logits is ever stored, forward or backward (optax's loss on float32 logits kept two
+    such buffers: 3.3 GiB a device at the 0.9B preset on v4-8)."""
     top_N = jax.lax.stop_gradient(jnp.max(logits_NV, axis=-1).astype(jnp.float32))
     lse_N = top_N + jnp.log(
         jnp.sum(jnp.exp(logits_NV.astype(jnp.float32) - top_N[..., None]), axis=-1)
@@ -606,14 +496,13 @@ def cross_entropy(logits_NV, targets_N):
 
 
 def tiled_cross_entropy(x_ND, head_DV, targets_N, tile, dtype):
-    """Per-row cross-entropy of the logits x @ head against targets, `tile` vocabulary entries at a time: a
-    running log-sum-exp over the tiles, and the target's logit taken from the tile that holds it. The [N, V]
-    float32 logits never exist whole; the backward pass recomputes each tile's (jax.checkpoint) instead of
-    keeping them. Equal to the untiled loss up to float32 rounding."""
+    """Per-row cross-entropy of the logits x @ head against targets, `tile` vocabulary entries at a
+    time: a running log-sum-exp over the tiles, and the target's logit taken from the tile that
+    holds it. The [N, V] float32 logits never exist whole; the backward pass recomputes each tile's
+    (jax.checkpoint) instead of keeping them. Equal to the untiled loss up to float32 rounding."""
     (N, D), V = x_ND.shape, head_DV.shape[1]
-    w_IDt = head_DV.reshape(D, V // tile, tile).transpose(
-        1, 0, 2
-    )  # I tiles of t vocabulary entries
+    # I tiles of t vocabulary entries
+    w_IDt = head_DV.reshape(D, V // tile, tile).transpose(1, 0, 2)
 
     @jax.checkpoint
     def one(carry, xs):
@@ -637,8 +526,9 @@ def tiled_cross_entropy(x_ND, head_DV, targets_N, tile, dtype):
 
 
 def init(cfg, key):
-    """(graph, params): a new model of the task's module split into its static graph and its parameters
-    as a plain nested dict of arrays. train.py calls it under jit with the state's shardings."""
+    """(graph, params): a new model of the task's module split into its static graph and
+    its parameters as a plain nested dict of arrays. train.py calls it under jit with
+    the state's shardings."""
     graph, params = nnx.split(TASKS[cfg.task].module(cfg, nnx.Rngs(params=key)))
     return graph, nnx.to_pure_dict(params)
 
@@ -667,8 +557,9 @@ def layer_flops(cfg, L, causal):
 # The language-model task: loss, eval, generation.
 # ==================================================================================================
 def lm_loss(cfg, graph, params, mb, carry, key, step=0):
-    """The LM's loss in the train step's shape: (summed cross-entropy over real target tokens, (sums, carry)).
-    The step divides by sums['weight'] (the token count of the whole step), so accumulation is exact."""
+    """The LM's loss in the train step's shape: (summed cross-entropy over real target tokens,
+    (sums, carry)). The step divides by sums['weight'] (the token count of the whole step), so
+    accumulation is exact."""
     model = nnx.merge(graph, params)
     if cfg.vocab_tile:  # the head and its loss in vocabulary tiles: no [rows, V] logits in memory
         x_BLD = model(mb["inputs"], mb["positions"], mb["segment_ids"], logits=False)
@@ -682,14 +573,15 @@ def lm_loss(cfg, graph, params, mb, carry, key, step=0):
     else:
         logits_BLV = model(mb["inputs"], mb["positions"], mb["segment_ids"])
         ce_BL = cross_entropy(logits_BLV, mb["targets"])
-    # weight: the targets that count (an SFT row's answers); tokens: every real one the step ran (for tokens/s, MFU)
+    # weight: the targets that count (an SFT row's answers);
+    # tokens: every real one the step ran (for tokens/s, MFU)
     weight, tokens = jnp.sum(mb["loss_mask"]), jnp.sum(mb["segment_ids"] > 0).astype(jnp.float32)
     return jnp.sum(ce_BL * mb["loss_mask"]), ({"weight": weight, "tokens": tokens}, carry)
 
 
 def lm_flops_per_token(cfg):
-    """Training FLOPs per token (forward + backward = 3x forward), counted as MaxText does: every matmul
-    including the LM head, plus causal attention."""
+    """Training FLOPs per token (forward + backward = 3x forward), counted as MaxText does: every
+    matmul including the LM head, plus causal attention."""
     return 3 * (
         cfg.num_layers * layer_flops(cfg, cfg.max_target_length, True)
         + 2 * cfg.d_model * cfg.vocab_size
@@ -702,17 +594,19 @@ def lm_eval_step(cfg, graph, params, batch):
 
 
 def lm_eval_result(cfg, outs, batches, ds, save_to=None):
-    """Eval loss per real target token over every batch, and its perplexity (NaN: no tokens to score)."""
+    """Eval loss per real target token over every batch,
+    and its perplexity (NaN: no tokens to score)."""
     tokens = float(sum(o["tokens"] for o in outs))
     loss = float(sum(o["loss"] for o in outs)) / tokens if tokens else float("nan")
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 
 def generate(cfg, graph, params, prompt_BP, key, real_BP=None):
-    """prompt [B, P] -> [B, max_new_tokens] sampled tokens. The prompt fills the KV cache in one pass
-    (prefill); then a jitted scan of single-token steps: each new token costs one position, not the
-    whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles once. Prompts of
-    several lengths come padded on the left, real_BP (1 = a prompt token, 0 = padding) saying which."""
+    """prompt [B, P] -> [B, max_new_tokens] sampled tokens. The prompt fills the KV cache in one
+    pass (prefill); then a jitted scan of single-token steps: each new token costs one position,
+    not the whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles
+    once. Prompts of several lengths come padded on the left, real_BP (1 = a prompt token, 0 =
+    padding) saying which."""
     (B, P), O = prompt_BP.shape, cfg.max_new_tokens
     real_BP = np.ones((B, P), np.int32) if real_BP is None else real_BP
 
@@ -753,8 +647,9 @@ def generate(cfg, graph, params, prompt_BP, key, real_BP=None):
 
 
 def lm_generate(cfg, graph, params, ds, rows):
-    """mode=generate: the prompt (after bos, where the tokenizer has one) continued by max_new_tokens sampled
-    tokens, cut where a stop token (eos) comes. Returns (summary, what to print, what RUN_DIR/generation.txt holds)."""
+    """mode=generate: the prompt (after bos, where the tokenizer has one) continued by
+    max_new_tokens sampled tokens, cut where a stop token (eos) comes. Returns (summary, what to
+    print, what RUN_DIR/generation.txt holds)."""
     tok = ds.tokenizer
     prompt_1P = np.asarray(
         [[tok.bos_id] * (tok.bos_id is not None) + tok.encode(cfg.prompt)], np.int32
@@ -767,21 +662,22 @@ def lm_generate(cfg, graph, params, ds, rows):
     shown = f"prompt: {cfg.prompt}\ncontinuation: {text}"
     if prompt_1P.shape[1] + cfg.max_new_tokens > cfg.max_target_length:
         shown = (
-            f"WARNING: prompt + max_new_tokens = {prompt_1P.shape[1] + cfg.max_new_tokens} tokens, more than the "
+            "WARNING: prompt + max_new_tokens = "
+            f"{prompt_1P.shape[1] + cfg.max_new_tokens} tokens, more than the "
             f"max_target_length={cfg.max_target_length} the model was trained on\n{shown}"
         )
     return {"prompt": cfg.prompt, "tokens": tokens, "generation": text}, shown, text
 
 
 def lm_answers(cfg, graph, params, ds, save_to):
-    """mode=eval on SFT data, eval_answers=N: the first N held-out examples' prompts answered greedily (up to
-    max_new_tokens, cut at a stop token), batched with their prompts padded on the left to one length (one
-    compile); exact match is the answer's text equal to the reference's, spaces at either end aside. The answers
-    go to save_to/answers.jsonl."""
+    """mode=eval on SFT data, eval_answers=N: the first N held-out examples' prompts answered
+    greedily (up to max_new_tokens, cut at a stop token), batched with their prompts padded on the
+    left to one length (one compile); exact match is the answer's text equal to the reference's,
+    spaces at either end aside. The answers go to save_to/answers.jsonl."""
     if not hasattr(ds, "eval_examples"):
         raise data.DataError(
-            f"eval_answers={cfg.eval_answers} scores the answers of SFT rows (messages, or prompt and "
-            "completion); this data has none: set eval_answers=0"
+            f"eval_answers={cfg.eval_answers} scores the answers of SFT rows (messages, or prompt "
+            "and completion); this data has none: set eval_answers=0"
         )
     examples = ds.eval_examples[: cfg.eval_answers]
     greedy, P = cfg.model_copy(update={"temperature": 0.0}), max(len(p) for p, _ in examples)
@@ -807,24 +703,159 @@ def lm_answers(cfg, graph, params, ds, save_to):
 def lm_check(cfg):
     """The LM's own config rules: a message naming the key, or ''."""
     return (
-        "mode=generate needs a tokenizer: use a text dataset, or tokenizer_path= (dataset=synthetic has none)"
+        "mode=generate needs a tokenizer: use a text dataset, or tokenizer_path= "
+        "(dataset=synthetic has none)"
         if cfg.mode == "generate" and cfg.dataset == "synthetic" and not data.tokenizer_source(cfg)
         else ""
     )
 
 
 # ==================================================================================================
-# Hugging Face checkpoints: Llama, Qwen2 and Qwen3 tensors <-> our parameters, config.json <-> our keys.
+# The bf16 matmul layer: how the model's matmuls run (dot, product, contract). In float32 every one
+# is a plain jnp.einsum. This layer exists for the bf16 step on CPU: XLA:CPU runs a dot at bf16
+# speed (AVX-512 BF16) only as bf16 x bf16 accumulating in float32, with the left operand stored
+# with its summed axes last; any other dot runs as float32 x float32. jnp.einsum and its autodiff
+# miss that form in three places, each fixed by one piece here:
+#   dot       a projection as one 2-D matmul [rows, in] x [in, out] (XLA:CPU differentiates that
+#             into plain matmuls; the 3-D einsum made it copy a transposed activation for each
+#             weight gradient)
+#   product   einsum in the compute dtype, float32 sums; in bf16 its own gradient (narrow_product)
+#             casts the float32 cotangent back to bf16, so the backward dots are bf16 x bf16 as well
+#   contract  each backward dot in the kernel's form, transposing (transposed) whichever operand is
+#             cheaper
+# saved_bits keeps what remat=save_dots saves in bf16 too.
+# ==================================================================================================
+def dot(eq, x, w, dtype, out_dtype=None):
+    """A projection: einsum `eq` where x's trailing axes contract with w's leading ones
+    ('bld,dhk->blhk'), as one [rows, in] x [in, out] product (compute dtype, float32 sums), the
+    result in the compute dtype or out_dtype. A result in the compute dtype is what
+    remat=save_dots keeps: named 'dot' here, after the cast, not the float32 sums before it (twice
+    the bytes in a bf16 step)."""
+    lhs, rhs = eq.split("->")[0].split(",")
+    n = len(set(lhs) & set(rhs))  # the contracted axes
+    assert n and lhs[-n:] == rhs[:n] and eq.endswith("->" + lhs[:-n] + rhs[n:]), (
+        f"not a projection: {eq}"
+    )
+    I = math.prod(w.shape[:n])
+    y = product("ni,io->no", x.reshape(-1, I), w.reshape(I, -1), dtype, out_dtype or dtype)
+    if y.dtype == jnp.dtype(dtype):
+        y = saved_bits(y) if y.dtype.itemsize == 2 else checkpoint_name(y, "dot")
+    return y.reshape(x.shape[:-n] + w.shape[n:])
+
+
+@jax.custom_vjp
+def saved_bits(y):
+    """y itself, named 'dot' for remat=save_dots as its uint16 bits: the layer scan stacks
+    what is kept, and XLA:CPU has no bf16 dynamic-slice, so a bf16 y named as it is would be
+    kept as a float32 copy for the backward pass. The bits are named only when
+    differentiated (saved_bits_fwd); the cotangent passes straight through (a bit cast has
+    no gradient of its own)."""
+    return y
+
+
+def saved_bits_fwd(y):
+    bits = checkpoint_name(jax.lax.bitcast_convert_type(y, jnp.uint16), "dot")
+    return jax.lax.bitcast_convert_type(bits, y.dtype), None
+
+
+saved_bits.defvjp(saved_bits_fwd, lambda _, g: (g,))
+
+
+def product(eq, x, w, dtype, out_dtype):
+    """einsum(eq, x, w) of x and w cast to the compute
+    dtype, accumulated in float32, result in out_dtype.
+
+    In float32 that is all. In a narrower dtype (bf16) jnp.einsum's own gradient would not stay in
+    it: the cotangent of the float32 sum is float32, so both backward products would be float32 x
+    bf16, which XLA:CPU runs as float32 x float32. Here (narrow_product) the cotangent is cast to
+    the compute dtype and both backward products are bf16 x bf16 accumulating in float32, as the
+    forward one; the gradients come back in x's and w's own dtypes (a float32 master weight gets
+    its gradient unrounded)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return jnp.einsum(
+            eq, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32
+        ).astype(out_dtype)
+    return narrow_product(eq, (x.dtype, w.dtype, jnp.dtype(dtype), jnp.dtype(out_dtype)), x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def narrow_product(eq, dtypes, x, w):
+    """product in a narrow compute dtype; dtypes = (x's, w's, compute, result)."""
+    return narrow_product_fwd(eq, dtypes, x, w)[0]
+
+
+def narrow_product_fwd(eq, dtypes, x, w):
+    x, w = x.astype(dtypes[2]), w.astype(dtypes[2])  # the residuals too: half float32's bytes
+    return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(dtypes[3]), (x, w)
+
+
+def narrow_product_bwd(eq, dtypes, xw, g):
+    """x's and w's gradients as einsums of the same form:
+    g with w gives x's axes, x with g gives w's."""
+    (lhs, rhs), out = eq.split("->")[0].split(","), eq.split("->")[1]
+    (x, w), g = xw, g.astype(dtypes[2])
+    return contract(out, rhs, lhs, g, w).astype(dtypes[0]), contract(lhs, out, rhs, x, g).astype(
+        dtypes[1]
+    )
+
+
+narrow_product.defvjp(narrow_product_fwd, narrow_product_bwd)
+
+
+def contract(a_spec, b_spec, out_spec, a, b):
+    """einsum a_spec,b_spec->out_spec accumulating in float32, in the one form XLA:CPU's bf16
+    matmuls (YNNPACK) take: the left operand stored with its summed axes last, the result in the
+    dot's own order (shared axes, the left's, the right's). A weight gradient sums over the rows,
+    which lead both operands, so one of them is copied transposed: of the two ways (either
+    operand on the left, the result transposed after if its order differs) the one that moves
+    fewer bytes. For the MLP's down projection that copies the [rows, d_model] gradient, not the
+    [rows, mlp_dim] activation."""
+    # float32
+    out_bytes = 4 * math.prod(dict(zip(a_spec + b_spec, a.shape + b.shape))[c] for c in out_spec)
+
+    # l on the left: the bytes copied, the operands, l's layout, the result's
+    def plan(l_spec, l, r_spec, r):
+        summed = [c for c in l_spec if c in r_spec and c not in out_spec]
+        order = "".join([c for c in l_spec if c not in summed] + summed)
+        natural = "".join(
+            [c for c in order if c in r_spec and c in out_spec]
+            + [c for c in order if c not in r_spec]
+            + [c for c in r_spec if c not in l_spec]
+        )
+        cost = (order != l_spec) * l.size * l.dtype.itemsize + (natural != out_spec) * out_bytes
+        return cost, l_spec, l, r_spec, r, order, natural
+
+    # a tie: a on the left
+    _, l_spec, l, r_spec, r, order, natural = min(
+        plan(a_spec, a, b_spec, b), plan(b_spec, b, a_spec, a), key=lambda p: p[0]
+    )
+    if order != l_spec:
+        l = transposed(l, [l_spec.index(c) for c in order])
+    y = jnp.einsum(f"{order},{r_spec}->{natural}", l, r, preferred_element_type=jnp.float32)
+    return y if natural == out_spec else transposed(y, [natural.index(c) for c in out_spec])
+
+
+def transposed(x, perm):
+    """x.transpose(perm), on CPU stored in its new order: XLA:CPU may keep a plain transpose as a
+    relabelled layout of x's buffer, which its bf16 dot cannot read (contract); through a unit axis
+    it is a real copy. Other backends pick their own layouts, and a copy there only costs memory
+    (v3-8 by AOT: +1.4 GiB)."""
+    copy = lambda x: x[..., None].transpose(*perm, x.ndim)[..., 0]
+    return jax.lax.platform_dependent(x, cpu=copy, default=lambda x: x.transpose(perm))
+
+
+# ==================================================================================================
+# Hugging Face checkpoints: Llama, Qwen2 and Qwen3 tensors <-> our parameters, config.json <-> keys.
 # ==================================================================================================
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-# Our layer parameter <- the HF tensor under model.layers.{i}, and the option it comes with (None: always).
-# HF Linear weights are [out, in]; ours keep the input axis first ('in': wq [D,H,K]) or the output axis last
-# ('out': wo [H,K,D]); the rest only reshape (a bias [H*K] is our [H,K]). Both use rotate-half RoPE, so q and
-# k need no permutation.
+# Our layer parameter <- the HF tensor under model.layers.{i}, and the option it comes with (None:
+# always). HF Linear weights are [out, in]; ours keep the input axis first ('in': wq [D,H,K]) or the
+# output axis last ('out': wo [H,K,D]); the rest only reshape (a bias [H*K] is our [H,K]). Both use
+# rotate-half RoPE, so q and k need no permutation.
 HF_LAYER = (
     ("self_attn.q_proj.weight", ("attn", "wq"), "in", None),
     ("self_attn.k_proj.weight", ("attn", "wk"), "in", None),
@@ -854,16 +885,16 @@ HF_KEYS = {
     "rope_theta": "rope_theta",
     "tie_embeddings": "tie_word_embeddings",
 }
+# llama3's
 HF_ROPE = (
     "factor",
     "low_freq_factor",
     "high_freq_factor",
     "original_max_position_embeddings",
-)  # llama3's
+)
 SAFETENSORS_DTYPES = {"BF16": jnp.bfloat16, "F16": np.float16, "F32": np.float32}
-SHARD_BYTES = (
-    5 * 2**30
-)  # export: one safetensors file up to this size, then shards with an index (as HF does)
+# export: one safetensors file up to this size, then shards with an index (as HF does)
+SHARD_BYTES = 5 * 2**30
 
 
 def hf_names(cfg):
@@ -885,17 +916,19 @@ def hf_names(cfg):
 
 
 def hf_rope(conf):
-    """(the RoPE scaling type, its parameters) of a config.json: rope_scaling, or transformers 5's rope_parameters."""
+    """(the RoPE scaling type, its parameters) of a config.json:
+    rope_scaling, or transformers 5's rope_parameters."""
     rope = conf.get("rope_scaling") or conf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
-        raise ValueError(f"rope_scaling={rope!r} is not an object")  # noqa: TRY004 - read as a bad value
+        # A ValueError, not a TypeError: read as a bad value, as every other config.json check.
+        raise ValueError(f"rope_scaling={rope!r} is not an object")  # noqa: TRY004
     return rope.get("rope_type", rope.get("type", "default")), rope
 
 
 def hf_keys(conf):
-    """A checkpoint's config.json -> {our model key: value} (rope_scaling's dotted); a ValueError naming what this
-    Transformer cannot run: another architecture, activation or RoPE scaling, a sliding window, or biases beyond
-    Qwen2's q/k/v ones."""
+    """A checkpoint's config.json -> {our model key: value} (rope_scaling's dotted); a ValueError
+    naming what this Transformer cannot run: another architecture, activation or RoPE scaling, a
+    sliding window, or biases beyond Qwen2's q/k/v ones."""
     by_type = {family: arch for arch, family in HF_ARCHITECTURES.items()}
     arch = (conf.get("architectures") or [None])[0] or by_type.get(conf.get("model_type"))
     if arch not in HF_ARCHITECTURES:
@@ -915,8 +948,8 @@ def hf_keys(conf):
         (
             sliding,
             (
-                "sliding-window attention (use_sliding_window or layer_types): every layer here sees the whole "
-                "sequence"
+                "sliding-window attention (use_sliding_window or "
+                "layer_types): every layer here sees the whole sequence"
             ),
         ),
         (
@@ -959,9 +992,9 @@ def hf_keys(conf):
 
 
 def hf_config(cfg, source=None):
-    """config.json for our model in the family its options make: qk_norm Qwen3, qkv_bias Qwen2, else Llama (with
-    its rope_scaling). Written over the config.json of the checkpoint the run started from (`source`), if any, so
-    its other entries (token ids, context length) carry over."""
+    """config.json for our model in the family its options make: qk_norm Qwen3, qkv_bias Qwen2, else
+    Llama (with its rope_scaling). Written over the config.json of the checkpoint the run started
+    from (`source`), if any, so its other entries (token ids, context length) carry over."""
     if cfg.qk_norm and cfg.qkv_bias:
         raise ValueError("qkv_bias and qk_norm together make no Hugging Face architecture")
     family = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
@@ -998,8 +1031,9 @@ def hf_config(cfg, source=None):
 
 
 def safetensors_header(path):
-    """{tensor name: (file, dtype, shape, first byte)} from one safetensors file's header, read alone (8 bytes of
-    size, then JSON): sizes checked against the file, so a damaged or hostile header is an error, not an allocation."""
+    """{tensor name: (file, dtype, shape, first byte)} from one safetensors file's header, read
+    alone (8 bytes of size, then JSON): sizes checked against the file, so a damaged or hostile
+    header is an error, not an allocation."""
     with data.stored(path).open("rb") as f:
         size = f.seek(0, 2)
         f.seek(0)
@@ -1025,8 +1059,8 @@ def safetensors_header(path):
 
 
 def hf_tensors(folder):
-    """Every tensor of a checkpoint directory: model.safetensors, or the shards model.safetensors.index.json names
-    (every checkpoint above ~5 GB). Only the headers are read."""
+    """Every tensor of a checkpoint directory: model.safetensors, or the shards
+    model.safetensors.index.json names (every checkpoint above ~5 GB). Only the headers are read."""
     index = os.path.join(folder, "model.safetensors.index.json")
     files = ["model.safetensors"]
     if data.stored(index).is_file():
@@ -1041,8 +1075,9 @@ def hf_tensors(folder):
 
 @functools.lru_cache(maxsize=2)
 def hf_array(entry):
-    """One tensor as a lazy array: a memory map of a local file (only the parts indexed are ever read), or the
-    tensor's bytes of a gs:// one (cached while the shards of its parameter are cut from it)."""
+    """One tensor as a lazy array: a memory map of a local file (only the parts indexed are
+    ever read), or the tensor's bytes of a gs:// one (cached while the shards of its
+    parameter are cut from it)."""
     path, dtype, shape, first = entry
     if not data.remote(path):
         return np.memmap(path, dtype, "r", offset=first, shape=shape)
@@ -1052,8 +1087,8 @@ def hf_array(entry):
 
 
 def our_layout(w, how, shape):
-    """An HF tensor in our axis order `shape`, still a view: HF [out..., in] -> ours [in, out...] ('in'), HF
-    [out, in...] -> ours [in..., out] ('out'), or a reshape."""
+    """An HF tensor in our axis order `shape`, still a view: HF [out..., in] -> ours [in, out...]
+    ('in'), HF [out, in...] -> ours [in..., out] ('out'), or a reshape."""
     if how == "in":
         return np.moveaxis(w.reshape(*shape[1:], shape[0]), -1, 0)
     if how == "out":
@@ -1062,9 +1097,10 @@ def our_layout(w, how, shape):
 
 
 def load_hf(cfg, path, abstract_params):
-    """load_hf=DIR (local, gs:// or a hub id): a Hugging Face checkpoint -> our params, as global arrays placed as
-    abstract_params says. Each process reads only the parts of each tensor its own devices hold (of a local file,
-    through a memory map), so no host ever holds the whole checkpoint. A DataError names what is wrong."""
+    """load_hf=DIR (local, gs:// or a hub id): a Hugging Face checkpoint -> our params, as global
+    arrays placed as abstract_params says. Each process reads only the parts of each tensor its own
+    devices hold (of a local file, through a memory map), so no host ever holds the whole
+    checkpoint. A DataError names what is wrong."""
     folder = data.hf_dir(path)
     try:
         tensors = hf_tensors(folder)
@@ -1078,13 +1114,13 @@ def load_hf(cfg, path, abstract_params):
         raise data.DataError(
             f"load_hf={path}: the checkpoint is damaged ({str(e)[:200]})"
         ) from None
-    sources = collections.defaultdict(
-        list
-    )  # our params path -> its tensor, or one per layer of a scanned stack
+    # our params path -> its tensor, or one per layer of a scanned stack
+    sources = collections.defaultdict(list)
     for name, p, i, how in hf_names(cfg):
         if name not in tensors:
             raise data.DataError(
-                f"load_hf={path}: the checkpoint has no tensor {name}, which its config.json implies"
+                f"load_hf={path}: the checkpoint has no "
+                f"tensor {name}, which its config.json implies"
             )
         sources[p].append((tensors[name], how, name))
 
@@ -1113,26 +1149,26 @@ def load_hf(cfg, path, abstract_params):
 
 
 def save_hf(cfg, params, out_dir, tokenizer=None, source=None):
-    """mode=export: a Hugging Face checkpoint in out_dir (local or gs://, written by the data.MAIN process) that
-    transformers loads: config.json (hf_config over `source`, the config.json the run started from), the tensors in
-    the weight dtype (one model.safetensors, or shards with an index past SHARD_BYTES; the metadata transformers
-    wants, format=pt), generation_config.json and the tokenizer's files. `params`: host arrays. Returns the tensors."""
+    """mode=export: a Hugging Face checkpoint in out_dir (local or gs://, written by the data.MAIN
+    process) that transformers loads: config.json (hf_config over `source`, the config.json the run
+    started from), the tensors in the weight dtype (one model.safetensors, or shards with an index
+    past SHARD_BYTES; the metadata transformers wants, format=pt), generation_config.json and the
+    tokenizer's files. `params`: host arrays. Returns the tensors."""
     conf, tensors = hf_config(cfg, source), {}
     for name, path, i, how in hf_names(cfg):
         w = functools.reduce(lambda tree, k: tree[k], path, params)
         w = w if i is None else w[i]
-        if (
-            how
-        ):  # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
+        # to HF's [out, in]: flatten the head axes on the non-embedding side, then transpose
+        if how:
             w = (w.reshape(w.shape[0], -1) if how == "in" else w.reshape(-1, w.shape[-1])).T
-        tensors[name] = np.ascontiguousarray(
-            w.reshape(-1) if name.endswith("bias") else w
-        )  # written as laid out
+        # written as laid out
+        tensors[name] = np.ascontiguousarray(w.reshape(-1) if name.endswith("bias") else w)
     files, size = [[]], 0
+    # in order, a new shard when the next tensor would pass SHARD_BYTES
     for (
         name,
         w,
-    ) in tensors.items():  # in order, a new shard when the next tensor would pass SHARD_BYTES
+    ) in tensors.items():
         if files[-1] and size + w.nbytes > SHARD_BYTES:
             files, size = files + [[]], 0
         files[-1].append(name)
@@ -1174,39 +1210,48 @@ def save_hf(cfg, params, out_dir, tokenizer=None, source=None):
 # The task interface: all train.py knows about what it trains.
 # ==================================================================================================
 class Task(NamedTuple):
-    """What differs between the language model and the puzzle heads. train.py picks one from TASKS by
-    cfg.task and reads nothing else task-specific. Functions take the config first, then (graph, params)
-    where they run the model; the defaults are what a task without extra state does. A state entry named
-    'carry' ([A microbatches, ...]) reaches the loss, one microbatch's slice each, and comes back updated."""
+    """What differs between the language model and the puzzle heads. train.py picks one from TASKS
+    by cfg.task and reads nothing else task-specific. Functions take the config first, then (graph,
+    params) where they run the model; the defaults are what a task without extra state does. A
+    state entry named 'carry' ([A microbatches, ...]) reaches the loss, one microbatch's slice
+    each, and comes back updated."""
 
-    module: type  # the nnx.Module, built as module(cfg, rngs)
-    loss: Callable  # (cfg, graph, params, microbatch, carry, key, step) -> (summed loss, (sums, carry))
-    flops_per_token: Callable  # (cfg) -> training FLOPs per token
-    eval_step: Callable  # (cfg, graph, params, batch) -> {name: device array}; train.py jits it
-    eval_result: (
-        Callable  # (cfg, outs, batches, ds, save_to) -> eval metrics; host numpy in, every process
-    )
-    generate: (
-        Callable  # (cfg, graph, params, ds, rows) -> (summary, printed text, generation.txt text)
-    )
-    check: Callable  # (cfg) -> '' or a one-line config error: the task's own rules
-    fixed: Callable = lambda cfg: {}  # config values the task decides (vocabulary, length)
-    step_metrics: Callable = lambda sums, weight: {}  # extra training metrics from the step's sums
-    state: Callable = (
-        lambda cfg, params, rows: {}
-    )  # train state beyond step/params/opt_state: checkpointed
-    state_axes: Callable = lambda param_axes: {}  # that state's logical axes (PartitionSpecs)
-    after_update: Callable = lambda cfg, state, params, carry: {}  # that state after an update
-    eval_weights: str = "params"  # the state entry eval and generate read
-    eval_all: bool = False  # mode=eval reads the whole eval set, not eval_batches
-    keys: tuple = ()  # its own config keys: (kind, 'key key ...'), kinds as train.kind_type reads them
-    dataset: Callable = (
-        None  # (cfg, process_index, process_count, log) -> its data; None: the text pipelines
-    )
-    shown: tuple = ()  # (metric, format) pairs the progress line adds after the loss
-    answers: Callable = (
-        None  # (cfg, graph, params, ds, save_to) -> metrics of mode=eval's answers, or {}
-    )
+    # the nnx.Module, built as module(cfg, rngs)
+    module: type
+    # (cfg, graph, params, microbatch, carry, key, step) -> (summed loss, (sums, carry))
+    loss: Callable
+    # (cfg) -> training FLOPs per token
+    flops_per_token: Callable
+    # (cfg, graph, params, batch) -> {name: device array}; train.py jits it
+    eval_step: Callable
+    # (cfg, outs, batches, ds, save_to) -> eval metrics; host numpy in, every process
+    eval_result: Callable
+    # (cfg, graph, params, ds, rows) -> (summary, printed text, generation.txt text)
+    generate: Callable
+    # (cfg) -> '' or a one-line config error: the task's own rules
+    check: Callable
+    # config values the task decides (vocabulary, length)
+    fixed: Callable = lambda cfg: {}
+    # extra training metrics from the step's sums
+    step_metrics: Callable = lambda sums, weight: {}
+    # train state beyond step/params/opt_state: checkpointed
+    state: Callable = lambda cfg, params, rows: {}
+    # that state's logical axes (PartitionSpecs)
+    state_axes: Callable = lambda param_axes: {}
+    # that state after an update
+    after_update: Callable = lambda cfg, state, params, carry: {}
+    # the state entry eval and generate read
+    eval_weights: str = "params"
+    # mode=eval reads the whole eval set, not eval_batches
+    eval_all: bool = False
+    # its own config keys: (kind, 'key key ...'), kinds as train.kind_type reads them
+    keys: tuple = ()
+    # (cfg, process_index, process_count, log) -> its data; None: the text pipelines
+    dataset: Callable = None
+    # (metric, format) pairs the progress line adds after the loss
+    shown: tuple = ()
+    # (cfg, graph, params, ds, save_to) -> metrics of mode=eval's answers, or {}
+    answers: Callable = None
 
 
 LM = Task(
@@ -1226,16 +1271,18 @@ LM = Task(
 # TRM: the recursive head, its deep-supervision loss, and decoding by recursion.
 # ==================================================================================================
 class TRM(nnx.Module):
-    """Tiny Recursive Model (Jolicoeur-Martineau 2025): one small bidirectional trunk `net` refines an
-    answer state y and a latent z, given the puzzle embedding x. One call is one supervision step:
+    """Tiny Recursive Model (Jolicoeur-Martineau 2025): one small bidirectional trunk
+    `net` refines an answer state y and a latent z, given the puzzle embedding x. One
+    call is one supervision step:
 
         T times:  n times z <- net(x + y + z);  then y <- net(y + z)
 
-    The first T-1 cycles run under stop_gradient (cheap deep recursion, no backprop memory); only the
-    last one learns. Returns the new (y, z) for the caller to carry (detached) into the next supervision
-    step, the logits read from y, the halting logit q (q > 0: "this answer is right, stop") and the ToT
-    value head's log value. noise=(keys [B], scale) adds scale x N(0, 1) to z after every update, drawn
-    from each row's key (decoder=trm_parallel's perturbed trajectories; trm.train_noise in training)."""
+    The first T-1 cycles run under stop_gradient (cheap deep recursion, no backprop memory); only
+    the last one learns. Returns the new (y, z) for the caller to carry (detached) into the next
+    supervision step, the logits read from y, the halting logit q (q > 0: "this answer is right,
+    stop") and the ToT value head's log value. noise=(keys [B], scale) adds scale x N(0, 1) to z
+    after every update, drawn from each row's key (decoder=trm_parallel's perturbed trajectories;
+    trm.train_noise in training)."""
 
     def __init__(self, cfg, rngs):
         D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
@@ -1244,19 +1291,21 @@ class TRM(nnx.Module):
         self.embed = param(rngs, (V, D), ("vocab", "embed"), 1.0, wdt)
         # Fresh slots (new puzzles) start from learned initial states; others continue their carry.
         self.y_init, self.z_init = vector(1.0), vector(1.0)
-        # The trunk is pre-norm, so its residual stream would grow with every recursion; normalising the
-        # output keeps y and z at unit scale however deep the recursion goes (TRM uses post-norm for this).
+        # The trunk is pre-norm, so its residual stream would grow with every recursion;
+        # normalising the output keeps y and z at unit scale however deep the recursion goes (TRM
+        # uses post-norm for this).
         self.net, self.net_norm = (
             Trunk(cfg, rngs, causal=False, mixer=cfg.trm.mixer, length=SUDOKU_LEN),
             RMSNorm(cfg),
         )
         self.head = param(rngs, (D, V), ("embed", "vocab"), D**-0.5, wdt)
-        # Halting head on the mean of y (no prefix token here to read position 0 from); bias -5 makes the
-        # untrained model keep going (sigmoid(-5) ~ 0.007) instead of halting at random.
+        # Halting head on the mean of y (no prefix token here to read position 0 from); bias -5
+        # makes the untrained model keep going (sigmoid(-5) ~ 0.007) instead of halting at random.
         self.halt, self.halt_bias = vector(D**-0.5), param(rngs, (), (), None, wdt, fill=-5.0)
-        # ToT value head: log P(every digit on the grid is right) = sum over cells of log sigmoid(a per-cell
-        # logit). One wrong cell is local evidence; a product over cells lets it veto the whole state,
-        # where a mean over cells would dilute it 81 times. Bias 5: an untrained head says "~0.6 likely fine".
+        # ToT value head: log P(every digit on the grid is right) = sum over cells of log
+        # sigmoid(a per-cell logit). One wrong cell is local evidence; a product over cells lets
+        # it veto the whole state, where a mean over cells would dilute it 81 times. Bias 5: an
+        # untrained head says "~0.6 likely fine".
         self.value, self.value_bias = vector(D**-0.5), param(rngs, (), (), None, wdt, fill=5.0)
 
     def __call__(self, inputs_BL, positions_BL, segment_ids_BL, y_BLD, z_BLD, fresh_B, noise=None):
@@ -1268,9 +1317,8 @@ class TRM(nnx.Module):
         )
         net = lambda h_BLD: self.net_norm(self.net(h_BLD, positions_BL, segment_ids_BL)[0])
 
-        def kick(
-            z_BLD, i
-        ):  # Gaussian noise on the latent, update i's own draw per row; noise = (keys [B], scale)
+        # Gaussian noise on the latent, update i's own draw per row; noise = (keys [B], scale)
+        def kick(z_BLD, i):
             draw = lambda k: jax.random.normal(
                 jax.random.fold_in(k, i), z_BLD.shape[1:], z_BLD.dtype
             )
@@ -1284,25 +1332,25 @@ class TRM(nnx.Module):
 
         for t in range(cfg.trm.T - 1):
             y_BLD, z_BLD = cycle(y_BLD, z_BLD, t)
-        y_BLD, z_BLD = cycle(
-            *jax.lax.stop_gradient((y_BLD, z_BLD)), cfg.trm.T - 1
-        )  # gradient through this one only
+        # gradient through this one only
+        y_BLD, z_BLD = cycle(*jax.lax.stop_gradient((y_BLD, z_BLD)), cfg.trm.T - 1)
         logits_BLV, y32_BLD = (
             product("bld,dv->blv", y_BLD, self.head[...], dt, jnp.float32),
             y_BLD.astype(jnp.float32),
         )
         q_B = jnp.mean(y32_BLD, axis=1) @ self.halt[...].astype(jnp.float32) + self.halt_bias[...]
         cell_BL = y32_BLD @ self.value[...].astype(jnp.float32) + self.value_bias[...]
+        # log value: sum over cells
         return (
             y_BLD,
             z_BLD,
             logits_BLV,
             q_B,
             jnp.sum(jax.nn.log_sigmoid(cell_BL), axis=1),
-        )  # log value: sum over cells
+        )
 
 
-# The deep-supervision carry's logical axes ([A microbatches, B rows, ...]): it shards over the batch like data.
+# The deep-supervision carry's logical axes ([A, B, ...]): it shards over the batch like data.
 CARRY_AXES = {
     "y": PartitionSpec(None, "batch", "length", "embed"),
     "inputs": PartitionSpec(None, "batch", "length"),
@@ -1314,9 +1362,9 @@ CARRY_AXES = {
 
 
 def trm_carry(cfg, A, B):
-    """The deep-supervision carry, one slot per example row of a train step ([A, B, ...]): its puzzle,
-    answer state y, latent z, supervision steps taken, and whether it halted (all start halted, so the
-    first step fills every slot). Its axes are CARRY_AXES."""
+    """The deep-supervision carry, one slot per example row of a train step ([A, B, ...]): its
+    puzzle, answer state y, latent z, supervision steps taken, and whether it halted (all start
+    halted, so the first step fills every slot). Its axes are CARRY_AXES."""
     yz, grid = (
         jnp.zeros((A, B, SUDOKU_LEN, cfg.d_model), jnp.float32),
         jnp.zeros((A, B, SUDOKU_LEN), jnp.int32),
@@ -1334,11 +1382,12 @@ def trm_carry(cfg, A, B):
 def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     """One supervision step for every slot of the carry (deep supervision with a fixed-shape batch).
 
-    Slots that halted last step take this step's fresh example from `mb` and restart from y_init/z_init;
-    the others keep their puzzle and carry, so shapes never change and nothing recompiles. Loss per
-    slot: mean cell cross-entropy + halt_loss_weight x BCE(q, whole grid right), plus the ToT value
-    head's BCE on partial grids from tot.start_step on. trm.train_noise > 0 perturbs the latent z as
-    decoder=trm_parallel does (each row and update its own draw, from `key`)."""
+    Slots that halted last step take this step's fresh example from `mb` and restart from
+    y_init/z_init; the others keep their puzzle and carry, so shapes never change and nothing
+    recompiles. Loss per slot: mean cell cross-entropy + halt_loss_weight x BCE(q, whole grid
+    right), plus the ToT value head's BCE on partial grids from tot.start_step on.
+    trm.train_noise > 0 perturbs the latent z as decoder=trm_parallel does (each row and update
+    its own draw, from `key`)."""
     t, fresh_B, B = cfg.trm, carry["halted"], carry["halted"].shape[0]
     # A halted slot takes this step's fresh puzzle; the others keep theirs.
     inputs_BL, targets_BL = (
@@ -1354,8 +1403,9 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     ce_B = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean(axis=1)
     correct_B = jnp.all(jnp.argmax(logits_BLV, axis=-1) == targets_BL, axis=1)
     halt_bce_B = optax.sigmoid_binary_cross_entropy(q_B, correct_B.astype(jnp.float32))
-    # Halt when the head says "right" (q > 0) or at N_sup. With halt_explore_prob a slot must first reach a
-    # random 2..N_sup steps, so the later supervision steps (and the halting head on them) get trained.
+    # Halt when the head says "right" (q > 0) or at N_sup. With halt_explore_prob a slot must
+    # first reach a random 2..N_sup steps, so the later supervision steps (and the halting
+    # head on them) get trained.
     k_explore, k_steps = jax.random.split(key)
     explore_B = jax.random.uniform(k_explore, (B,)) < t.halt_explore_prob
     min_steps_B = jnp.where(explore_B, jax.random.randint(k_steps, (B,), 2, t.N_sup + 1), 1)
@@ -1376,12 +1426,10 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
         "exact": jnp.sum(correct_B),
     }
     loss = jnp.sum(ce_B) + t.halt_loss_weight * jnp.sum(halt_bce_B)
-    if (
-        cfg.tot.loss_weight
-    ):  # ToT value head, on partial grids made from this microbatch's fresh puzzles
-        half = max(
-            B // 2, 1
-        )  # half the rows: 2/3 of the extra step time is enough examples for one bit
+    # ToT value head, on partial grids made from this microbatch's fresh puzzles
+    if cfg.tot.loss_weight:
+        # half the rows: 2/3 of the extra step time is enough examples for one bit
+        half = max(B // 2, 1)
 
         def value_loss(_):
             grids_BL, label_B = partial_states(
@@ -1392,45 +1440,53 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
                 (log_v_B > jnp.log(0.5)) == label_B
             )
 
-        # From tot.start_step on only: a real branch, so earlier steps do not pay for the value pass.
+        def no_value_loss(_):  # before tot.start_step: no value pass
+            return 0.0, 0
+
+        # From tot.start_step on only: a real branch, so
+        # earlier steps do not pay for the value pass.
         on = step >= cfg.tot.start_step
-        v_loss, v_acc = jax.lax.cond(on, value_loss, lambda _: (0.0, 0), None)
+        v_loss, v_acc = jax.lax.cond(on, value_loss, no_value_loss, None)
         sums.update(value_acc=v_acc, value_rows=jnp.where(on, half, 0.0))
         loss += cfg.tot.loss_weight * v_loss
+    # no gradient from one supervision step into the next
     return loss, (
         sums,
         jax.lax.stop_gradient(new_carry),
-    )  # no gradient from one supervision step into the next
+    )
 
 
 def ema_update(decay, step, ema, params):
-    """ema <- d ema + (1 - d) params, with d = min(decay, (1 + step) / (10 + step)): early on the average
-    forgets the random init quickly instead of dragging it along for ~1/(1 - decay) steps."""
+    """ema <- d ema + (1 - d) params, with d = min(decay, (1 + step) / (10 + step)):
+    early on the average forgets the random init quickly instead of dragging it along
+    for ~1/(1 - decay) steps."""
     d = jnp.minimum(decay, (1.0 + step) / (10.0 + step))
     return jax.tree.map(lambda e, p: (d * e + (1 - d) * p).astype(e.dtype), ema, params)
 
 
-# What trm_steps returns: predicted tokens after each supervision step, the digit log-probs after the last,
-# the value head's log value after step min(tot.value_step, steps), halting logits after each.
+# What trm_steps returns: predicted tokens after each supervision step, the digit
+# log-probs after the last, the value head's log value after step min(tot.value_step,
+# steps), halting logits after each.
 TRMSteps = collections.namedtuple("TRMSteps", "preds_SNL logp_NLC log_value_N halt_SN")
 
 
 def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
-    """`steps` supervision steps from a fresh carry on digit grids (0 = blank), as TRMSteps. Only the log value
-    of step v = min(tot.value_step, steps) is differentiable: the value loss trains through it. noise=(keys [N],
-    scale): perturbed recursion (see TRM), each supervision step with its own draws."""
+    """`steps` supervision steps from a fresh carry on digit grids (0 = blank), as TRMSteps.
+    Only the log value of step v = min(tot.value_step, steps) is differentiable: the value loss
+    trains through it. noise=(keys [N], scale): perturbed recursion (see TRM), each supervision
+    step with its own draws."""
     N, L = grids_NL.shape
     rows = lambda x: jnp.broadcast_to(x, (N, L)).astype(jnp.int32)
+    # padding rows: -1
     tokens, pos, seg = (
         rows(grids_NL + 1),
         rows(jnp.arange(L)),
         rows(grids_NL >= 0),
-    )  # padding rows: -1
+    )
     v = min(cfg.tot.value_step, steps)
 
-    def step(
-        p, carry, i
-    ):  # supervision step i, the model's parameters p; carry: y, z and the step's logits
+    # supervision step i, the model's parameters p; carry: y, z and the step's logits
+    def step(p, carry, i):
         kick = (
             None
             if noise is None
@@ -1443,9 +1499,8 @@ def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
         carry = jax.lax.stop_gradient((y.astype(jnp.float32), z.astype(jnp.float32), logits_NLV))
         return carry, (jnp.argmax(logits_NLV, -1), log_v_N, q_N)
 
-    fixed = functools.partial(
-        step, jax.lax.stop_gradient(params)
-    )  # a scan body no gradient flows through
+    # a scan body no gradient flows through
+    fixed = functools.partial(step, jax.lax.stop_gradient(params))
     yz, i = jnp.zeros((N, L, cfg.d_model), jnp.float32), jnp.arange(steps)
     carry, before = jax.lax.scan(fixed, (yz, yz, jnp.zeros((N, L, cfg.vocab_size))), i[: v - 1])
     carry, at_v = step(params, carry, i[v - 1])
@@ -1453,24 +1508,27 @@ def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
     preds_SNL, log_v_SN, q_SN = (
         jnp.concatenate([b, a[None], c]) for b, a, c in zip(before, at_v, after)
     )
-    # Digit d is token d + 1: the nine digit logits (the last step's, in the carry) are tokens 2..10.
+    # Digit d is token d + 1: the nine digit logits
+    # (the last step's, in the carry) are tokens 2..10.
     return TRMSteps(
         preds_SNL, jax.nn.log_softmax(carry[2][..., 2:11], axis=-1), log_v_SN[v - 1], q_SN
     )
 
 
 def take_along(x, i, axis):
-    """x's entries at indices i along `axis` (jnp.take_along_axis), i spread over x's further trailing axes."""
+    """x's entries at indices i along `axis` (jnp.take_along_axis),
+    i spread over x's further trailing axes."""
     return jnp.take_along_axis(x, i.reshape(*i.shape, *[1] * (x.ndim - i.ndim)), axis=axis)
 
 
 def pick_answers(preds_SBJL, q_SBJ, rule):
-    """trm.eval_halt's pick from J trajectories' answers [S, B, J, L] and halting logits q [S, B, J] (J = 1:
-    decoder=trm) -> (each puzzle's answer as it stands after each step [S, B, L], forward passes per puzzle [B]).
-    The (step, trajectory) pairs standing after step s: first: each trajectory's first step with q > 0 (it
-    stops there), else step s | best, vote: every step up to s | last: step s. Of those the highest q wins;
-    vote: of the answers that the most standing pairs with q > 0 give (ties, or no such pair: the highest q).
-    Answers are compared whole; no Sudoku rule is used."""
+    """trm.eval_halt's pick from J trajectories' answers [S, B, J, L] and halting logits q [S, B,
+    J] (J = 1: decoder=trm) -> (each puzzle's answer as it stands after each step [S, B, L],
+    forward passes per puzzle [B]). The (step, trajectory) pairs standing after step s: first:
+    each trajectory's first step with q > 0 (it stops there), else step s | best, vote: every step
+    up to s | last: step s. Of those the highest q wins; vote: of the answers that the most
+    standing pairs with q > 0 give (ties, or no such pair: the highest q). Answers are compared
+    whole; no Sudoku rule is used."""
     S, B, J, _L = preds_SBJL.shape
     preds_BML, q_BM = (
         jnp.swapaxes(x, 0, 1).reshape(B, S * J, *x.shape[3:]) for x in (preds_SBJL, q_SBJ)
@@ -1480,22 +1538,18 @@ def pick_answers(preds_SBJL, q_SBJ, rule):
         if rule == "first"
         else jnp.full((B, J), S - 1)
     )
-    cap_BMS = jnp.tile(
-        jnp.minimum(jnp.arange(S), halt_BJ[..., None]), (1, S, 1)
-    )  # pair m = (step m // J, m % J)
+    # pair m = (step m // J, m % J)
+    cap_BMS = jnp.tile(jnp.minimum(jnp.arange(S), halt_BJ[..., None]), (1, S, 1))
     step_M1 = (jnp.arange(S * J) // J)[:, None]
     stands_BMS = step_M1 <= cap_BMS if rule in ("best", "vote") else step_M1 == cap_BMS
 
-    def votes(
-        p_ML, right_M, stands_MS
-    ):  # how many standing pairs with q > 0 give each pair's answer (compared whole)
-        return (jnp.all(p_ML[:, None] == p_ML[None], -1) & right_M).astype(
-            jnp.float32
-        ) @ stands_MS.astype(jnp.float32)
+    def votes(puzzle):
+        # One puzzle: how many standing pairs with q > 0 give each pair's answer (compared whole).
+        p_ML, right_M, stands_MS = puzzle
+        same_MM = jnp.all(p_ML[:, None] == p_ML[None], -1) & right_M
+        return same_MM.astype(jnp.float32) @ stands_MS.astype(jnp.float32)
 
-    votes_BMS = (
-        jax.lax.map(lambda x: votes(*x), (preds_BML, q_BM > 0, stands_BMS)) if rule == "vote" else 0
-    )
+    votes_BMS = jax.lax.map(votes, (preds_BML, q_BM > 0, stands_BMS)) if rule == "vote" else 0
     votes_BMS = jnp.where(stands_BMS, votes_BMS, -1)  # a pair not standing never wins
     pick_BS = jnp.argmax(
         jnp.where(votes_BMS == votes_BMS.max(1, keepdims=True), q_BM[..., None], -jnp.inf), axis=1
@@ -1504,13 +1558,14 @@ def pick_answers(preds_SBJL, q_SBJ, rule):
 
 
 def parallel_decode(cfg, graph, params, q_BL, steps, plain=False):
-    """decoder=trm_parallel: J = parallel.trajectories runs of the TRM per puzzle (plain: one, decoder=trm), the
-    first without noise and the others with parallel.noise on the latent; trm.eval_halt picks the answer
-    (pick_answers). With parallel.extra_trajectories E, a puzzle whose answer fewer than parallel.sure_votes
-    (step, trajectory) pairs with q > 0 give runs E noisy trajectories more and is picked again from all J + E
-    (adaptive width: only those puzzles pay for them). No Sudoku rule is used. The draws depend on the puzzle
-    and the trajectory, not on the batch. Returns (answers after each step [S, B, L], forward passes per puzzle
-    [B]: every trajectory's)."""
+    """decoder=trm_parallel: J = parallel.trajectories runs of the TRM per puzzle (plain: one,
+    decoder=trm), the first without noise and the others with parallel.noise on the latent;
+    trm.eval_halt picks the answer (pick_answers). With parallel.extra_trajectories E, a puzzle
+    whose answer fewer than parallel.sure_votes (step, trajectory) pairs with q > 0 give runs E
+    noisy trajectories more and is picked again from all J + E (adaptive width: only those
+    puzzles pay for them). No Sudoku rule is used. The draws depend on the puzzle and the
+    trajectory, not on the batch. Returns (answers after each step [S, B, L], forward passes per
+    puzzle [B]: every trajectory's)."""
     (_B, L), (J, E) = (
         q_BL.shape,
         (1, 0) if plain else (cfg.parallel.trajectories, cfg.parallel.extra_trajectories),
@@ -1519,9 +1574,8 @@ def parallel_decode(cfg, graph, params, q_BL, steps, plain=False):
         lambda h: jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), h), J + E)
     )(puzzle_hash(q_BL))
 
-    def run(
-        q_NL, keys_NK, clean
-    ):  # answers [S, N, K, L], halting logits [S, N, K]; the first `clean` without noise
+    # answers [S, N, K, L], halting logits [S, N, K]; the first `clean` without noise
+    def run(q_NL, keys_NK, clean):
         (N, K), noise = keys_NK.shape, jnp.arange(keys_NK.size) % keys_NK.shape[1] >= clean
         r = trm_steps(
             cfg,
@@ -1542,16 +1596,20 @@ def parallel_decode(cfg, graph, params, q_BL, steps, plain=False):
         < cfg.parallel.sure_votes
     )
 
-    def widen(
-        unsure, q_L, keys_E, p_SJL, q_SJ, a_SL
-    ):  # one puzzle: only if unsure, E more trajectories, picked from all
-        pool = lambda: [
-            jnp.concatenate([a[:, None], b], 2)
-            for a, b in zip((p_SJL, q_SJ), run(q_L[None], keys_E[None], 0))
-        ]
-        return jax.lax.cond(
-            unsure, lambda: pick_answers(*pool(), cfg.trm.eval_halt)[0][:, 0], lambda: a_SL
-        )
+    def widen(puzzle):
+        # One puzzle: only if unsure, E more trajectories, and its answer picked again from all.
+        unsure, q_L, keys_E, p_SJL, q_SJ, a_SL = puzzle
+
+        def repick():  # E more trajectories beside the J: the answer picked from all J + E
+            more_S1EL, more_S1E = run(q_L[None], keys_E[None], 0)
+            pool_S1JL = jnp.concatenate([p_SJL[:, None], more_S1EL], 2)
+            pool_S1J = jnp.concatenate([q_SJ[:, None], more_S1E], 2)
+            return pick_answers(pool_S1JL, pool_S1J, cfg.trm.eval_halt)[0][:, 0]
+
+        def keep():  # sure already: the answer stands
+            return a_SL
+
+        return jax.lax.cond(unsure, repick, keep)
 
     xs = (
         unsure_B,
@@ -1562,7 +1620,7 @@ def parallel_decode(cfg, graph, params, q_BL, steps, plain=False):
         answers_SBL.swapaxes(0, 1),
     )
     return (
-        jax.lax.map(lambda x: widen(*x), xs).swapaxes(0, 1) if E else answers_SBL
+        jax.lax.map(widen, xs).swapaxes(0, 1) if E else answers_SBL
     ), passes_B + unsure_B * E * steps
 
 
@@ -1570,11 +1628,12 @@ def parallel_decode(cfg, graph, params, q_BL, steps, plain=False):
 # ToT, part 1: the value head's training states. Grids are digits (0 = blank), as in data.py.
 # ==================================================================================================
 def partial_states(key, q_BL, a_BL, sparse_B=None):
-    """ToT value-head examples from puzzles and solutions (digit grids): in half of the rows (odd rows, or
-    `sparse_B`) up to a third of the givens blanked (states as sparse as the hardest puzzles'), then a
-    random share of the blanks filled from the solution, and in half of the rows one blank set to a wrong
-    digit, one that breaks no rule where the grid allows it (the mistakes a solver makes). Label: True =
-    every digit agrees with the solution (for a unique-solution puzzle: the grid can still be completed)."""
+    """ToT value-head examples from puzzles and solutions (digit grids): in half of the rows (odd
+    rows, or `sparse_B`) up to a third of the givens blanked (states as sparse as the hardest
+    puzzles'), then a random share of the blanks filled from the solution, and in half of the rows
+    one blank set to a wrong digit, one that breaks no rule where the grid allows it (the mistakes a
+    solver makes). Label: True = every digit agrees with the solution (for a unique-solution puzzle:
+    the grid can still be completed)."""
     (B, L), (k_frac, k_fill, k_bad, k_cell, k_digit, k_drop) = q_BL.shape, jax.random.split(key, 6)
     sparse_B = jnp.arange(B) % 2 == 1 if sparse_B is None else sparse_B
     drop_BL = jax.random.uniform(k_drop, (B, L)) < jnp.where(sparse_B, 1 / 3, 0.0)[:, None]
@@ -1583,15 +1642,15 @@ def partial_states(key, q_BL, a_BL, sparse_B=None):
     fill_BL = blank_BL & (jax.random.uniform(k_fill, (B, L)) < jax.random.uniform(k_frac, (B, 1)))
     g_BL = jnp.where(fill_BL, a_BL, q_BL)
     bad_B = jax.random.bernoulli(k_bad, 0.5, (B,))
-    # The wrong cell: a random blank, preferring filled ones (so right and wrong grids have as many digits:
-    # the count must not give the label away) where some wrong digit clashes with no peer (a quiet mistake).
+    # The wrong cell: a random blank, preferring filled ones (so right and wrong grids have as
+    # many digits: the count must not give the label away) where some wrong digit clashes with
+    # no peer (a quiet mistake).
     wrong_BLC = jnp.arange(1, 10) != a_BL[..., None]
     quiet_BLC = wrong_BLC & ~digits_seen(g_BL)
     pref_BL = blank_BL * (1.0 + 2.0 * fill_BL + jnp.any(quiet_BLC, axis=-1))
     cell_B = jnp.argmax(pref_BL + jax.random.uniform(k_cell, (B, L)), axis=1)
-    pool_BLC = jnp.where(
-        jnp.any(quiet_BLC, axis=-1, keepdims=True), quiet_BLC, wrong_BLC
-    )  # quiet ones where any
+    # quiet ones where any
+    pool_BLC = jnp.where(jnp.any(quiet_BLC, axis=-1, keepdims=True), quiet_BLC, wrong_BLC)
     digit_B = (
         jnp.argmax(
             jnp.where(pool_BLC[rows, cell_B], jax.random.uniform(k_digit, (B, 9)), -1.0), axis=1
@@ -1603,14 +1662,14 @@ def partial_states(key, q_BL, a_BL, sparse_B=None):
 
 
 def puzzle_partial_states(key, q_BL, a_BL):
-    """partial_states drawn per puzzle (its key folded with a hash of its givens, a coin for sparse or
-    not), so eval's value_auroc does not depend on the batch size or on which rows a puzzle shares."""
+    """partial_states drawn per puzzle (its key folded with a hash of its givens, a coin
+    for sparse or not), so eval's value_auroc does not depend on the batch size or on
+    which rows a puzzle shares."""
 
     def one(q_L, a_L):
         k = jax.random.fold_in(key, puzzle_hash(q_L))
-        sparse = jax.random.bernoulli(
-            jax.random.fold_in(k, 1)
-        )  # half the states sparse, as in training
+        # half the states sparse, as in training
+        sparse = jax.random.bernoulli(jax.random.fold_in(k, 1))
         g, label = partial_states(k, q_L[None], a_L[None], sparse[None])
         return g[0], label[0]
 
@@ -1618,25 +1677,28 @@ def puzzle_partial_states(key, q_BL, a_BL):
 
 
 def value_bce(log_v_B, label_B):
-    """Binary cross-entropy from log P(right): -log p for right grids, -log(1 - p) for wrong ones."""
+    """Binary cross-entropy from log P(right): -log p
+    for right grids, -log(1 - p) for wrong ones."""
     return -jnp.where(label_B, log_v_B, jnp.log(-jnp.expm1(jnp.minimum(log_v_B, -1e-6))))
 
 
 def puzzle_hash(q_BL):
-    """uint32[B]: a hash of each puzzle's givens. It seeds per-puzzle random draws (trm_parallel's noise,
-    eval's value states), so a puzzle's result does not depend on the batch around it."""
+    """uint32[B]: a hash of each puzzle's givens. It seeds per-puzzle random draws (trm_parallel's
+    noise, eval's value states), so a puzzle's result does not depend on the batch around it."""
     mix_L = jnp.arange(q_BL.shape[-1], dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
     return jnp.sum(q_BL.astype(jnp.uint32) * mix_L, axis=-1)
 
 
 # ==================================================================================================
-# ToT, part 2: decoding by search. The rule checks (data.digits_seen, dead_end, solved) are Long's Sudoku
-# ToT checker, as masks; rules=False (tot.rule_checks=false) leaves the learned heads alone to decide.
+# ToT, part 2: decoding by search. The rule checks (data.digits_seen, dead_end, solved) are
+# Long's Sudoku ToT checker, as masks; rules=False (tot.rule_checks=false) leaves the
+# learned heads alone to decide.
 # ==================================================================================================
 def fill_forced(grids_NL):
-    """Fills what the rules force, until nothing more is: a blank with one legal digit left (a naked single),
-    and a digit with one legal cell left in a row, column or box (a hidden single). Costs no forward pass
-    (tot.propagate). Contradictions it meets (two cells forced to one digit) are left for dead_end."""
+    """Fills what the rules force, until nothing more is: a blank with one legal digit left (a
+    naked single), and a digit with one legal cell left in a row, column or box (a hidden single).
+    Costs no forward pass (tot.propagate). Contradictions it meets (two cells forced to one digit)
+    are left for dead_end."""
 
     def fill(c):
         g_NL, ok_NLC = c[0], legal_digits(c[0])
@@ -1658,16 +1720,17 @@ def finished(answer_NL, q_N, rules):
 
 
 def fill_argmax(grids_NL, logp_NLC):
-    """Blanks left -> the policy's likeliest digit (how a search hands back a grid it did not finish)."""
+    """Blanks left -> the policy's likeliest digit (how
+    a search hands back a grid it did not finish)."""
     return jnp.where(grids_NL == 0, jnp.argmax(logp_NLC, axis=-1) + 1, grids_NL)
 
 
 def shrinking_loop(body, c):
-    """lax.while_loop(body) until every row's c['stop'], in which finished rows leave the batch: once at
-    most a quarter of the rows still run, those rows are gathered into a batch a quarter the size (static
-    shapes: 100 -> 25 -> 6 rows, each its own loop in the same compiled function) and scattered back at
-    the end, so a few hard puzzles no longer drag a full batch through every step. Every entry of c has
-    the batch as its first axis; body reads the batch size from its carry."""
+    """lax.while_loop(body) until every row's c['stop'], in which finished rows leave the batch:
+    once at most a quarter of the rows still run, those rows are gathered into a batch a quarter the
+    size (static shapes: 100 -> 25 -> 6 rows, each its own loop in the same compiled function) and
+    scattered back at the end, so a few hard puzzles no longer drag a full batch through every step.
+    Every entry of c has the batch as its first axis; body reads the batch size from its carry."""
     quarter = c["stop"].shape[0] // 4
     if quarter < 4:  # small enough: run to the end
         return jax.lax.while_loop(lambda c: ~jnp.all(c["stop"]), body, c)
@@ -1678,18 +1741,20 @@ def shrinking_loop(body, c):
 
 
 def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
-    """One state -> its E candidate grids (the surest blank cell at each of its E likeliest legal digits,
-    plus the cells-1 next surest blanks at their argmax), their log-prob gain, and whether they exist."""
-    # The moves that break no rule: a blank cell, a digit no peer holds (without rules: any digit in a blank).
+    """One state -> its E candidate grids (the surest blank cell at each of its E likeliest
+    legal digits, plus the cells-1 next surest blanks at their argmax), their log-prob gain,
+    and whether they exist."""
+    # The moves that break no rule: a blank cell, a digit
+    # no peer holds (without rules: any digit in a blank).
     legal_LC = legal_digits(g_L) if rules else (g_L == 0)[:, None]
     lp_LC = jnp.where(legal_LC, logp_LC, -jnp.inf)
     conf_L, best_L = jnp.max(lp_LC, axis=-1), jnp.argmax(lp_LC, axis=-1) + 1
     cell = jnp.argmax(conf_L)
     top_E, digit_E = jax.lax.top_k(lp_LC[cell], E)
     g_EL, gain_E = jnp.broadcast_to(g_L, (E, g_L.shape[0])).at[:, cell].set(digit_E + 1), top_E
-    if (
-        cells > 1
-    ):  # the rest of the thought, the same for every digit: the most confident other blanks, at their argmax
+    # The rest of the thought, the same for every digit: the most confident other blanks, at their
+    # argmax.
+    if cells > 1:
         more_v, more_i = jax.lax.top_k(conf_L.at[cell].set(-jnp.inf), cells - 1)
         g_EL = g_EL.at[:, more_i].set(jnp.where(more_v > -jnp.inf, best_L[more_i], g_EL[:, more_i]))
         gain_E = gain_E + jnp.sum(jnp.where(more_v > -jnp.inf, more_v, 0.0))
@@ -1697,8 +1762,9 @@ def propose_thoughts(g_L, logp_LC, E, cells, rules=True):
 
 
 class Search(NamedTuple):
-    """How tree_search expands and ranks states. The defaults are greedy decoding: one state, one one-cell
-    thought a step, ranked by log-prob, until the grid is full (the puzzle's own pass + one per move)."""
+    """How tree_search expands and ranks states. The defaults are greedy decoding: one
+    state, one one-cell thought a step, ranked by log-prob, until the grid is full (the
+    puzzle's own pass + one per move)."""
 
     width: int = 1  # states expanded per step (beam_width)
     thoughts: int = 1  # candidates proposed per expanded state (thoughts_per_step)
@@ -1713,31 +1779,32 @@ class Search(NamedTuple):
 
 
 def tree_search(evaluate, q_BL, search):
-    """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one compiled function.
-    evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log value [N], halting logit [N]).
+    """Step-level beam search (Tree of Thoughts, BFS form) for a batch of puzzles, in one
+    compiled function. evaluate(grids [N, L]) -> (log-probs [N, L, 9] of digits 1..9, log
+    value [N], halting logit [N]).
 
     A thought fills `search.cells` blank cells: the state's most confident blank cell (highest top
-    probability) with one of its `thoughts` most likely digits, plus the cells-1 next most confident blanks
-    at their argmax. So the search branches where greedy decoding would commit, and keeps the alternatives
-    while they are plausible. Every candidate of every state in the beam is evaluated (one forward pass
-    each: the policy for its next thoughts and its value), duplicates are dropped, and the best `width`
-    continue, ranked by `score` (cum = the path's summed log-prob):
+    probability) with one of its `thoughts` most likely digits, plus the cells-1 next most confident
+    blanks at their argmax. So the search branches where greedy decoding would commit, and keeps the
+    alternatives while they are plausible. Every candidate of every state in the beam is evaluated
+    (one forward pass each: the policy for its next thoughts and its value), duplicates are dropped,
+    and the best `width` continue, ranked by `score` (cum = the path's summed log-prob):
       'value'    log value + logp_weight x cum: ToT
       'logp'     cum only (plain beam search, no value head)
-    A `finished` grid ends a puzzle's search: a complete candidate, or any state's blanks filled by the
-    policy's argmax (checked at every state, no extra pass); a complete one that is not is dropped.
-    rules=False: no rule checks anywhere, the halting head decides what is finished. propagate: the root and
-    every candidate get their forced moves before they are evaluated (fill_forced). A puzzle also stops
-    after max_depth steps, once `max_thoughts` states were evaluated, or when its beam is empty. Shapes
-    depend only on (batch, width, thoughts): one compile per batch size; finished puzzles are dropped from
-    the batch in quarter steps inside it.
+    A `finished` grid ends a puzzle's search: a complete candidate, or any state's blanks filled by
+    the policy's argmax (checked at every state, no extra pass); a complete one that is not is
+    dropped. rules=False: no rule checks anywhere, the halting head decides what is finished.
+    propagate: the root and every candidate get their forced moves before they are evaluated
+    (fill_forced). A puzzle also stops after max_depth steps, once `max_thoughts` states were
+    evaluated, or when its beam is empty. Shapes depend only on (batch, width, thoughts): one
+    compile per batch size; finished puzzles are dropped from the batch in quarter steps inside it.
 
     frontier M > width keeps M states between steps instead of width (best-first search with
-    backtracking, ToT's DFS/BFS in one): each step expands the best `width` states held, from any depth,
-    and the M best of the rest and the new candidates are held. When every child of a path scores low,
-    the search goes back to an earlier state. M = width (or 0) is the plain per-depth beam above.
-    Returns (grids [B, L], states evaluated per puzzle [B]). Unsolved puzzles return the best candidate of
-    the last step with its blanks filled by argmax."""
+    backtracking, ToT's DFS/BFS in one): each step expands the best `width` states held, from any
+    depth, and the M best of the rest and the new candidates are held. When every child of a path
+    scores low, the search goes back to an earlier state. M = width (or 0) is the plain per-depth
+    beam above. Returns (grids [B, L], states evaluated per puzzle [B]). Unsolved puzzles return the
+    best candidate of the last step with its blanks filled by argmax."""
     B, M = q_BL.shape[0], max(search.frontier, search.width)  # M states held between steps
     q_BL = fill_forced(q_BL) if search.propagate else q_BL
     logp0_BLC, _, q0_B = evaluate(q_BL)
@@ -1760,41 +1827,42 @@ def tree_search(evaluate, q_BL, search):
 
 
 def search_step(evaluate, search, c):
-    """One step of tree_search for every puzzle of the carry c: expand the best held states, evaluate
-    and rank their candidates, note a finished answer, hold the M best states for the next step."""
+    """One step of tree_search for every puzzle of the carry c: expand the best held
+    states, evaluate and rank their candidates, note a finished answer, hold the M best
+    states for the next step."""
     g_BNL, cum_BN, alive_BN, rest = expand(c["held"], search)
+    # B shrinks as finished puzzles leave (shrinking_loop)
     (B, N, L), live_B = (
         g_BNL.shape,
         ~c["stop"],
-    )  # B shrinks as finished puzzles leave (shrinking_loop)
+    )
     # One forward pass per candidate: log-probs [B, N, L, 9], log values and halting logits [B, N].
     logp_BNLC, logv_BN, q_BN = (
         x.reshape(B, N, *x.shape[1:]) for x in evaluate(g_BNL.reshape(B * N, L))
     )
     rank_BN = cum_BN if search.score == "logp" else logv_BN + search.logp_weight * cum_BN
     s_BN = jnp.where(alive_BN, rank_BN, -jnp.inf)
-    fill_BNL = fill_argmax(
-        g_BNL, logp_BNLC
-    )  # each state's policy answer: a valid one is the solution
+    # each state's policy answer: a valid one is the solution
+    fill_BNL = fill_argmax(g_BNL, logp_BNLC)
     ok_BN = alive_BN & finished(fill_BNL, q_BN, search.rules)
     pick = lambda x, i_B: take_along(x, i_B[:, None], 1)[:, 0]
-    # The answer so far: a finished one (the puzzle then stops and keeps it), else the best candidate.
-    best = pick(
-        fill_BNL, jnp.argmax(s_BN, axis=1)
-    )  # the best, before full-but-wrong grids are dropped
+    # The answer so far: a finished one (the puzzle then
+    # stops and keeps it), else the best candidate.
+    # the best, before full-but-wrong grids are dropped
+    best = pick(fill_BNL, jnp.argmax(s_BN, axis=1))
     best = jnp.where((live_B & jnp.any(alive_BN, axis=1))[:, None], best, c["answer"])
     found_B = live_B & jnp.any(ok_BN, axis=1)
     answer = jnp.where(found_B[:, None], pick(fill_BNL, jnp.argmax(ok_BN, axis=1)), best)
-    s_BN = jnp.where(
-        jnp.all(g_BNL > 0, axis=-1), -jnp.inf, s_BN
-    )  # a full grid ended the search or broke a rule
+    # a full grid ended the search or broke a rule
+    s_BN = jnp.where(jnp.all(g_BNL > 0, axis=-1), -jnp.inf, s_BN)
     # The M best of the new candidates (first: they win ties) and the states held but not expanded.
     pool = jax.tree.map(
         lambda n, o: jnp.concatenate([n, o], axis=1),
         {"grid": g_BNL, "logp": logp_BNLC, "cum": cum_BN, "score": s_BN},
         rest,
     )
-    # A finished puzzle's held states change on like the others': harmless, its answer and evals no longer do.
+    # A finished puzzle's held states change on like the
+    # others': harmless, its answer and evals no longer do.
     top_BM, idx_BM = jax.lax.top_k(pool["score"], c["held"]["score"].shape[1])
     held = jax.tree.map(lambda x: take_along(x, idx_BM, 1), pool)
     evals, depth = c["evals"] + jnp.where(live_B, jnp.sum(alive_BN, axis=1), 0), c["depth"] + 1
@@ -1809,9 +1877,9 @@ def search_step(evaluate, search, c):
 
 
 def expand(held, search):
-    """The best `width` held states -> their candidates' grids [B, N, L], path log-probs [B, N] and whether
-    they are alive [B, N] (N = width x thoughts; dead ends and repeated grids are not), and the held states
-    left over."""
+    """The best `width` held states -> their candidates' grids [B, N, L], path log-probs [B, N] and
+    whether they are alive [B, N] (N = width x thoughts; dead ends and repeated grids are not), and
+    the held states left over."""
     B, L = held["grid"].shape[0], held["grid"].shape[-1]
     _, pop_BW = jax.lax.top_k(held["score"], search.width)
     bm = jax.tree.map(lambda x: take_along(x, pop_BW, 1), held)
@@ -1853,9 +1921,9 @@ def sudoku_search(cfg, decoder):
 
 
 def sudoku_decode(cfg, graph, params, batch):
-    """Decodes a token batch with cfg.decoder: {predicted tokens [S, B, L] (S = supervision steps for
-    trm, 1 for the others), forward passes per puzzle [B], and the value head's log values and labels on
-    partial grids made from the batch (for its AUROC)}."""
+    """Decodes a token batch with cfg.decoder: {predicted tokens [S, B, L] (S = supervision steps
+    for trm, 1 for the others), forward passes per puzzle [B], and the value head's log values and
+    labels on partial grids made from the batch (for its AUROC)}."""
     q_BL = batch["inputs"] - 1
     if cfg.decoder.startswith("trm"):  # trm: the plain TRM, one trajectory without noise
         preds_SBL, passes_B = parallel_decode(
@@ -1883,15 +1951,16 @@ def sudoku_decode(cfg, graph, params, batch):
 
 
 def sudoku_scores(preds_SBL, batch):
-    """Host-side scoring of one eval batch: {exact solves per step [S], right blank cells per step [S],
-    blank cells, puzzles, final digit grids [B, L]}. Padding rows are skipped; givens are copied from the
-    puzzle whatever the model said; a grid counts as solved only if it obeys the Sudoku rules and equals
-    the label."""
+    """Host-side scoring of one eval batch: {exact solves per step [S], right blank cells per step
+    [S], blank cells, puzzles, final digit grids [B, L]}. Padding rows are skipped; givens are
+    copied from the puzzle whatever the model said; a grid counts as solved only if it obeys the
+    Sudoku rules and equals the label."""
     real = batch["segment_ids"][:, 0] > 0
+    # tokens -> digits, 0 = blank
     q_BL, a_BL = (
         batch["inputs"][real] - 1,
         batch["targets"][real] - 1,
-    )  # tokens -> digits, 0 = blank
+    )
     blank_BL = q_BL == 0
     grids_SBL = np.where(blank_BL, np.asarray(preds_SBL)[:, real] - 1, q_BL)
     valid_SB = solved(grids_SBL.reshape(-1, SUDOKU_LEN)).reshape(grids_SBL.shape[:2])
@@ -1913,8 +1982,9 @@ def auroc(scores, labels):
 
 
 def sudoku_eval_result(cfg, outs, batches, ds, save_to=None):
-    """Exact (whole grid) and cell accuracy, forward passes and the value head's AUROC over every batch,
-    with per-step accuracies for decoder=trm; save_to: also the answers, in eval-file order, as a CSV."""
+    """Exact (whole grid) and cell accuracy, forward passes and the value head's AUROC over
+    every batch, with per-step accuracies for decoder=trm; save_to: also the answers, in
+    eval-file order, as a CSV."""
     scores = [sudoku_scores(o["preds_SBL"], b) for o, b in zip(outs, batches)]
     total = {k: sum(sc[k] for sc in scores) for k in ("exact_S", "cells_S", "blanks", "puzzles")}
     if save_to:  # the answers themselves, givens as in the puzzle
@@ -1924,9 +1994,10 @@ def sudoku_eval_result(cfg, outs, batches, ds, save_to=None):
         total["exact_S"] / max(total["puzzles"], 1),
         total["cells_S"] / max(total["blanks"], 1),
     )
+    # real rows
     cat = lambda k: np.concatenate(
         [o[k][b["segment_ids"][:, 0] > 0] for o, b in zip(outs, batches)]
-    )  # real rows
+    )
     result = {
         "exact_accuracy": float(exact_S[-1]),
         "cell_accuracy": float(cells_S[-1]),
@@ -1944,8 +2015,8 @@ def sudoku_eval_result(cfg, outs, batches, ds, save_to=None):
 
 
 def sudoku_generate(cfg, graph, params, ds, rows):
-    """mode=generate: the grid for the puzzle given as prompt=, givens kept, checked against the rules.
-    The puzzle fills all `rows` rows, so the batch divides the mesh."""
+    """mode=generate: the grid for the puzzle given as prompt=, givens kept, checked against the
+    rules. The puzzle fills all `rows` rows, so the batch divides the mesh."""
     q_L = data.parse_grid(cfg.prompt)
     tokens = np.tile(q_L + 1, (rows, 1)).astype(np.int32)
     batch = {
@@ -1972,26 +2043,35 @@ def sudoku_generate(cfg, graph, params, ds, rows):
 def sudoku_check(cfg):
     """The puzzle task's own config rules: a message naming the key, or ''."""
     if cfg.mode == "export" or cfg.load_hf:
-        return f"{'mode=export' if cfg.mode == 'export' else 'load_hf'} is for task=lm (a TRM solver has no HF form)"
+        return (
+            f"{'mode=export' if cfg.mode == 'export' else 'load_hf'} is for task=lm "
+            "(a TRM solver has no HF form)"
+        )
     if cfg.mode == "generate" and data.parse_grid(cfg.prompt) is None:
-        return f"prompt={cfg.prompt!r}: give the puzzle as 81 characters, digits 1-9 and . or 0 for blanks, row by row"
+        return (
+            f"prompt={cfg.prompt!r}: give the puzzle as 81 characters, "
+            "digits 1-9 and . or 0 for blanks, row by row"
+        )
     return ""
 
 
 def trm_flops_per_token(cfg):
-    """Training FLOPs per cell per supervision step: T(n+1) forward net calls, of which the last n+1 also
-    run backward (2x), attention bidirectional over the 81 cells (the MLP mixer counted as attention)."""
+    """Training FLOPs per cell per supervision step: T(n+1) forward net calls, of which the
+    last n+1 also run backward (2x), attention bidirectional over the 81 cells (the MLP mixer
+    counted as attention)."""
+    # (T + 2)(n + 1) = T(n + 1) forward calls + 2(n + 1) backward; the head 3 x 2 dV
     T, n = (
         cfg.trm.T,
         cfg.trm.n,
-    )  # (T + 2)(n + 1) = T(n + 1) forward calls + 2(n + 1) backward; the head 3 x 2 dV
+    )
     return (T + 2) * (n + 1) * cfg.num_layers * layer_flops(
         cfg, SUDOKU_LEN, False
     ) + 6 * cfg.d_model * cfg.vocab_size
 
 
 def trm_step_metrics(sums, weight):
-    """Halting and solving rates of the step's slots, and the value head's accuracy (NaN before it trains)."""
+    """Halting and solving rates of the step's slots, and
+    the value head's accuracy (NaN before it trains)."""
     out = {
         "halt_rate": sums["halted"] / weight,
         "train_exact": sums["exact"] / weight,
@@ -2008,8 +2088,9 @@ SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
     (
         "count",
         (
-            "sudoku_train_puzzles sudoku_eval_puzzles beam_width max_depth max_thoughts trm.T trm.n trm.N_sup "
-            "parallel.trajectories parallel.sure_votes tot.policy_steps tot.value_step"
+            "sudoku_train_puzzles sudoku_eval_puzzles beam_width max_depth max_thoughts "
+            "trm.T trm.n trm.N_sup parallel.trajectories parallel.sure_votes "
+            "tot.policy_steps tot.value_step"
         ),
     ),
     ("off", "trm.eval_steps parallel.extra_trajectories tot.start_step tot.frontier"),
