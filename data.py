@@ -1,23 +1,52 @@
-"""Data for the trainer: text (tfds + sentencepiece) and Sudoku puzzles, as grain pipelines that resume exactly on
-any number of processes.
+"""Data for the trainer: text (tfds + sentencepiece) and Sudoku puzzles, as grain pipelines that
+resume exactly on any number of processes, and (last) the storage layer every file goes through.
 
-    ds = make_dataset(cfg, process_index, process_count, log=print)   # log hears the slow one-time steps
-    it = ds.train_iter(local_rows, state=None)   # next(it) -> batch dict; it.state() -> a small JSON dict per row
-    ds.eval_batches(local_rows, n)               # the same n batches on every call
+    ds = make_dataset(cfg, process_index, process_count, log=print)  # log: the slow one-time steps
+    it = ds.train_iter(local_rows, state=None)  # next(it) -> batch dict
+    it.state()                                  # a small JSON dict per row: where to resume
+    ds.eval_batches(local_rows, n)              # the same n batches on every call
 
 Every batch is a dict of numpy arrays shaped [rows, L]:
     inputs, targets  int32    targets[r, t] is what the model should predict after inputs[r, :t+1]
     segment_ids      int32    0 = padding, 1, 2, ... = document number within the row
     positions        int32    position inside the document piece, restarting at 0 for every segment
     loss_mask        float32  1 where the target counts
-Row r of the global batch (local_rows x process_count rows; process p reads rows p * local_rows onward) is a lane:
-its own grain pipeline over the records at positions r, r + rows, r + 2 rows, ... of one order, shuffled per epoch
-from the seed, packed on its own. A lane's state does not depend on how many processes there are, so a checkpoint of
-every lane's state resumes on any process count that divides the rows, reading exactly the batches an uninterrupted
-run reads. This module is numpy-only on purpose: train.py owns devices and turns these into global jax arrays.
-TensorFlow is optional: tfds builds and reads array_record files without it. The Sudoku rules are defined
-here once (UNITS, PEERS, digits_seen, dead_end, solved) and take numpy or jax arrays: model.py's search
+Row r of the global batch (local_rows x process_count rows; process p reads rows p * local_rows
+onward) is a lane: its own grain pipeline over the records at positions r, r + rows, r + 2 rows, ...
+of one order, shuffled per epoch from the seed, packed on its own. A lane's state does not depend on
+how many processes there are, so a checkpoint of every lane's state resumes on any process count
+that divides the rows, reading exactly the batches an uninterrupted run reads. This module is
+numpy-only on purpose: train.py owns devices and turns these into global jax arrays. TensorFlow is
+optional: tfds builds and reads array_record files without it. The Sudoku rules are defined here
+once (UNITS, PEERS, digits_seen, dead_end, solved) and take numpy or jax arrays: model.py's search
 uses them too.
+
+What is here, in order:
+  Pipelines
+    lanes          Batches, _Data: one grain pipeline (a lane) per row of the global batch, each
+                   process reading its own rows (the per-host sharding); train_iter, eval_batches
+    synthetic      SyntheticData: random tokens, no files
+    text sources   files and globs, local or gs:// (expand), the standard library, tfds, and Hugging
+                   Face datasets read by random access or streamed
+    tokenizers     Tokenizer, one face for sentencepiece (trained here on the text, or a .model) and
+                   Hugging Face's tokenizer.json (hf_tokenizer); tokenizer_source, load_tokenizer,
+                   until_stop
+    packing        TextData, StreamData (hf_streaming): documents tokenized on the fly and packed
+                   into rows
+    SFT            SFTData: rows of messages, or prompt and completion, the loss on the answers only
+                   (sft_rows, chat_renderer, chat_spans, sft_example)
+    Sudoku         the rules (UNITS, PEERS, MEMBERS, digits_seen, legal_digits, dead_end, solved,
+                   by_singles), solver and generator (solve, generate_sudoku, augment), CSV files
+                   (read_sudoku_csv, write_sudoku_csv, parse_grid), SudokuData
+    entry points   make_dataset, which picks the pipeline; make_chat and main, the commands
+                   `python data.py make-chat | make-sudoku`
+  Storage          paths local or gs:// (stored, remote, STORAGE_ERRORS), Hugging Face checkpoint
+                   files (hf_dir), files read and written (read_json, write, append, set_aside), the
+                   run directory's lock (own, BucketLease, held, check_held), the paths a config
+                   names (check_paths, checkpoint_steps), the run directory (make_run_dir,
+                   prepare_training, resume_metrics, move_up), its tokenizer (keep_tokenizer,
+                   config_changes, flat), metrics (MetricsWriter: metrics.jsonl, TensorBoard, and
+                   W&B through open_wandb; quiet_libraries)
 """
 
 import collections.abc
@@ -50,6 +79,7 @@ from typing import NamedTuple
 
 import grain
 import numpy as np
+import yaml
 from etils import epath
 from grain.experimental import (
     ConcatThenSplitIterDataset,
@@ -75,7 +105,8 @@ _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", 
 
 
 def first_line(e, typed=True, limit=160):
-    """An exception as one line for an error message: its type (typed) and the first line of its text."""
+    """An exception as one line for an error message:
+    its type (typed) and the first line of its text."""
     text = str(e).splitlines()[0][:limit] if str(e) else ""
     return f"{type(e).__name__}: {text}" if typed and text else text or type(e).__name__
 
@@ -84,700 +115,16 @@ class DataError(Exception):
     """A mistake in the data settings; the message names the key or file and the fix."""
 
 
-# ---- storage: every path, input or output, through etils' epath (what orbax uses), so each may be local or
-# gs://bucket/... (gcsfs underneath, no TensorFlow). GCS has no append and no file locks: append() composes
-# objects, and a run owns a gs:// directory through a lease object (BucketLease). --------------------------
-
-STORAGE_ERRORS = (
-    OSError,
-)  # what a disk can raise; a bucket adds gcsfs's HTTP and credential errors (use_gcs)
-MAIN = True  # whether this process writes the run's files (train.py: process 0 of a multi-host run only)
-HELD = {}  # run directory -> whether it is still the one this run opened (train.py fills it)
-# Names tensorstore (orbax's array writer) reads as a URL on gs://: it cuts a query (?) or fragment (#) and
-# decodes %XX, so arrays would land beside the run directory, not in it.
-URL_MANGLED = re.compile(r"[?#%]")
-
-
-class WriteError(Exception):
-    """The run directory refused a write (read-only, full, gone): the run stops with one line; what was
-    written before stays."""
-
-
-def remote(path):
-    return "://" in str(path)
-
-
-def stored(path):
-    """epath.Path of a local path (absolute: orbax writes it into its metadata) or a gs:// one (as given)."""
-    if remote(path):
-        use_gcs()
-    return epath.Path(path if remote(path) else os.path.abspath(os.path.expanduser(path)))
-
-
-def use_gcs():
-    """gcsfs, loaded by the first gs:// path (its import costs a local run half a second); from then on its HTTP
-    and credential errors count as storage errors."""
-    global STORAGE_ERRORS
-    from gcsfs.retry import HttpError
-    from google.auth.exceptions import GoogleAuthError
-
-    STORAGE_ERRORS = (OSError, HttpError, GoogleAuthError)
-
-
-def gcs():
-    """The gcsfs file system epath itself uses (fsspec keeps one instance, so both see one listings cache)."""
-    import fsspec
-
-    use_gcs()
-    return fsspec.filesystem("gs")
-
-
-def storage_reason(e):
-    """An error from a disk or a bucket as a short reason, with any URL's query string (tokens, signatures) cut."""
-    text = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
-    text = re.sub(r"(https?://[^\s?]+)\?\S*", r"\1", text)
-    return re.sub(r"(?i)(token|signature|key)=[^\s&]+", r"\1=...", text)
-
-
-# A Hugging Face checkpoint's files, all load_hf reads or export writes: the weights (one file, or shards and their
-# index), the model's config, its tokenizer (tokenizer.json, or sentencepiece's tokenizer.model), its special tokens
-# and chat template.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
-HF_FILES = (
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
-    "tokenizer.model",
-    *TOKENIZER_FILES,
-)
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
-
-def hub_id(name):
-    """Whether load_hf=NAME names a hub model (Qwen/Qwen2.5-0.5B-Instruct), not a directory: org/name, not here."""
-    return bool(name) and not remote(name) and HUB_ID.fullmatch(name) and not os.path.exists(name)
-
-
-@functools.lru_cache
-def hf_dir(name):
-    """load_hf's checkpoint as a directory: a local or gs:// path as it is; a hub id fetched (the files above only)
-    into huggingface_hub's cache, once per process (HF_TOKEN for a gated model; HF_HUB_OFFLINE=1: the cache only)."""
-    if not hub_id(name):
-        return name
-    from huggingface_hub import snapshot_download
-
-    for logger in ("huggingface_hub", "filelock"):
-        logging.getLogger(logger).setLevel(logging.CRITICAL)
-    try:
-        return snapshot_download(name, allow_patterns=list(HF_FILES))
-    except Exception as e:  # noqa: BLE001 - no network, no such repo, gated, offline, not cached
-        raise DataError(
-            f"load_hf={name}: no such directory, and the Hugging Face hub did not give that model "
-            f"({first_line(e, limit=120)}); a gated model needs HF_TOKEN, and offline "
-            "(HF_HUB_OFFLINE=1) only models already in the hub cache load"
-        ) from None
-
-
-def read_json(path, what=None):
-    """A JSON file (local or gs://) as an object; a DataError naming the file if it is damaged."""
-    try:
-        value = json.loads(stored(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise DataError(
-            f"{path}: not valid JSON ({first_line(e, typed=False, limit=100)})"
-        ) from None
-    if not isinstance(value, dict):
-        raise DataError(
-            f"{path}: holds a JSON {type(value).__name__}, not the object {what or 'expected'}"
-        )
-    return value
-
-
-def check_held(path):
-    """A run holds the directory it opened, not its path: one moved away, or replaced by another (a disk's by
-    its inode, a bucket's by the run's lease on it), stops the run before it writes into what is there now."""
-    path = path if remote(path) else os.path.abspath(path)  # orbax names its directory absolutely
-    for run_dir, still_ours in HELD.items():
-        if (path == run_dir or path.startswith(run_dir.rstrip("/") + "/")) and not still_ours():
-            raise WriteError(
-                f"{run_dir} was moved or replaced under this run: stopped without writing into what is "
-                "there now (what the run wrote went with its directory)"
-            )
-
-
-def write(path, content):
-    """Writes `content` (text or bytes) as the whole of `path` (on the MAIN process); a refusal stops the run in
-    one line."""
-    check_held(path)
-    if MAIN:
-        try:
-            stored(path).write_bytes(content if isinstance(content, bytes) else content.encode())
-        except STORAGE_ERRORS as e:
-            raise WriteError(f"{path}: cannot write it ({storage_reason(e)})") from None
-
-
-def append(path, text):
-    """Adds text to the end of `path`. A bucket has no append, and rewriting the object each time would upload
-    O(N^2) bytes over a run: the new text goes up as its own object, then GCS composes the two server-side."""
-    check_held(path)
-    try:
-        if not remote(path):
-            with open(path, "a") as f:
-                f.write(text)
-            return
-        part = f"{path}.part"
-        gcs().pipe_file(part, text.encode())
-        gcs().merge(path, [path, part])
-        gcs().rm_file(part)
-    except STORAGE_ERRORS as e:
-        raise WriteError(
-            f"{path}: cannot write ({storage_reason(e)}); the checkpoints written are intact"
-        ) from None
-
-
-def set_aside(path, tag):
-    """Renames path to path.TAG-TIME (never deletes it); returns the new name."""
-    new = f"{path}.{tag}-{time.strftime('%Y%m%d-%H%M%S')}"
-    stored(path).rename(stored(new))
-    return new
-
-
-def check_credentials(paths):
-    """gs:// paths ({key: path}) need Google credentials: asked for once, up front, instead of a 401 from a
-    background write (gcsfs would fall back to anonymous access silently). An emulator (STORAGE_EMULATOR_HOST)
-    needs none."""
-    used = [key for key, path in paths.items() if remote(path)]
-    if not used or os.environ.get("STORAGE_EMULATOR_HOST"):
-        return
-    import google.auth
-
-    use_gcs()
-    try:
-        google.auth.default()
-    except google.auth.exceptions.DefaultCredentialsError as e:
-        raise WriteError(
-            f"{used[0]}={paths[used[0]]}: no Google credentials found ({storage_reason(e)}); on a "
-            "Cloud TPU VM the VM's service account is used, elsewhere run `gcloud auth "
-            "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
-        ) from None
-
-
-def holder_line():
-    return f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-
-
-class BucketLease:
-    """One owner per gs:// run directory. GCS has no file locks, but it creates an object only if absent
-    (ifGenerationMatch=0): RUN_DIR/.lock is made that way and names its holder and a lease expiry, which the live
-    run renews every LEASE_SECONDS / 3 (rewriting it conditional on the generation it last wrote). A killed run
-    stops renewing: once its lease has run out, or at once on the same host when its process is gone, the next
-    run takes the lock over, again conditional on the generation it read, so two newcomers cannot both win."""
-
-    LEASE_SECONDS = 60
-
-    def __init__(self, path, log=print):
-        self.path, self.host, self.lost, self.log = path, socket.gethostname(), None, log
-        self.holder, self.stop = holder_line(), threading.Event()
-
-    def acquire(self):
-        """'' once held, else who holds it. A lease object that is not the JSON a run writes is taken over."""
-        try:
-            self.generation = self.put(0)
-        except FileExistsError:
-            generation = gcs().info(self.path)["generation"]
-            try:
-                old = json.loads(gcs().cat_file(self.path))
-                live = old["until"] > time.time() and not (
-                    old["host"] == self.host and not pid_alive(old["pid"])
-                )
-            except (ValueError, TypeError, KeyError):
-                old, live = {"holder": "an unreadable lease object"}, False
-            if live:
-                return old["holder"]
-            self.generation = self.put(
-                generation
-            )  # a stale lease: FileExistsError if another run just took it
-            self.log(
-                f"took over the lock of {old['holder']} (its lease ran out, its process is gone, or it was "
-                "unreadable)"
-            )
-        threading.Thread(target=self.renew, daemon=True).start()
-        return ""
-
-    def put(self, if_generation):
-        """Writes the lease object only if its generation is still `if_generation` (0: absent); the new one."""
-        body = json.dumps(
-            {
-                "holder": self.holder,
-                "pid": os.getpid(),
-                "host": self.host,
-                "until": time.time() + self.LEASE_SECONDS,
-            }
-        ).encode()
-        bucket, key = self.path.removeprefix("gs://").split("/", 1)
-        multipart = (
-            b"--==0==\nContent-Type: application/json\n\n"
-            + json.dumps({"name": key}).encode()
-            + b"\n--==0==\nContent-Type: application/json\n\n"
-            + body
-            + b"\n--==0==--"
-        )
-        out = gcs().call(
-            "POST",
-            f"{gcs()._location}/upload/storage/v1/b/{bucket}/o",
-            uploadType="multipart",
-            ifGenerationMatch=str(if_generation),
-            data=multipart,
-            json_out=True,
-            headers={"Content-Type": 'multipart/related; boundary="==0=="'},
-        )
-        return out["generation"]
-
-    def renew(self):
-        while not self.stop.wait(self.LEASE_SECONDS / 3):
-            try:
-                self.generation = self.put(self.generation)
-            except Exception as e:  # noqa: BLE001 - taken over (FileExistsError) or the bucket unreachable
-                self.lost = storage_reason(e)
-                self.log(
-                    f"WARNING: {self.path}: could not renew this run's lease on its directory ({self.lost})"
-                )
-                return
-
-    def close(self):
-        """Ends the lease: deleted, waiting a few seconds at most (a bucket gone away would keep gcsfs retrying for
-        half a minute; the lease then just runs out)."""
-        self.stop.set()
-        if not self.lost:
-            done = threading.Thread(target=self.release, daemon=True)
-            done.start()
-            done.join(5)
-
-    def release(self):
-        with contextlib.suppress(
-            *STORAGE_ERRORS
-        ):  # a bucket gone away: the lease runs out by itself
-            gcs().rm_file(self.path)
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
-
-
-def own(run_dir, log=print):
-    """The MAIN process takes the run directory's lock for the whole run: on a disk RUN_DIR/.lock, locked with
-    flock (the kernel drops it when the process ends, however it ends), its holder written inside; in a bucket a
-    BucketLease. Returns (the lock or None, '' or who holds it already)."""
-    if not MAIN:
-        return None, ""
-    if remote(run_dir):
-        lock = BucketLease(os.path.join(run_dir, ".lock"), log)
-        return lock, lock.acquire()
-    lock = open(os.path.join(run_dir, ".lock"), "a+")  # noqa: SIM115 - held for the whole run
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        return None, holder
-    lock.truncate(0)
-    lock.write(holder_line() + "\n")
-    lock.flush()
-    return lock, ""
-
-
-def held(run_dir, lock):
-    """How check_held tells the run directory is still this run's: its lease (a bucket), or its inode (a disk)."""
-    if remote(run_dir):
-        return lambda: not (lock and lock.lost)
-
-    def inode():
-        with contextlib.suppress(OSError):
-            return os.stat(run_dir).st_dev, os.stat(run_dir).st_ino
-
-    first = inode()
-    return lambda: inode() == first
-
-
-PATH_KEYS = (
-    "output_dir",
-    "load_params",
-    "load_hf",
-    "export_dir",
-    "dataset_path",
-    "eval_path",
-    "tokenizer_path",
-    "hf_data_files",
-    "compile_cache_dir",
-)
-
-
-def paths_of(cfg):
-    """{key: path} of every path key: what needs credentials, and what tensorstore must be able to name."""
-    return {key: getattr(cfg, key) for key in PATH_KEYS}
-
-
-def check_paths(cfg):
-    """Every path the user typed must exist, whatever else the run does (a resumable run directory would
-    otherwise hide a mistyped load_params). Data paths may be globs; any of them may be on gs://."""
-    for key, path in {
-        **paths_of(cfg),
-        "run_name": cfg.run_name,
-    }.items():  # names orbax cannot write as given
-        if "\\" in path and key in ("run_name", "output_dir"):  # into a JSON spec, unescaped
-            raise DataError(
-                f"{key}={path}: the checkpoint library cannot write under a path with a backslash; choose a "
-                "name without one"
-            )
-        if remote(cfg.output_dir if key == "run_name" else path) and URL_MANGLED.search(path):
-            raise DataError(
-                f"{key}={path}: tensorstore reads a gs:// path as a URL (it cuts ? and # and decodes %XX), "
-                "so arrays would land outside it; choose a name without ?, # or %"
-            )
-    if cfg.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise DataError(
-            f"wandb_project={cfg.wandb_project}: wandb is not installed: pip install wandb==0.31.0 (or set "
-            "wandb_project=)"
-        )
-    check_credentials(paths_of(cfg))
-    for key in (
-        "data_dir",
-        "cache_dir",
-    ):  # array_record's own file layer (no TensorFlow) and flock: local only
-        if remote(getattr(cfg, key)):
-            raise DataError(
-                f"{key}={getattr(cfg, key)}: prepared datasets are read through a local file layer; "
-                f"give a local directory (copy the data down with `gcloud storage cp -r`, or mount the "
-                "bucket with gcsfuse)"
-            )
-    is_dir, _is_file = lambda p: stored(p).is_dir(), lambda p: stored(p).is_file()
-    matches = lambda pattern: bool(expand(pattern))
-    listed = lambda files: all(matches(f.strip()) for f in files.split(",") if f.strip())
-    hf_folder = lambda p: is_dir(
-        hf_dir(p)
-    )  # a hub id is fetched first (or is one line saying why not)
-    wanted = {
-        "load_params": is_dir,
-        "load_hf": hf_folder,
-        "tokenizer_path": lambda p: stored(p).exists(),
-        "data_dir": is_dir,
-        "dataset_path": matches,
-        "eval_path": matches,
-        "hf_data_files": listed,
-    }
-    for key, exists in wanted.items():
-        value = getattr(cfg, key)
-        if value and not exists(value):
-            what = (
-                "no such directory"
-                if exists in (is_dir, hf_folder)
-                else "matches no files"
-                if any(c in value for c in "*?[,")
-                else "no such file"
-            )
-            raise DataError(f"{key}={value}: {what}; fix the path (or set {key}= to leave it out)")
-    if cfg.load_params and not checkpoint_steps(cfg.load_params)[1]:
-        raise DataError(
-            f"load_params={cfg.load_params}: no checkpoint there; give a run directory, its "
-            "checkpoints/ directory or one checkpoints/STEP directory"
-        )
-
-
-def checkpoint_steps(path):
-    """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it) ->
-    (the checkpoints directory, the steps found there)."""
-    path = path.rstrip("/")
-    if stored(os.path.join(path, "checkpoints")).is_dir():
-        path = os.path.join(path, "checkpoints")
-    if os.path.basename(path).isdigit() and stored(path).is_dir():
-        return os.path.dirname(path), [int(os.path.basename(path))]
-    found = stored(path).iterdir() if stored(path).is_dir() else []
-    return path, sorted(int(d.name) for d in found if d.name.isdigit())
-
-
-def unwritable(cfg, run_dir, e):
-    """output_dir refusing a write: the user's to fix on a local disk (DataError), a fault in a bucket (WriteError)."""
-    kind = WriteError if remote(run_dir) else DataError
-    return kind(
-        f"output_dir={cfg.output_dir}: cannot write in {run_dir} ({storage_reason(e)}); choose a writable output_dir"
-    )
-
-
-def make_run_dir(cfg, run_dir, log):
-    """output_dir/run_name made (local or gs://); one that refuses is `unwritable`."""
-    bucket = "/".join(run_dir.split("/")[:3])  # gs://NAME
-    try:
-        if (
-            remote(run_dir) and not stored(bucket).exists()
-        ):  # gcsfs would create the bucket a typo names
-            raise WriteError(
-                f"output_dir={cfg.output_dir}: bucket {bucket} does not exist or these credentials "
-                f"cannot see it; create it (gcloud storage buckets create {bucket}) or fix output_dir"
-            )
-        stored(run_dir).mkdir(parents=True, exist_ok=True)
-    except STORAGE_ERRORS as e:
-        raise unwritable(cfg, run_dir, e) from None
-
-
-def prepare_training(cfg, run_dir, log, barrier=lambda: None):
-    """mode=train: resume=false moves an earlier run's checkpoints and metrics aside (renamed, never deleted) so the
-    new run starts clean; then (`barrier`: once every host is past that) checkpoints/ is made and written once, now
-    rather than at the first save."""
-    checkpoints = os.path.join(run_dir, "checkpoints")
-    try:
-        for name in ("checkpoints", "metrics.jsonl") if not cfg.resume and MAIN else ():
-            if stored(os.path.join(run_dir, name)).exists():
-                moved = set_aside(os.path.join(run_dir, name), "replaced")
-                log(f"resume=false: moved the earlier {name} aside to {os.path.basename(moved)}")
-        barrier()
-        if stored(checkpoints).is_file():
-            raise DataError(
-                f"{checkpoints} is a file, where the run keeps its checkpoints: move it away"
-            )
-        stored(checkpoints).mkdir(parents=True, exist_ok=True)
-        probe = stored(checkpoints) / f".writable-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except STORAGE_ERRORS as e:
-        raise unwritable(cfg, run_dir, e) from None
-
-
-def resume_metrics(run_dir, step, log=print):
-    """A run starting at `step`: its metrics.jsonl keeps the rows up to it (none from a fresh start), and a bucket's
-    run drops the TensorBoard event files written past it (a local run's are read up to the newest row)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    write(path, "".join(kept_rows(path, step, log)) if step else "")
-    for f in stored(run_dir).glob("events.out.tfevents.steps-*") if remote(run_dir) else ():
-        if int(f.name.split("-")[1]) > step:
-            f.unlink()
-
-
-def kept_rows(path, step, log=print):
-    """The rows of a metrics.jsonl up to `step`; a last row written only in part (a kill mid-write) is dropped."""
-    try:
-        lines = stored(path).read_text().splitlines(keepends=True)
-    except FileNotFoundError:
-        return []
-    if lines and not lines[-1].endswith("\n"):
-        log(f"WARNING: {path}: dropped its last line, written only in part: {lines.pop()[:60]!r}")
-    return [r for r in lines if json.loads(r)["step"] <= step]
-
-
-def move_up(local_dir, pattern, run_dir, name=None):
-    """Local files (local_dir/pattern, ** recursive) moved into run_dir at their relative path, or all as `name`:
-    how what the profiler and TensorBoard can write only locally reaches a bucket's run directory."""
-    for f in glob.glob(os.path.join(local_dir, pattern), recursive=True):
-        if os.path.isfile(f):
-            with open(f, "rb") as local:
-                write(os.path.join(run_dir, name or os.path.relpath(f, local_dir)), local.read())
-            os.remove(f)
-
-
-TOKENIZER_KEYS = (
-    "tokenizer_path",
-    "load_hf",
-    "vocab_size",
-    "dataset",
-    "dataset_path",
-    "tfds_name",
-    "train_split",
-    "hf_path",
-    "hf_name",
-    "hf_data_files",
-    "hf_split",
-    "text_key",
-)
-
-
-def keep_tokenizer(ds, run_dir, resumed, changes):
-    """What a checkpoint's token ids mean is part of it: a run keeps its tokenizer as RUN_DIR/tokenizer.model, and
-    a resume whose tokenizer differs (other files, vocab_size, tokenizer_path) stops, naming what changed (`changes`:
-    the keys changed since the run's config.yml, as 'key (old -> new)'). A Hugging Face tokenizer is kept as
-    RUN_DIR/tokenizer.json with its special tokens and template beside it."""
-    tok = ds.tokenizer
-    path, model = os.path.join(run_dir, tok.primary), tok.files[tok.primary]
-    if not (resumed and stored(path).exists()):
-        kept = (
-            tok.files if tok.primary == "tokenizer.json" else {tok.primary: model}
-        )  # HF's: its specials too
-        for name, content in kept.items():
-            write(os.path.join(run_dir, name), content)
-        return
-    if stored(path).read_bytes() != model:
-        changed = [c for c in changes if c.split()[0] in TOKENIZER_KEYS] or [
-            "the training text (its files changed, so the tokenizer trained on them did)"
-        ]
-        raise DataError(
-            f"{path}: this run's tokenizer would change with {', '.join(changed)}: the checkpoint's "
-            "token ids would mean other text; undo the change, set tokenizer_path="
-            + path
-            + " to keep "
-            "its tokenizer, or start a new run_name (load_params= takes the weights)"
-        )
-
-
-def open_wandb(cfg, run_dir):
-    """The run's W&B run, the same one across resumes (its id is kept in RUN_DIR/wandb_id), with the resolved
-    config. WANDB_MODE=offline writes it under RUN_DIR/wandb for `wandb sync` later (a bucket's run: under the
-    system's temporary directory, since wandb writes only to a local disk)."""
-    import wandb
-
-    path = os.path.join(run_dir, "wandb_id")
-    try:
-        run_id = stored(path).read_text().strip() if stored(path).exists() else os.urandom(6).hex()
-    except UnicodeDecodeError:
-        run_id = ""
-    if not re.fullmatch(r"[a-z0-9]{1,64}", run_id):
-        raise DataError(
-            f"{path}: not a W&B run id (a run writes 12 hex digits there); restore it to keep logging "
-            "to the same W&B run, or delete it to start a new one"
-        )
-    write(path, run_id + "\n")
-    local = (
-        os.path.join(tempfile.gettempdir(), "wandb", cfg.run_name) if remote(run_dir) else run_dir
-    )
-    os.makedirs(local, exist_ok=True)
-    # wandb's core keeps its logs in its cache directory (~/.cache/wandb) and, where it cannot make that (a home
-    # that is not writable), prints them on stderr instead, line after line: then the cache goes beside the run.
-    cache = os.environ.get("WANDB_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "wandb"
-    )
-    with contextlib.suppress(OSError):
-        os.makedirs(cache, exist_ok=True)
-    if not os.access(cache, os.W_OK):
-        os.environ["WANDB_CACHE_DIR"] = os.path.join(local, "wandb-cache")
-    try:
-        return wandb.init(
-            project=cfg.wandb_project,
-            entity=cfg.wandb_entity or None,
-            id=run_id,
-            resume="allow",
-            name=cfg.run_name,
-            dir=local,
-            config=cfg.model_dump(mode="json"),
-            settings=wandb.Settings(silent=True, console="off"),
-        )
-    except Exception as e:  # noqa: BLE001 - not logged in, no network, a project it cannot write
-        raise DataError(
-            f"wandb_project={cfg.wandb_project}: W&B refused the run ({first_line(e)}): log in with "
-            "`wandb login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline, or set "
-            "wandb_project="
-        ) from None
-
-
-def quiet_libraries():
-    """Library noise off stderr, for what the trainer reports in one line: orbax and tfds narrate through
-    absl warnings (a local build as a download, our per-glob builder config); reading a damaged checkpoint,
-    the tensorstore reads orbax left in flight fail later, each logged by asyncio and raised once more from
-    its abandoned coroutine or into a closed event loop; a refused write leaves orbax's write coroutines
-    unawaited, which Python reports at exit."""
-    logging.getLogger("absl").setLevel(
-        logging.CRITICAL
-    )  # orbax logs a failed save it raises to us as well
-    for name in (
-        "gcsfs",
-        "fsspec",
-        "google.auth",
-        "wandb",
-    ):  # retries and fallbacks: what matters, we say once
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    hook = sys.unraisablehook
-    orbax_read = lambda u: "orbax" in getattr(getattr(u.object, "cr_code", None), "co_filename", "")
-    sys.unraisablehook = lambda u: (
-        None if str(u.exc_value) == "Event loop is closed" or orbax_read(u) else hook(u)
-    )
-
-
-class MetricsWriter:
-    """The run's metrics rows, on the MAIN process, to metrics.jsonl, TensorBoard (tensorboardX, no TensorFlow) and
-    W&B. Rows reach the run directory at flush(): after every row on a disk, before each checkpoint on a bucket (an
-    event file per flush there). A resume drops rows past its checkpoint; W&B cannot: it gets rows once saved."""
-
-    def __init__(self, cfg, run_dir, start_step, log=print):
-        self.main, self.remote, self.run_dir, self.rows, self.unsent, self.wandb = (
-            MAIN,
-            remote(run_dir),
-            run_dir,
-            [],
-            [],
-            None,
-        )
-        if self.main:
-            self.wandb = open_wandb(cfg, run_dir) if cfg.wandb_project else None
-            resume_metrics(run_dir, start_step, log)
-            self.tb_dir = tempfile.mkdtemp(prefix="tensorboard-") if self.remote else run_dir
-            self.tb = SummaryWriter(self.tb_dir)
-
-    def write(self, m):
-        if not self.main:
-            return
-        for (
-            k,
-            v,
-        ) in m.items():  # a NaN (a metric not measured) would make TensorBoard warn on stderr
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                self.tb.add_scalar(k, v, m["step"])
-        self.rows.append(m)
-        self.unsent += [m] if self.wandb else []
-        if not self.remote:
-            self.flush()
-
-    def flush(self, saved=False):
-        """The rows since the last flush into the run directory (a bucket's event file goes up closed, whole); with
-        `saved` (a checkpoint holds every row so far) the rows not yet sent go to W&B too."""
-        for m in self.unsent if saved else ():
-            self.wandb.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
-        self.unsent = [] if saved else self.unsent
-        rows, self.rows = (
-            self.rows,
-            [],
-        )  # taken first: rows a failed write could not land are not tried again
-        if not rows:  # only process 0 has any
-            return
-        append(
-            os.path.join(self.run_dir, "metrics.jsonl"), "".join(json.dumps(m) + "\n" for m in rows)
-        )
-        self.tb.flush()
-        if self.remote:
-            self.tb.close()
-            move_up(
-                self.tb_dir,
-                "events.out.tfevents.*",
-                self.run_dir,
-                f"events.out.tfevents.steps-{rows[0]['step']:010d}-{rows[-1]['step']:010d}",
-            )
-            self.tb = SummaryWriter(self.tb_dir)
-
-    def close(self):
-        if self.main:
-            self.flush()
-            self.tb.close()
-            if self.remote:  # a bucket's local staging of event files
-                shutil.rmtree(self.tb_dir, ignore_errors=True)
-            if self.wandb:
-                self.wandb.finish()
-
-
-# ---- shared plumbing: lanes, batches, the prefetching iterator --------------------------------
-
-_READ = grain.ReadOptions(
-    num_threads=0, prefetch_buffer_size=0
-)  # lanes read on the prefetch thread, not a pool each
+# ==================================================================================================
+# Pipelines: the lanes every dataset is read through (one per row of the global batch, so a
+# checkpoint's position resumes on any process count), then synthetic tokens, text, SFT and Sudoku
+# data, and make_dataset, which picks one.
+# ==================================================================================================
+
+# ---- shared plumbing: lanes, batches, the prefetching iterator -----------------------------------
+
+# lanes read on the prefetch thread, not a pool each
+_READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 def _stack(rows, n, length):
@@ -804,22 +151,24 @@ def _full_row(inputs, targets):
 
 
 def _tuples(state):
-    """A lane state back from JSON: grain's packing state compares its slices as tuples, which JSON made lists."""
+    """A lane state back from JSON: grain's packing state
+    compares its slices as tuples, which JSON made lists."""
     if isinstance(state, dict):
         return {k: _tuples(v) for k, v in state.items()}
     return tuple(state) if isinstance(state, list) else state
 
 
 class Batches(collections.abc.Iterator):
-    """What train_iter returns: grain zips the lanes' rows into batches and reads `prefetch` batches ahead on a
-    thread. state() is each lane's state after the last batch handed out (grain keeps it with every prefetched
-    batch); wait_seconds is the time next() spent blocked on data."""
+    """What train_iter returns: grain zips the lanes' rows into batches and reads `prefetch` batches
+    ahead on a thread. state() is each lane's state after the last batch handed out (grain keeps it
+    with every prefetched batch); wait_seconds is the time next() spent blocked on data."""
 
     def __init__(self, lanes, prefetch, state=None, source=""):
+        # source: the identity of the data read, saved with the position
         self.source, self.wait_seconds = (
             source,
             0.0,
-        )  # source: the identity of the data read, saved with the position
+        )
         batches = ZipIterDataset(lanes).map(
             lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]}
         )
@@ -842,9 +191,10 @@ class Batches(collections.abc.Iterator):
 
 
 class _StreamBatches(Batches):
-    """Batches of one host's share of a stream (dataset=hf with hf_streaming): one pipeline per host, whose
-    state (with the host it belongs to) is spread over the host's rows, so the checkpoint keeps it as it keeps
-    lanes. `rows_state`: the host's rows of a checkpoint's data state."""
+    """Batches of one host's share of a stream (dataset=hf with hf_streaming): one pipeline
+    per host, whose state (with the host it belongs to) is spread over the host's rows, so
+    the checkpoint keeps it as it keeps lanes. `rows_state`: the host's rows of a
+    checkpoint's data state."""
 
     def __init__(self, batches, prefetch, host, rows, rows_state, source):
         self.source, self.host, self.rows, self.wait_seconds = source, list(host), rows, 0.0
@@ -869,11 +219,12 @@ class _StreamBatches(Batches):
 
 
 class _Data:
-    """What make_dataset returns. Subclasses define _order (the examples in their seeded order: lane r of
-    `rows` reads positions r, r + rows, ...) or their own _lane (one row's pipeline), eval_batches, and
-    identity: a name of the records read, so a checkpoint's position is applied only to the data it counts;
-    and tokenizer (None: the data is token ids already). vocab_size and length (of a row) are cfg's unless the
-    data fixes them. `log` (a print function, or None for silence) hears about the slow one-time preparations."""
+    """What make_dataset returns. Subclasses define _order (the examples in their seeded order: lane
+    r of `rows` reads positions r, r + rows, ...) or their own _lane (one row's pipeline),
+    eval_batches, and identity: a name of the records read, so a checkpoint's position is applied
+    only to the data it counts; and tokenizer (None: the data is token ids already). vocab_size and
+    length (of a row) are cfg's unless the data fixes them. `log` (a print function, or None for
+    silence) hears about the slow one-time preparations."""
 
     tokenizer = None
 
@@ -889,50 +240,47 @@ class _Data:
         return self._order[row::rows].to_iter_dataset(_READ)
 
     def train_iter(self, local_rows, state=None):
-        """This process's rows of the global batch (local_rows x process_count rows, a lane each), from `state`:
-        what a checkpoint saved, {'lanes': every lane's state, as saved by a run on any number of processes,
-        'source': the identity of the data they read} (None = the start)."""
+        """This process's rows of the global batch (local_rows x process_count rows, a lane
+        each), from `state`: what a checkpoint saved, {'lanes': every lane's state, as
+        saved by a run on any number of processes, 'source': the identity of the data they
+        read} (None = the start)."""
         rows, first = local_rows * self.process_count, local_rows * self.process_index
         lanes_state = self._resumable(state, local_rows)
         lanes = [self._lane(r, rows) for r in range(first, first + local_rows)]
         try:
             return Batches(lanes, self.cfg.prefetch, lanes_state, self.identity)
-        except (
-            KeyError,
-            ValueError,
-            TypeError,
-            IndexError,
-        ):  # another pipeline's states (older checkpoints)
+        except (KeyError, ValueError, TypeError, IndexError):  # another pipeline's (older) states
             self.log(
-                "WARNING: the checkpoint's data position does not fit this data: the data order starts again "
-                "from its beginning"
+                "WARNING: the checkpoint's data position does not fit this data: the data order "
+                "starts again from its beginning"
             )
             return Batches(lanes, self.cfg.prefetch, source=self.identity)
 
     def _resumable(self, state, local_rows):
-        """This process's lane states to resume from; None (with a warning) if they are another source's."""
+        """This process's lane states to resume from; None
+        (with a warning) if they are another source's."""
         rows, first = local_rows * self.process_count, local_rows * self.process_index
         if state is None:
             return None
         if state.get("source") not in (None, self.identity):
             self.log(
-                f"WARNING: the checkpoint's data position is in {state['source']}, not in this run's data "
-                f"({self.identity}): the data order starts again from its beginning"
+                f"WARNING: the checkpoint's data position is in {state['source']}, not in this "
+                f"run's data ({self.identity}): the data order starts again from its beginning"
             )
             return None
         if len(state["lanes"]) != rows:
             raise DataError(
-                f"the checkpoint holds the data position of {len(state['lanes'])} rows per microbatch "
-                f"but this run reads {rows} (per_device_batch x devices): keep {len(state['lanes'])} to "
-                "resume, or start a new run_name with load_params=RUN_DIR"
+                f"the checkpoint holds the data position of {len(state['lanes'])} rows per "
+                f"microbatch but this run reads {rows} (per_device_batch x devices): keep "
+                f"{len(state['lanes'])} to resume, or start a new run_name with load_params=RUN_DIR"
             )
         return state["lanes"][first : first + local_rows]
 
 
 @contextlib.contextmanager
 def _locked(cache_dir):
-    """Serialises preparation between processes sharing cache_dir (e.g. two hosts on one machine); make_dataset
-    made cache_dir."""
+    """Serialises preparation between processes sharing cache_dir (e.g. two hosts on one machine);
+    make_dataset made cache_dir."""
     with open(os.path.join(cache_dir, ".lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # closing the file releases it, however the block ends
         yield
@@ -940,19 +288,21 @@ def _locked(cache_dir):
 
 @contextlib.contextmanager
 def _announced(log, what):
-    """One line before and one after a slow preparation step (done once, then cached); log=None is silent."""
+    """One line before and one after a slow preparation
+    step (done once, then cached); log=None is silent."""
     log, start = log or (lambda msg: None), time.perf_counter()
     log(f"{what} (once; cached for later runs) ...")
     yield
     log(f"{what}: done in {time.perf_counter() - start:.1f}s")
 
 
-# ---- synthetic tokens --------------------------------------------------------------------------
+# ---- synthetic tokens ----------------------------------------------------------------------------
 
 
 class SyntheticData(_Data):
-    """Uniform random tokens, row r of step s a pure function of (seed, s, r): no files. Its tokenizer is the one
-    tokenizer_path or load_hf's checkpoint names, if any (for generation and export), else none."""
+    """Uniform random tokens, row r of step s a pure function of (seed, s, r): no files. Its
+    tokenizer is the one tokenizer_path or load_hf's checkpoint names, if any (for generation
+    and export), else none."""
 
     identity = "synthetic"
 
@@ -981,11 +331,12 @@ class SyntheticData(_Data):
         ]
 
 
-# ---- text: sources ----------------------------------------------------------------------------
+# ---- text: sources -------------------------------------------------------------------------------
 
 
 def _texts(records, key):
-    """Random access to the text of each record of a tfds data source, a Hugging Face dataset or a list."""
+    """Random access to the text of each record of a tfds
+    data source, a Hugging Face dataset or a list."""
     return grain.MapDataset.source(records).map(lambda record: _text(record, key))
 
 
@@ -1001,8 +352,8 @@ def _text(record, key):
 
 
 def expand(pattern):
-    """The files a glob matches, sorted: on a local disk, or in a bucket (gs://bucket/corpus/*.txt, through
-    epath); a plain path is a glob that matches itself."""
+    """The files a glob matches, sorted: on a local disk, or in a bucket (gs://bucket/corpus/*.txt,
+    through epath); a plain path is a glob that matches itself."""
     if "://" not in pattern:
         return sorted(
             f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f)
@@ -1016,7 +367,8 @@ def expand(pattern):
 
 
 def _stat(path):
-    """(size, modification time) of a local file or a bucket's object: part of what names a prepared dataset."""
+    """(size, modification time) of a local file or a bucket's
+    object: part of what names a prepared dataset."""
     if "://" not in path:
         st = os.stat(path)
         return st.st_size, st.st_mtime_ns
@@ -1061,16 +413,19 @@ def _corpus_key(cfg):
 
 
 def _split_files(cfg):
-    """(train_files, eval_files): eval_path if set, else ~3% of files picked by a hash of their path."""
+    """(train_files, eval_files): eval_path if set, else
+    ~3% of files picked by a hash of their path."""
     key = _corpus_key(cfg)
     files = _stdlib_files() if cfg.dataset == "stdlib" else _glob(cfg.dataset_path, "dataset_path")
     if cfg.eval_path:
         eval_files = _glob(cfg.eval_path, "eval_path")
     elif len(files) < 2:
         raise DataError(
-            f"{key} matches one file; need two or more (some are held out for eval) or set eval_path"
+            f"{key} matches one file; need two or more "
+            "(some are held out for eval) or set eval_path"
         )
-    else:  # hash the path relative to the files' common root, so the split is the same on every machine
+    else:
+        # Paths hashed relative to the files' common root: the split is the same on every machine.
         root = os.path.commonpath(files)
         digest = {f: hashlib.sha1(os.path.relpath(f, root).encode()).digest() for f in files}
         eval_files = [f for f in files if digest[f][0] < 8] or [
@@ -1086,8 +441,8 @@ def _split_files(cfg):
 
 
 def _file_sources(cfg, log=None):
-    """(train texts, eval texts, identity) for dataset=files|stdlib, prepared once into cache_dir by a tfds
-    builder over the files, one record (document) per file."""
+    """(train texts, eval texts, identity) for dataset=files|stdlib, prepared once into cache_dir by
+    a tfds builder over the files, one record (document) per file."""
     import tensorflow_datasets as tfds
 
     train_files, eval_files = _split_files(cfg)
@@ -1120,9 +475,8 @@ def _file_sources(cfg, log=None):
                 for path in files
             )
 
-    with _locked(
-        cfg.cache_dir
-    ):  # the builder reads what is prepared when made: after another process built it
+    # the builder reads what is prepared when made: after another process built it
+    with _locked(cfg.cache_dir):
         builder = TextFiles(
             config=tfds.core.BuilderConfig(name=name),
             data_dir=cfg.cache_dir,
@@ -1168,16 +522,16 @@ def _tfds_sources(cfg):
         if not builder.is_prepared():
             raise DataError(
                 f"tfds_name={cfg.tfds_name!r} is not prepared in {builder.data_dir} (there is no "
-                f"network here): prepare it with `tfds build {cfg.tfds_name} --file_format=array_record "
-                "--data_dir=DIR` and set data_dir=DIR"
+                f"network here): prepare it with `tfds build {cfg.tfds_name} "
+                "--file_format=array_record --data_dir=DIR` and set data_dir=DIR"
             ) from None
         try:
             import tensorflow  # noqa: F401  (tfrecord files can only be read through tf.data)
         except ImportError:
             raise DataError(
-                f"tfds_name={cfg.tfds_name!r} is stored as tfrecord, which needs TensorFlow: rebuild "
-                "it with file_format='array_record' (`tfds build --file_format=array_record`) "
-                "or pip install tensorflow"
+                f"tfds_name={cfg.tfds_name!r} is stored as tfrecord, which needs TensorFlow: "
+                "rebuild it with file_format='array_record' (`tfds build "
+                "--file_format=array_record`) or pip install tensorflow"
             ) from None
         # tf.data has no random access, so the splits are read once into memory.
         sources = [list(tfds.as_numpy(builder.as_dataset(split=s))) for s in splits]
@@ -1187,19 +541,21 @@ def _tfds_sources(cfg):
         ) from None
     if not len(sources[0]):
         raise DataError(
-            f"train_split={cfg.train_split!r} of {cfg.tfds_name} has no records: choose a split with data"
+            f"train_split={cfg.train_split!r} of {cfg.tfds_name} "
+            "has no records: choose a split with data"
         )
     identity = "tfds_" + builder.info.full_name.replace("/", "_") + f"_{cfg.train_split}"
     return _texts(sources[0], cfg.text_key), _texts(sources[1], cfg.text_key), identity
 
 
-# ---- text: Hugging Face datasets ----------------------------------------------------------------
+# ---- text: Hugging Face datasets -----------------------------------------------------------------
 
 
 def _hf_split(cfg, key):
-    """The split cfg.<key> of dataset=hf (datasets.load_dataset: a hub name, or a builder such as json / parquet / text
-    with hf_data_files), prepared into cache_dir/hf. What the hub or the files refuse is one DataError naming
-    the key; without network or with HF_HUB_OFFLINE=1 only what is cached loads."""
+    """The split cfg.<key> of dataset=hf (datasets.load_dataset: a hub name, or a builder such
+    as json / parquet / text with hf_data_files), prepared into cache_dir/hf. What the hub or
+    the files refuse is one DataError naming the key; without network or with HF_HUB_OFFLINE=1
+    only what is cached loads."""
     if not cfg.hf_path:
         raise DataError(
             "dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, "
@@ -1212,10 +568,11 @@ def _hf_split(cfg, key):
             "dataset=hf needs the Hugging Face datasets library: pip install datasets==5.2.0"
         ) from None
     datasets.disable_progress_bars()
+    # their retries and fallbacks: the error below says it once
     for name in (
         "datasets",
         "huggingface_hub",
-    ):  # their retries and fallbacks: the error below says it once
+    ):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     files = [f.strip() for f in cfg.hf_data_files.split(",")] if cfg.hf_data_files else None
     try:
@@ -1237,20 +594,20 @@ def _hf_error(cfg, e, key):
     text = first_line(e, typed=False, limit=200) if str(e) else ""
     if isinstance(e, ConnectionError):
         return DataError(
-            f"hf_path={cfg.hf_path}: {text} (offline, only datasets in cache_dir load; a private one "
-            "needs HF_TOKEN)"
+            f"hf_path={cfg.hf_path}: {text} (offline, only datasets "
+            "in cache_dir load; a private one needs HF_TOKEN)"
         )
     if isinstance(e, ValueError) and "split" in text.lower():  # a split it lacks
         return DataError(f"{key}={getattr(cfg, key)}: {text}")
-    where = (
-        "hf_data_files" if cfg.hf_data_files else "hf_path"
-    )  # files the builder cannot read, a refused dataset
+    # files the builder cannot read, a refused dataset
+    where = "hf_data_files" if cfg.hf_data_files else "hf_path"
     return DataError(f"{where}={getattr(cfg, where)}: {type(e).__name__}: {text}")
 
 
 def _records(cfg, key, stream=None):
-    """The records of the streamed split cfg.<key> (or of `stream`, a share of it) with the same one-line errors
-    as loading it: a stream only reads (and fails on) its files as it is iterated."""
+    """The records of the streamed split cfg.<key> (or of `stream`, a share of it) with
+    the same one-line errors as loading it: a stream only reads (and fails on) its
+    files as it is iterated."""
     stream = _hf_split(cfg, key) if stream is None else stream
     try:
         yield from stream
@@ -1270,8 +627,9 @@ def _hf_identity(cfg, *parts):
 
 
 def _hf_sources(cfg):
-    """(train texts, eval texts, identity) of a random-access dataset=hf: the split's records, and eval from
-    hf_eval_split or else every 32nd record (~3%, the same every time) held out of training."""
+    """(train texts, eval texts, identity) of a random-access dataset=hf: the split's
+    records, and eval from hf_eval_split or else every 32nd record (~3%, the same every
+    time) held out of training."""
     train = _hf_split(cfg, "hf_split")
     if cfg.hf_eval_split:
         eval_ = _hf_split(cfg, "hf_eval_split")
@@ -1284,9 +642,10 @@ def _hf_sources(cfg):
 
 
 class _Stream(grain.IterDataset):
-    """One host's share of a streaming dataset=hf split (its records' texts; host = (process index, count), as
-    datasets.distributed.split_dataset_by_node takes it), in the stream's order, epoch after epoch. Its state is the
-    stream's own (datasets' state_dict): a resume goes on with the next record, none read twice and none skipped."""
+    """One host's share of a streaming dataset=hf split (its records' texts; host = (process index,
+    count), as datasets.distributed.split_dataset_by_node takes it), in the stream's order, epoch
+    after epoch. Its state is the stream's own (datasets' state_dict): a resume goes on with the
+    next record, none read twice and none skipped."""
 
     def __init__(self, cfg, host):
         from datasets.distributed import split_dataset_by_node
@@ -1325,13 +684,14 @@ class _StreamIterator(grain.DatasetIterator):
         self.it = _records(self.ds.cfg, "hf_split", self.ds.stream)
 
 
-# ---- text: tokenizer --------------------------------------------------------------------------
+# ---- text: tokenizer -----------------------------------------------------------------------------
 
 
 def _sentences(texts, cfg):
-    """What the tokenizer trains on: up to ~5 MB of the training split in record order, cut at line ends into
-    sentences of about _SENTENCE_CHARS (a longer line stays whole, and sentencepiece skips it). Text with no such
-    sentence stops here, naming why: sentencepiece would fail on it blaming vocab_size."""
+    """What the tokenizer trains on: up to ~5 MB of the training split in record order, cut at
+    line ends into sentences of about _SENTENCE_CHARS (a longer line stays whole, and
+    sentencepiece skips it). Text with no such sentence stops here, naming why: sentencepiece
+    would fail on it blaming vocab_size."""
     sentences, read = [], 0
     for i in range(len(texts)):
         text, chunk = texts[i], ""
@@ -1358,14 +718,15 @@ def _sentences(texts, cfg):
     else:
         nul = "NUL-separated text with " if any("\0" in s for s in text) else ""
         why = (
-            f"{nul}no line breaks in {max(map(len, text)):,} characters (sentencepiece takes lines of up to "
-            f"{_MAX_SENTENCE_CHARS:,}): break the text into lines"
+            f"{nul}no line breaks in {max(map(len, text)):,} characters (sentencepiece takes lines "
+            f"of up to {_MAX_SENTENCE_CHARS:,}): break the text into lines"
         )
     raise DataError(f"{_corpus_key(cfg)}: no text to train the tokenizer on: {why}")
 
 
 def _train_tokenizer(sentences, vocab_size, path):
-    """Byte-fallback BPE that keeps code layout: no whitespace normalisation, newlines inside pieces."""
+    """Byte-fallback BPE that keeps code layout: no
+    whitespace normalisation, newlines inside pieces."""
     import sentencepiece as spm
 
     model = io.BytesIO()
@@ -1390,9 +751,8 @@ def _train_tokenizer(sentences, vocab_size, path):
             num_threads=os.cpu_count() or 1,
             minloglevel=2,
         )
-    except (
-        RuntimeError
-    ) as e:  # e.g. too little text for this many pieces; spm says which size would fit
+    # e.g. too little text for this many pieces; spm says which size would fit
+    except RuntimeError as e:
         raise DataError(
             f"vocab_size={vocab_size}: cannot train a tokenizer of that size on this text "
             f"({str(e).split('] ')[-1]})"
@@ -1401,7 +761,8 @@ def _train_tokenizer(sentences, vocab_size, path):
 
 
 def _save(path, write):
-    """write(file) into a new file that then replaces `path` atomically: a crash never leaves half a cache file."""
+    """write(file) into a new file that then replaces `path`
+    atomically: a crash never leaves half a cache file."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         write(f)
@@ -1409,21 +770,20 @@ def _save(path, write):
 
 
 class Tokenizer(NamedTuple):
-    """The two kinds of tokenizer behind one face: sentencepiece (trained here, or a .model) and a Hugging Face
-    tokenizer.json (the byte-level BPE of Llama 3 and Qwen, through the `tokenizers` library) with the special tokens
-    and chat template its checkpoint names. Every pipeline, generation and export read only this."""
+    """The two kinds of tokenizer behind one face: sentencepiece (trained here, or a .model) and a
+    Hugging Face tokenizer.json (the byte-level BPE of Llama 3 and Qwen, through the `tokenizers`
+    library) with the special tokens and chat template its checkpoint names. Every pipeline,
+    generation and export read only this."""
 
     encode: Callable  # text -> ids, no special tokens added
     decode: Callable  # ids -> text (special tokens dropped)
     size: int  # ids it can produce
-    bos_id: (
-        int | None
-    )  # starts every plain document and prompt; None: they start without one (Qwen)
+    # starts every plain document and prompt; None: they start without one (Qwen)
+    bos_id: int | None
     eos_id: int  # ends every document (and a completion)
     stop_ids: tuple  # ids that end a generation: eos, and generation_config.json's eos_token_id
-    chat_template: (
-        str | None
-    )  # jinja text rendering a list of messages (tokenizer_config.json), or None
+    # jinja text rendering a list of messages (tokenizer_config.json), or None
+    chat_template: str | None
     special: dict  # what a template may name: bos_token, eos_token, pad_token
     files: dict  # {file name: bytes}: what export writes; files[primary] is what a run keeps
     primary: str  # 'tokenizer.model' or 'tokenizer.json'
@@ -1435,7 +795,8 @@ def until_stop(tokens, stop_ids):
 
 
 def sentencepiece_tokenizer(sp, max_length):
-    """Ours: bos, eos, pad and unk pieces set when trained (a given .model without a bos starts documents with eos)."""
+    """Ours: bos, eos, pad and unk pieces set when trained (a
+    given .model without a bos starts documents with eos)."""
     piece = sp.id_to_piece
     bos = sp.bos_id() if sp.bos_id() >= 0 else sp.eos_id()
     config = {
@@ -1467,14 +828,16 @@ def sentencepiece_tokenizer(sp, max_length):
 
 
 def _token_text(value):
-    """A special token as tokenizer_config.json writes it: its text, or {content: text, ...}, or null."""
+    """A special token as tokenizer_config.json writes
+    it: its text, or {content: text, ...}, or null."""
     return value.get("content") if isinstance(value, dict) else value
 
 
 def hf_tokenizer(path):
     """A Hugging Face tokenizer from its directory (or its tokenizer.json): the special tokens from
-    tokenizer_config.json, the stop ids from generation_config.json too, the chat template from either file
-    transformers keeps it in. bos is prepended where the checkpoint's own tokenizer prepends it."""
+    tokenizer_config.json, the stop ids from generation_config.json too, the chat template
+    from either file transformers keeps it in. bos is prepended where the checkpoint's own
+    tokenizer prepends it."""
     import tokenizers
 
     folder = (os.path.dirname(path) or ".") if path.endswith(".json") else path
@@ -1536,8 +899,8 @@ def hf_tokenizer(path):
 
 
 def tokenizer_source(cfg):
-    """Where the tokenizer comes from: tokenizer_path, else load_hf's checkpoint if it holds one, else '' (train one
-    here, for text)."""
+    """Where the tokenizer comes from: tokenizer_path, else load_hf's checkpoint if it holds one,
+    else '' (train one here, for text)."""
     if cfg.tokenizer_path or not cfg.load_hf:
         return cfg.tokenizer_path
     folder = hf_dir(cfg.load_hf)
@@ -1549,8 +912,9 @@ def tokenizer_source(cfg):
 
 
 def load_tokenizer(path, cfg):
-    """tokenizer_path (or load_hf's directory): a sentencepiece .model, a tokenizer.json, or a directory holding
-    either; checked against vocab_size (the model's embedding rows: a Hugging Face model's may be more)."""
+    """tokenizer_path (or load_hf's directory): a sentencepiece .model, a tokenizer.json, or a
+    directory holding either; checked against vocab_size (the model's embedding rows: a Hugging
+    Face model's may be more)."""
     import sentencepiece as spm
 
     folder = stored(path).is_dir()
@@ -1583,22 +947,26 @@ def load_tokenizer(path, cfg):
         )
     except (OSError, RuntimeError) as e:
         raise DataError(
-            f"tokenizer_path={path}: not a sentencepiece model ({first_line(e, typed=False, limit=120)}); "
-            "give a .model file or a tokenizer.json, or '' to train one"
+            f"tokenizer_path={path}: not a sentencepiece model "
+            f"({first_line(e, typed=False, limit=120)}); give a .model file or a "
+            "tokenizer.json, or '' to train one"
         ) from None
     if (size := sp.get_piece_size()) != cfg.vocab_size:
         raise DataError(
-            f"vocab_size={cfg.vocab_size} but tokenizer {path} has {size} pieces: set vocab_size={size}"
+            f"vocab_size={cfg.vocab_size} but tokenizer "
+            f"{path} has {size} pieces: set vocab_size={size}"
         )
     if sp.eos_id() < 0:
         raise DataError(
-            f"tokenizer {path} has no eos piece, which ends every document: retrain it with eos_id set"
+            f"tokenizer {path} has no eos piece, which ends "
+            "every document: retrain it with eos_id set"
         )
     return sentencepiece_tokenizer(sp, cfg.max_target_length)
 
 
 def _tokenizer(cfg, train_texts, identity, log=None):
-    """The run's tokenizer: tokenizer_source(cfg), or a sentencepiece BPE trained once on the text into cache_dir."""
+    """The run's tokenizer: tokenizer_source(cfg), or a
+    sentencepiece BPE trained once on the text into cache_dir."""
     path = tokenizer_source(cfg)
     if not path:  # trained once into cache_dir
         path = os.path.join(cfg.cache_dir, f"tokenizer_{identity}_bpe{cfg.vocab_size}.model")
@@ -1616,16 +984,18 @@ def _tokenizer(cfg, train_texts, identity, log=None):
     return load_tokenizer(path, cfg)
 
 
-# ---- text: packing ----------------------------------------------------------------------------
+# ---- text: packing -------------------------------------------------------------------------------
 
 
 def _pack(docs, length):
-    """Rows of `length` (input, target) pairs from an IterDataset of token documents: grain's concatenate-then-split.
+    """Rows of `length` (input, target) pairs from an IterDataset
+    of token documents: grain's concatenate-then-split.
 
-    A document of m tokens holds m-1 pairs (tok[t], tok[t+1]); packing pairs rather than tokens means no target
-    ever crosses a document boundary and no slot is spent on one. A document that does not fit continues in the
-    next row as a new segment, so rows are full until `docs` runs out (eval): then the last row is padded and
-    iteration stops. The state is where the row's first document starts (grain replays at most a row to resume).
+    A document of m tokens holds m-1 pairs (tok[t], tok[t+1]); packing pairs rather than tokens
+    means no target ever crosses a document boundary and no slot is spent on one. A document that
+    does not fit continues in the next row as a new segment, so rows are full until `docs` runs out
+    (eval): then the last row is padded and iteration stops. The state is where the row's first
+    document starts (grain replays at most a row to resume).
     """
     pairs = docs.map(lambda doc: {"inputs": doc[:-1], "targets": doc[1:]})
     packed = ConcatThenSplitIterDataset(pairs, length_struct={"inputs": length, "targets": length})
@@ -1646,19 +1016,22 @@ class TextData(_Data):
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count, log)
         self.train_texts, self.eval_texts, self.identity = self._sources()
-        # The eval records this process reads: disjoint between processes, all of them together. A process
-        # left without any (fewer records than processes) reads padding, which weighs nothing.
+        # The eval records this process reads: disjoint between processes, all of them
+        # together. A process left without any (fewer records than processes) reads
+        # padding, which weighs nothing.
         self.eval_records = np.arange(process_index, len(self.eval_texts), process_count)
         self.tokenizer = _tokenizer(cfg, self.train_texts, self.identity, self.log)
         self._order = self.train_texts.shuffle(seed=cfg.seed).repeat().map(self.encode)
 
     def _sources(self):
-        """(train texts, eval texts, identity) of cfg.dataset, as the *_sources functions make them."""
+        """(train texts, eval texts, identity) of
+        cfg.dataset, as the *_sources functions make them."""
         sources = {"tfds": _tfds_sources, "hf": _hf_sources}.get(self.cfg.dataset)
         return sources(self.cfg) if sources else _file_sources(self.cfg, self.log)
 
     def encode(self, text):
-        """A document's tokens: bos (where the tokenizer has one), text, eos (so every token is a target)."""
+        """A document's tokens: bos (where the tokenizer has
+        one), text, eos (so every token is a target)."""
         tok = self.tokenizer
         return np.asarray(
             [tok.bos_id] * (tok.bos_id is not None) + tok.encode(text) + [tok.eos_id], np.int32
@@ -1668,7 +1041,8 @@ class TextData(_Data):
         return _pack(super()._lane(row, rows), self.length)
 
     def eval_batches(self, local_rows, n):
-        # Fixed order and a single pass: batches past the end of the split are padding (loss_mask 0).
+        # Fixed order and a single pass: batches past the
+        # end of the split are padding (loss_mask 0).
         docs = grain.MapDataset.source(self.eval_records).map(
             lambda i: self.encode(self.eval_texts[i])
         )
@@ -1680,19 +1054,20 @@ class TextData(_Data):
 
 
 class StreamData(TextData):
-    """dataset=hf with hf_streaming: a split too large to download, read as a stream. Each process reads its
-    share (datasets.distributed.split_dataset_by_node) in the stream's order, packed into its rows by one
-    pipeline; the checkpoint keeps that pipeline's position, so a resume on the same process count reads
-    every document once. The tokenizer trains on the stream's first ~5 MB; eval reads the head of
-    hf_eval_split."""
+    """dataset=hf with hf_streaming: a split too large to download, read as a stream. Each process
+    reads its share (datasets.distributed.split_dataset_by_node) in the stream's order, packed into
+    its rows by one pipeline; the checkpoint keeps that pipeline's position, so a resume on the same
+    process count reads every document once. The tokenizer trains on the stream's first ~5 MB; eval
+    reads the head of hf_eval_split."""
 
     def _sources(self):
-        """The stream's head (~5 MB, what the tokenizer trains on), the head of hf_eval_split, and the identity."""
+        """The stream's head (~5 MB, what the tokenizer trains
+        on), the head of hf_eval_split, and the identity."""
         cfg = self.cfg
         if not cfg.hf_eval_split and cfg.eval_batches:
             raise DataError(
-                "hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. validation), "
-                "or eval_batches=0"
+                "hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. "
+                "validation), or eval_batches=0"
             )
         head, chars = [], 0
         for record in _records(cfg, "hf_split"):
@@ -1722,14 +1097,15 @@ class StreamData(TextData):
         )
 
 
-# ---- text: supervised fine-tuning (SFT) ---------------------------------------------------------------------------
-# Rows of a dataset=hf split that hold `messages` (a list of {role, content} turns) or `prompt` and `completion` are
-# SFT examples (trl's formats): each is tokenized whole with a mask of its answer's tokens, and rows are made of
-# whole examples, never one cut between rows.
+# ---- text: supervised fine-tuning (SFT) ----------------------------------------------------------
+# Rows of a dataset=hf split that hold `messages` (a list of {role, content} turns) or `prompt` and
+# `completion` are SFT examples (trl's formats): each is tokenized whole with a mask of its answer's
+# tokens, and rows are made of whole examples, never one cut between rows.
 
 
 def sft_rows(cfg):
-    """Whether dataset=hf's rows are SFT examples: the first training row holds messages, or prompt and completion."""
+    """Whether dataset=hf's rows are SFT examples: the first
+    training row holds messages, or prompt and completion."""
     if cfg.dataset != "hf" or cfg.hf_streaming:
         return False
     split = _hf_split(cfg, "hf_split")
@@ -1740,8 +1116,8 @@ def sft_rows(cfg):
 
 
 def chat_renderer(template, special):
-    """A chat template as transformers renders it (jinja2's sandbox, trim_blocks, lstrip_blocks, loop controls,
-    raise_exception and tojson): (messages, add_generation_prompt) -> text."""
+    """A chat template as transformers renders it (jinja2's sandbox, trim_blocks, lstrip_blocks,
+    loop controls, raise_exception and tojson): (messages, add_generation_prompt) -> text."""
     import jinja2
     import jinja2.sandbox
 
@@ -1776,10 +1152,11 @@ def _turns(messages, where):
 
 
 def chat_spans(messages, render, first, where):
-    """[(text, is_answer)] of a conversation rendered whole by its chat template; the answers are the assistant turns
-    from index `first` on, each the text the template adds for it after the generation prompt (its end-of-turn
-    token included: the model learns to stop). The template must render each turn's prefix as the start of the
-    whole (true of Llama's, Qwen's, ChatML's); one that does not cannot mark the answers, and says so."""
+    """[(text, is_answer)] of a conversation rendered whole by its chat template; the answers are
+    the assistant turns from index `first` on, each the text the template adds for it after the
+    generation prompt (its end-of-turn token included: the model learns to stop). The template must
+    render each turn's prefix as the start of the whole (true of Llama's, Qwen's, ChatML's); one
+    that does not cannot mark the answers, and says so."""
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
     if not answers:
         raise DataError(
@@ -1804,10 +1181,11 @@ def chat_spans(messages, render, first, where):
 
 
 def sft_example(record, tok, render, cfg, where):
-    """One SFT record -> (token ids, 1 where the token is an answer's) as int32 / bool arrays: messages through the
-    chat template (which writes bos and end-of-turn tokens itself); prompt + completion as bos, prompt, completion,
-    eos (a conversational prompt/completion, lists of turns, through the template, only the completion's turns
-    answers). A DataError names the row and what is wrong."""
+    """One SFT record -> (token ids, 1 where the token is an answer's) as int32 / bool arrays:
+    messages through the chat template (which writes bos and end-of-turn tokens itself); prompt
+    + completion as bos, prompt, completion, eos (a conversational prompt/completion, lists of
+    turns, through the template, only the completion's turns answers). A DataError names the
+    row and what is wrong."""
     record = {
         k: v for k, v in record.items() if v is not None
     }  # a column other rows have (datasets fills in None)
@@ -1836,9 +1214,10 @@ def sft_example(record, tok, render, cfg, where):
 
 
 class _Plan:
-    """One lane's rows, planned as they are asked for: the lane's examples in order (`ids`, an iterator), each row
-    filled greedily with whole examples while the next fits (packing) or holding one. Past the last example (a
-    finite number of epochs) a row is empty: padding, which weighs nothing in the loss."""
+    """One lane's rows, planned as they are asked for: the lane's examples in order (`ids`, an
+    iterator), each row filled greedily with whole examples while the next fits (packing) or
+    holding one. Past the last example (a finite number of epochs) a row is empty: padding, which
+    weighs nothing in the loss."""
 
     def __init__(self, ids, lengths, length, packing):
         self.ids, self.lengths, self.length, self.packing = ids, lengths, length, packing
@@ -1871,35 +1250,35 @@ class _Plan:
 
 
 class SFTData(_Data):
-    """dataset=hf rows that are SFT examples (sft_rows): tokenized once at the start with the run's tokenizer (the
-    model's: load_hf's or tokenizer_path), an example longer than a row skipped and counted in the log. Lane r of R
-    packs (or pads), in order, the examples at positions r, r + R, ... of one order shuffled per epoch from the seed,
-    planned from their lengths (_Plan): its state is a row number, so a resume on any process count is exact, and
-    epochs=N reads every example exactly N times (epoch_steps). The loss counts the answers' tokens (completion_only;
-    else every token); eval the held-out split's the same way, and eval_examples holds its prompts and answers."""
+    """dataset=hf rows that are SFT examples (sft_rows): tokenized once at the start with the
+    run's tokenizer (the model's: load_hf's or tokenizer_path), an example longer than a row
+    skipped and counted in the log. Lane r of R packs (or pads), in order, the examples at
+    positions r, r + R, ... of one order shuffled per epoch from the seed, planned from their
+    lengths (_Plan): its state is a row number, so a resume on any process count is exact, and
+    epochs=N reads every example exactly N times (epoch_steps). The loss counts the answers'
+    tokens (completion_only; else every token); eval the held-out split's the same way, and
+    eval_examples holds its prompts and answers."""
 
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count, log)
         if not tokenizer_source(cfg):
             raise DataError(
-                "SFT rows (messages, or prompt and completion) need the model's tokenizer: set load_hf= "
-                "(a checkpoint with its tokenizer) or tokenizer_path="
+                "SFT rows (messages, or prompt and completion) need the model's tokenizer: set "
+                "load_hf= (a checkpoint with its tokenizer) or tokenizer_path="
             )
         self.tokenizer = tok = load_tokenizer(tokenizer_source(cfg), cfg)
         self.render = chat_renderer(tok.chat_template, tok.special) if tok.chat_template else None
         train = _hf_split(cfg, "hf_split")
-        train_rows = held_rows = np.arange(
-            len(train)
-        )  # the rows' numbers in their files, for the errors
+        # the rows' numbers in their files, for the errors
+        train_rows = held_rows = np.arange(len(train))
         if cfg.hf_eval_split:
             held = _hf_split(cfg, "hf_eval_split")
             held_rows = np.arange(len(held))
         else:  # every 32nd row (~3%, the same every time) held out
             train_rows, held_rows = train_rows[train_rows % 32 > 0], train_rows[::32]
             train, held = train.select(train_rows), train.select(held_rows)
-        tokenizer = hashlib.sha1(
-            tok.files[tok.primary]
-        ).hexdigest()  # what the ids mean, and how rows are cut
+        # what the ids mean, and how rows are cut
+        tokenizer = hashlib.sha1(tok.files[tok.primary]).hexdigest()
         self.identity = _hf_identity(
             cfg, len(train), "sft", tokenizer, cfg.completion_only, cfg.packing, self.length
         )
@@ -1916,8 +1295,8 @@ class SFTData(_Data):
         self._plans = {}
 
     def _encoded(self, split, rows, key):
-        """Every example of a split tokenized ([(ids, answer mask)]), and the indices of those that fit a row.
-        `rows`: their numbers in the files (errors name them)."""
+        """Every example of a split tokenized ([(ids, answer mask)]), and the indices of those that
+        fit a row. `rows`: their numbers in the files (errors name them)."""
         cfg, tok, where = self.cfg, self.tokenizer, f"{key}={getattr(self.cfg, key)}"
         start = time.perf_counter()
         out = [
@@ -1929,8 +1308,8 @@ class SFTData(_Data):
         if len(out) > len(fits):
             self.log(
                 f"skipped {len(out) - len(fits)} of {len(out)} examples of {where} longer than "
-                f"max_target_length={self.length} tokens (the longest: {longest}); raise max_target_length to "
-                "keep them"
+                f"max_target_length={self.length} tokens (the longest: {longest}); raise "
+                "max_target_length to keep them"
             )
         if not fits:
             raise DataError(
@@ -1939,7 +1318,8 @@ class SFTData(_Data):
             )
         self.log(
             f"{where}: {len(fits)} SFT examples, {sum(len(out[i][0]) for i in fits):,} tokens, "
-            f"{sum(int(out[i][1].sum()) for i in fits):,} of them answers ({time.perf_counter() - start:.1f}s)"
+            f"{sum(int(out[i][1].sum()) for i in fits):,} of them answers "
+            f"({time.perf_counter() - start:.1f}s)"
         )
         return out, np.asarray(fits)
 
@@ -1964,8 +1344,8 @@ class SFTData(_Data):
         return self._plans[row, rows, epochs]
 
     def epoch_steps(self, rows, accum, epochs):
-        """The steps that read every training example `epochs` times with `rows` lanes and `accum` rows of each a
-        step: the longest lane's rows (the others end with padding)."""
+        """The steps that read every training example `epochs` times with `rows` lanes and `accum`
+        rows of each a step: the longest lane's rows (the others end with padding)."""
         return max(1, -(-max(len(self.plan(r, rows, epochs)) for r in range(rows)) // accum))
 
     def _lane(self, row, rows):
@@ -1974,7 +1354,8 @@ class SFTData(_Data):
         return grain.MapDataset.range(sys.maxsize).map(row_of).to_iter_dataset(_READ)
 
     def _row(self, examples):
-        """One row of whole examples (segments 1, 2, ...; positions restart in each), padded with segment 0."""
+        """One row of whole examples (segments 1, 2, ...;
+        positions restart in each), padded with segment 0."""
         L, row = (
             self.length,
             {
@@ -1992,7 +1373,8 @@ class SFTData(_Data):
         return row
 
     def eval_batches(self, local_rows, n):
-        """The held-out examples in order, one pass, packed as training packs; batches past them are padding."""
+        """The held-out examples in order, one pass, packed
+        as training packs; batches past them are padding."""
         rows = [self._row([self.eval_tokens[i] for i in r]) for r in self.eval_rows]
         return [
             _stack(rows[b * local_rows : (b + 1) * local_rows], local_rows, self.length)
@@ -2000,30 +1382,29 @@ class SFTData(_Data):
         ]
 
 
-# ---- Sudoku: the rules, defined once ------------------------------------------------------------
-# Grids are 81 digits in row-major order, 0 = blank. Each cell lies in three units (its row, column and
-# box, numbered 0..26); two cells are peers when they share a unit. The solver below, the CSV checks,
-# eval scoring and the ToT search (model.py) all read the rules from these tables.
+# ---- Sudoku: the rules, defined once -------------------------------------------------------------
+# Grids are 81 digits in row-major order, 0 = blank. Each cell lies in three units (its row, column
+# and box, numbered 0..26); two cells are peers when they share a unit. The solver below, the CSV
+# checks, eval scoring and the ToT search (model.py) all read the rules from these tables.
 
+# [81, 3]
 UNITS = np.array(
     [[i // 9, 9 + i % 9, 18 + (i // 27) * 3 + (i % 9) // 3] for i in range(SUDOKU_LEN)]
-)  # [81, 3]
-PEERS = (UNITS[:, None, :] == UNITS[None, :, :]).any(-1) & ~np.eye(
-    SUDOKU_LEN, dtype=bool
-)  # bool[81, 81]
-MEMBERS = (
-    (UNITS[None, :, :] == np.arange(27)[:, None, None]).any(-1).astype(np.float32)
-)  # [27 units, 81 cells]
+)
+# bool[81, 81]
+PEERS = (UNITS[:, None, :] == UNITS[None, :, :]).any(-1) & ~np.eye(SUDOKU_LEN, dtype=bool)
+# [27 units, 81 cells]
+MEMBERS = (UNITS[None, :, :] == np.arange(27)[:, None, None]).any(-1).astype(np.float32)
 
 
 def digits_seen(grids_NL):
-    """bool[..., L, 9]: digit d+1 already stands in a peer of the cell (placing it there breaks a rule).
-    Takes numpy or jax arrays (their own array namespace), so data checks and jitted search share it."""
+    """bool[..., L, 9]: digit d+1 already stands in a peer of the cell (placing it there
+    breaks a rule). Takes numpy or jax arrays (their own array namespace), so data checks and
+    jitted search share it."""
     xp = grids_NL.__array_namespace__()
     onehot_NLC = (grids_NL[..., None] == xp.arange(1, 10)).astype(xp.float32)  # blank -> all zeros
-    return (
-        PEERS.astype(np.float32) @ onehot_NLC > 0
-    )  # a matmul, not einsum: numpy's einsum does not use BLAS (28x)
+    # a matmul, not einsum: numpy's einsum does not use BLAS (28x)
+    return PEERS.astype(np.float32) @ onehot_NLC > 0
 
 
 def legal_digits(grids_NL):
@@ -2032,8 +1413,8 @@ def legal_digits(grids_NL):
 
 
 def dead_end(grids_NL):
-    """bool[N]: no completion obeys the rules: a digit repeats in a unit, a blank cell has no digit left, or
-    a digit missing from a unit has no cell left in it."""
+    """bool[N]: no completion obeys the rules: a digit repeats in a unit, a blank cell has no digit
+    left, or a digit missing from a unit has no cell left in it."""
     xp = grids_NL.__array_namespace__()
     g_NL = grids_NL.astype(xp.int32)
     seen_NLC, blank_NL = digits_seen(g_NL), g_NL == 0
@@ -2054,14 +1435,14 @@ def solved(grids_NL):
 
 
 def by_singles(grids_NL):
-    """The grids with every naked single (a blank with one legal digit) and hidden single (a digit with one legal
-    cell in a unit) filled in, again and again until none is left: what a solver finishes without search."""
+    """The grids with every naked single (a blank with one legal digit) and hidden single (a digit
+    with one legal cell in a unit) filled in, again and again until none is left: what a solver
+    finishes without search."""
     g_NL = np.array(grids_NL, np.int32)
     while True:
         legal_NLC = legal_digits(g_NL)
-        alone_NUC = (
-            MEMBERS @ legal_NLC.astype(np.float32) == 1
-        )  # a digit with one place left in the unit
+        # a digit with one place left in the unit
+        alone_NUC = MEMBERS @ legal_NLC.astype(np.float32) == 1
         pick_NLC = legal_NLC & (
             (legal_NLC.sum(-1, keepdims=True) == 1) | (MEMBERS.T @ alone_NUC.astype(np.float32) > 0)
         )
@@ -2070,15 +1451,15 @@ def by_singles(grids_NL):
         g_NL = np.where(pick_NLC.any(-1), pick_NLC.argmax(-1) + 1, g_NL)
 
 
-# ---- Sudoku: solver and generator --------------------------------------------------------------
+# ---- Sudoku: solver and generator ----------------------------------------------------------------
 
 _CELL_UNITS = [tuple(int(u) for u in units) for units in UNITS]  # plain ints: the solver's hot loop
 _ALL_DIGITS = 0b1111111110  # bit d set = digit d allowed
 
 
 def _search(grid, limit):
-    """Backtracking over bitmasks (one per unit), most-constrained cell first. Returns (first solution,
-    count <= limit)."""
+    """Backtracking over bitmasks (one per unit), most-constrained cell first. Returns (first
+    solution, count <= limit)."""
     g, used = list(grid), [0] * 27
     for i, v in enumerate(g):
         if v:
@@ -2126,12 +1507,14 @@ def generate_sudoku(n, blanks, seed, stream="train", start=0):
 
     Cells are blanked in random order while the solution stays unique, until `blanks` blanks or
     no cell can go (blanks=81 gives minimal puzzles); a list of blanks is taken in turn, puzzle i
-    with blanks[i % len(blanks)]. Puzzle i depends only on (stream, seed, i) and its blanks; `start`: the first i.
+    with blanks[i % len(blanks)]. Puzzle i depends only on
+    (stream, seed, i) and its blanks; `start`: the first i.
     """
     q, a, blanks = np.zeros((n, 81), np.uint8), np.zeros((n, 81), np.uint8), np.atleast_1d(blanks)
     for i in range(start, start + n):
         rng = random.Random(f"sudoku/{stream}/{seed}/{i}")
-        # The three diagonal boxes share no row or column, so any filling of them completes to a grid.
+        # The three diagonal boxes share no row or column,
+        # so any filling of them completes to a grid.
         boxes = np.zeros((9, 9), np.int64)
         for b in range(3):
             boxes[3 * b : 3 * b + 3, 3 * b : 3 * b + 3] = np.reshape(
@@ -2159,9 +1542,8 @@ def augment(q, a, rng):
     order = lambda: (
         rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])
     ).reshape(9)
-    index_99 = (
-        order()[:, None] * 9 + order()[None, :]
-    )  # the rows' order drawn first, then the columns'
+    # the rows' order drawn first, then the columns'
+    index_99 = order()[:, None] * 9 + order()[None, :]
     index = (index_99.T if rng.random() < 0.5 else index_99).reshape(81)
     return digits[np.asarray(q)[index]], digits[np.asarray(a)[index]]
 
@@ -2170,17 +1552,18 @@ def augment(q, a, rng):
 
 
 def read_sudoku_csv(path, key="dataset_path"):
-    """(puzzles uint8[N, 81], solutions uint8[N, 81]) from a CSV, with or without a header, '.' or '0' for
-    blanks; any bad row is a DataError naming its line."""
+    """(puzzles uint8[N, 81], solutions uint8[N, 81]) from a CSV, with or without a header, '.' or
+    '0' for blanks; any bad row is a DataError naming its line."""
     if not epath.Path(path).is_file():
         raise DataError(
             f"{key}={path!r}: file not found (a CSV with header source,q,a,rating; "
             "make one with `python data.py make-sudoku OUT.csv`)"
         )
+    # a local file or gs://
     with (
         epath.Path(path).open("rb") as raw,
         io.TextIOWrapper(raw, newline="") as f,
-    ):  # a local file or gs://
+    ):
         reader = csv.reader(f)
         try:
             puzzles, solutions, lines = _csv_grids(path, reader)
@@ -2197,9 +1580,8 @@ def read_sudoku_csv(path, key="dataset_path"):
         for grids in (puzzles, solutions)
     )
     clash = ((q != 0) & (q != a)).any(axis=1)
-    bad = clash | ~np.concatenate(
-        [solved(a[i : i + 65536]) for i in range(0, len(a), 65536)]
-    )  # bounded memory
+    # bounded memory
+    bad = clash | ~np.concatenate([solved(a[i : i + 65536]) for i in range(0, len(a), 65536)])
     if bad.any():
         i = int(bad.argmax())
         raise DataError(
@@ -2214,9 +1596,10 @@ def read_sudoku_csv(path, key="dataset_path"):
 
 
 def _csv_grids(path, reader):
-    """(puzzle strings, solution strings, their line numbers) of a CSV reader's rows, each row checked. A header
-    names its columns with one of the spellings in use; without one, columns are read by position as the TRM
-    reference does: the public layout source,question,answer,rating (or a bare puzzle,solution pair)."""
+    """(puzzle strings, solution strings, their line numbers) of a CSV reader's rows, each row
+    checked. A header names its columns with one of the spellings in use; without one, columns are
+    read by position as the TRM reference does: the public layout source,question,answer,rating (or
+    a bare puzzle,solution pair)."""
     puzzles, solutions, lines, first = [], [], [], next(reader, [])
     names = [c.strip().lower() for c in first]
     named = [
@@ -2226,15 +1609,13 @@ def _csv_grids(path, reader):
     ]
     if first and not named and not any(len(c.strip()) == 81 for c in first):
         raise DataError(
-            f"{path}:1: the header names no puzzle and solution columns (use q,a or question,answer; "
-            "public layout: source,question,answer,rating)"
+            f"{path}:1: the header names no puzzle and solution columns (use q,a or "
+            "question,answer; public layout: source,question,answer,rating)"
         )
-    iq, ia = (
-        named[0] if named else (1, 2) if len(first) >= 3 else (0, 1)
-    )  # the first row is data without a header
-    for row in filter(
-        None, itertools.chain([] if named else [first], reader)
-    ):  # a blank line is no row
+    # the first row is data without a header
+    iq, ia = named[0] if named else (1, 2) if len(first) >= 3 else (0, 1)
+    # a blank line is no row
+    for row in filter(None, itertools.chain([] if named else [first], reader)):
         where = f"{path}:{reader.line_num}"
         if len(row) <= max(iq, ia):
             raise DataError(f"{where}: {len(row)} columns, expected at least {max(iq, ia) + 1}")
@@ -2253,8 +1634,8 @@ def _csv_grids(path, reader):
 
 
 def parse_grid(text):
-    """A puzzle typed on the command line (81 characters row by row, spaces and newlines ignored, '.' or '0'
-    for blanks) -> int32[81] digits, or None if it is not one."""
+    """A puzzle typed on the command line (81 characters row by row, spaces and newlines ignored,
+    '.' or '0' for blanks) -> int32[81] digits, or None if it is not one."""
     text = text.replace("\n", "").replace(" ", "")
     if len(text) != SUDOKU_LEN or any(c not in ".0123456789" for c in text):
         return None
@@ -2277,7 +1658,8 @@ def write_sudoku_csv(path, q, a):
 
 
 def _puzzles(cfg, split, log=None):
-    """(puzzles, solutions) of the train or eval split: its CSV file if set, else generated once into cache_dir."""
+    """(puzzles, solutions) of the train or eval split: its
+    CSV file if set, else generated once into cache_dir."""
     key, n = (
         ("dataset_path", cfg.sudoku_train_puzzles)
         if split == "train"
@@ -2302,7 +1684,8 @@ def _puzzles(cfg, split, log=None):
 
 
 def _sudoku_batch(q, a, rows):
-    """Token batch from digit grids (blank 0 -> 1, digit d -> d + 1); rows past len(q) are padding (loss_mask 0)."""
+    """Token batch from digit grids (blank 0 -> 1, digit d ->
+    d + 1); rows past len(q) are padding (loss_mask 0)."""
     return _stack(
         [_full_row(np.asarray(x, np.int32) + 1, np.asarray(y, np.int32) + 1) for x, y in zip(q, a)],
         rows,
@@ -2318,9 +1701,8 @@ class SudokuData(_Data):
         self.vocab_size, self.length = SUDOKU_VOCAB, SUDOKU_LEN
         self.train_q, self.train_a = _puzzles(cfg, "train", log)
         self.eval_q, self.eval_a = _puzzles(cfg, "eval", log)
-        if (
-            not cfg.eval_path
-        ):  # a separate seed stream makes overlap unlikely; this makes it impossible
+        # a separate seed stream makes overlap unlikely; this makes it impossible
+        if not cfg.eval_path:
             seen = {s.tobytes() for s in self.train_a}
             keep = np.array([s.tobytes() not in seen for s in self.eval_a], bool)
             self.eval_q, self.eval_a = self.eval_q[keep], self.eval_a[keep]
@@ -2328,7 +1710,10 @@ class SudokuData(_Data):
         self.identity = (
             f"sudoku {cfg.dataset_path}"
             if cfg.dataset_path
-            else f"sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {blanks} blanks, seed {cfg.seed}"
+            else (
+                f"sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {blanks} blanks, "
+                f"seed {cfg.seed}"
+            )
         )
         self._order = (
             grain.MapDataset.range(len(self.train_q))
@@ -2339,18 +1724,18 @@ class SudokuData(_Data):
 
     def _example(self, position, rid):
         q, a = self.train_q[rid], self.train_a[rid]
-        if (
-            self.cfg.augment
-        ):  # seeded by position (epoch, record), so a resumed run draws the same shuffles
+        # seeded by position (epoch, record), so a resumed run draws the same shuffles
+        if self.cfg.augment:
             q, a = augment(
                 q, a, np.random.default_rng([self.cfg.seed, position // len(self.train_q), rid])
             )
         return _full_row(q.astype(np.int32) + 1, a.astype(np.int32) + 1)
 
     def eval_batches(self, local_rows, n=None):
-        """n batches (None: enough for the whole eval set), fixed order, unaugmented. Batch i of the whole
-        system holds puzzles i * rows onward in file order, process p its p-th share of them, so the
-        gathered answers come back in file order; rows past the end are padding (loss_mask 0)."""
+        """n batches (None: enough for the whole eval set), fixed order, unaugmented. Batch i
+        of the whole system holds puzzles i * rows onward in file order, process p its p-th
+        share of them, so the gathered answers come back in file order; rows past the end are
+        padding (loss_mask 0)."""
         rows = local_rows * self.process_count
         n = -(-len(self.eval_q) // rows) if n is None else n
         starts = [i * rows + self.process_index * local_rows for i in range(n)]
@@ -2362,19 +1747,20 @@ class SudokuData(_Data):
         ]
 
 
-# ---- entry points -----------------------------------------------------------------------------
+# ---- entry points --------------------------------------------------------------------------------
 
 
 def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
-    """The dataset this process reads: its share of the records, in a seed-determined order. `log` (a print
-    function, or None for silence) hears about the slow one-time preparations. `source`: a task's own data
-    (model.Task.dataset), in place of the text pipelines; every kind is made as source(cfg, process_index,
-    process_count, log)."""
+    """The dataset this process reads: its share of the records, in a seed-determined order. `log`
+    (a print function, or None for silence) hears about the slow one-time preparations. `source`: a
+    task's own data (model.Task.dataset), in place of the text pipelines; every kind is made as
+    source(cfg, process_index, process_count, log)."""
     try:
         os.makedirs(cfg.cache_dir, exist_ok=True)
     except OSError as e:
         raise DataError(
-            f"cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); choose a writable cache_dir"
+            f"cache_dir={cfg.cache_dir}: cannot create it "
+            f"({e.strerror}); choose a writable cache_dir"
         ) from None
     kinds = {
         "synthetic": SyntheticData,
@@ -2383,17 +1769,18 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     sft = not source and sft_rows(cfg)
     if cfg.epochs and not sft:
         raise DataError(
-            f"epochs={cfg.epochs} counts passes over SFT examples (dataset=hf rows with messages, or prompt "
-            "and completion); other data runs for steps="
+            f"epochs={cfg.epochs} counts passes over SFT examples (dataset=hf rows with messages, "
+            "or prompt and completion); other data runs for steps="
         )
     kind = SFTData if sft else source or kinds.get(cfg.dataset, TextData)
     return kind(cfg, process_index, process_count, log)
 
 
 def make_chat(out, count, seed):
-    """SFT rows (prompt, completion) with exact answers, made from the standard library's one-line `def`s with plain
-    parameters: the function's name, or its last parameter, asked of the line. The task the README fine-tunes the
-    default run's model on (it read these files as code; it has never answered a question)."""
+    """SFT rows (prompt, completion) with exact answers, made from the standard library's one-line
+    `def`s with plain parameters: the function's name, or its last parameter, asked of the line.
+    The task the README fine-tunes the default run's model on (it read these files as code; it has
+    never answered a question)."""
     plain = re.compile(r"^[ \t]*def (\w+)\(([\w ,*]*\w[\w ,*]*)\):", re.MULTILINE)
     lines = sorted(
         {
@@ -2421,7 +1808,8 @@ def make_chat(out, count, seed):
             for q, a in questions[:count]
         )
     print(
-        f"wrote {count} prompt/completion rows (of {len(questions)} questions about {len(lines)} def lines) to {out}"
+        f"wrote {count} prompt/completion rows (of {len(questions)} "
+        f"questions about {len(lines)} def lines) to {out}"
     )
 
 
@@ -2458,7 +1846,8 @@ def main(argv):
         np.zeros((0, 81), np.uint8),
     )
     while len(q) < args.count:  # the stream's puzzles in order, each kept or not by itself
-        # Own stream: a file made with seed S never repeats the generated train set of a run with seed S.
+        # Own stream: a file made with seed S never repeats
+        # the generated train set of a run with seed S.
         more_q, more_a = generate_sudoku(
             args.count - len(q), args.blanks, args.seed, stream="file", start=tried
         )
@@ -2469,9 +1858,767 @@ def main(argv):
         q, a = np.concatenate([q, more_q[keep]]), np.concatenate([a, more_a[keep]])
     write_sudoku_csv(args.out, q, a)
     print(
-        f"wrote {args.count} puzzles ({(q == 0).sum(1).mean():.1f} blanks on average) to {args.out} "
-        f"in {time.perf_counter() - start:.1f}s"
+        f"wrote {args.count} puzzles ({(q == 0).sum(1).mean():.1f} blanks on average) to "
+        f"{args.out} in {time.perf_counter() - start:.1f}s"
     )
+
+
+# ==================================================================================================
+# Storage: every path, input or output, goes through etils' epath (what orbax uses), so each may be
+# local or gs://bucket/... (gcsfs underneath, no TensorFlow). GCS has no append and no file locks:
+# append() composes objects, and a run owns a gs:// directory through a lease object (BucketLease).
+# The pipelines above read their files through `stored`; train.py keeps its run directory here.
+# ==================================================================================================
+
+# ---- paths: local or gs:// -----------------------------------------------------------------------
+
+# What a disk can raise; a bucket adds gcsfs's HTTP and credential errors (use_gcs).
+STORAGE_ERRORS = (OSError,)
+# Whether this process writes the run's files (train.py: process 0 of a multi-host run only).
+MAIN = True
+# Run directory -> whether it is still the one this run opened (train.py fills it).
+HELD = {}
+# Names tensorstore (orbax's array writer) reads as a URL on gs://: it cuts a query (?) or fragment
+# (#) and decodes %XX, so arrays would land beside the run directory, not in it.
+URL_MANGLED = re.compile(r"[?#%]")
+
+
+class WriteError(Exception):
+    """The run directory refused a write (read-only, full, gone): the run stops with one line; what
+    was written before stays."""
+
+
+def remote(path):
+    return "://" in str(path)
+
+
+def stored(path):
+    """epath.Path of a local path (absolute: orbax writes
+    it into its metadata) or a gs:// one (as given)."""
+    if remote(path):
+        use_gcs()
+    return epath.Path(path if remote(path) else os.path.abspath(os.path.expanduser(path)))
+
+
+def use_gcs():
+    """gcsfs, loaded by the first gs:// path (its import costs a local run half a second); from then
+    on its HTTP and credential errors count as storage errors."""
+    global STORAGE_ERRORS
+    from gcsfs.retry import HttpError
+    from google.auth.exceptions import GoogleAuthError
+
+    STORAGE_ERRORS = (OSError, HttpError, GoogleAuthError)
+
+
+def gcs():
+    """The gcsfs file system epath itself uses (fsspec
+    keeps one instance, so both see one listings cache)."""
+    import fsspec
+
+    use_gcs()
+    return fsspec.filesystem("gs")
+
+
+def storage_reason(e):
+    """An error from a disk or a bucket as a short reason,
+    with any URL's query string (tokens, signatures) cut."""
+    text = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+    text = re.sub(r"(https?://[^\s?]+)\?\S*", r"\1", text)
+    return re.sub(r"(?i)(token|signature|key)=[^\s&]+", r"\1=...", text)
+
+
+# ---- Hugging Face checkpoints: a local or gs:// directory, or a hub id fetched -------------------
+
+# A Hugging Face checkpoint's files, all load_hf reads or export writes: the weights (one file, or
+# shards and their index), the model's config, its tokenizer (tokenizer.json, or sentencepiece's
+# tokenizer.model), its special tokens and chat template.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.model",
+    *TOKENIZER_FILES,
+)
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def hub_id(name):
+    """Whether load_hf=NAME names a hub model
+    (Qwen/Qwen2.5-0.5B-Instruct), not a directory: org/name, not here."""
+    return bool(name) and not remote(name) and HUB_ID.fullmatch(name) and not os.path.exists(name)
+
+
+@functools.lru_cache
+def hf_dir(name):
+    """load_hf's checkpoint as a directory: a local or gs:// path as it is; a hub id fetched (the
+    files above only) into huggingface_hub's cache, once per process (HF_TOKEN for a gated model;
+    HF_HUB_OFFLINE=1: the cache only)."""
+    if not hub_id(name):
+        return name
+    from huggingface_hub import snapshot_download
+
+    for logger in ("huggingface_hub", "filelock"):
+        logging.getLogger(logger).setLevel(logging.CRITICAL)
+    try:
+        return snapshot_download(name, allow_patterns=list(HF_FILES))
+    except Exception as e:  # noqa: BLE001 - no network, no such repo, gated, offline, not cached
+        raise DataError(
+            f"load_hf={name}: no such directory, and the Hugging Face hub did not give that model "
+            f"({first_line(e, limit=120)}); a gated model needs HF_TOKEN, and offline "
+            "(HF_HUB_OFFLINE=1) only models already in the hub cache load"
+        ) from None
+
+
+# ---- files: read, written, appended to, set aside ------------------------------------------------
+
+
+def read_json(path, what=None):
+    """A JSON file (local or gs://) as an object; a DataError naming the file if it is damaged."""
+    try:
+        value = json.loads(stored(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise DataError(
+            f"{path}: not valid JSON ({first_line(e, typed=False, limit=100)})"
+        ) from None
+    if not isinstance(value, dict):
+        raise DataError(
+            f"{path}: holds a JSON {type(value).__name__}, not the object {what or 'expected'}"
+        )
+    return value
+
+
+def check_held(path):
+    """A run holds the directory it opened, not its path: one moved away, or replaced by another
+    (a disk's by its inode, a bucket's by the run's lease on it), stops the run before it writes
+    into what is there now."""
+    path = path if remote(path) else os.path.abspath(path)  # orbax names its directory absolutely
+    for run_dir, still_ours in HELD.items():
+        if (path == run_dir or path.startswith(run_dir.rstrip("/") + "/")) and not still_ours():
+            raise WriteError(
+                f"{run_dir} was moved or replaced under this run: stopped without writing into "
+                "what is there now (what the run wrote went with its directory)"
+            )
+
+
+def write(path, content):
+    """Writes `content` (text or bytes) as the whole of `path` (on the MAIN process); a refusal
+    stops the run in one line."""
+    check_held(path)
+    if MAIN:
+        try:
+            stored(path).write_bytes(content if isinstance(content, bytes) else content.encode())
+        except STORAGE_ERRORS as e:
+            raise WriteError(f"{path}: cannot write it ({storage_reason(e)})") from None
+
+
+def append(path, text):
+    """Adds text to the end of `path`. A bucket has no append, and rewriting the object each time
+    would upload O(N^2) bytes over a run: the new text goes up as its own object, then GCS
+    composes the two server-side."""
+    check_held(path)
+    try:
+        if not remote(path):
+            with open(path, "a") as f:
+                f.write(text)
+            return
+        part = f"{path}.part"
+        gcs().pipe_file(part, text.encode())
+        gcs().merge(path, [path, part])
+        gcs().rm_file(part)
+    except STORAGE_ERRORS as e:
+        raise WriteError(
+            f"{path}: cannot write ({storage_reason(e)}); the checkpoints written are intact"
+        ) from None
+
+
+def set_aside(path, tag):
+    """Renames path to path.TAG-TIME (never deletes it); returns the new name."""
+    new = f"{path}.{tag}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stored(path).rename(stored(new))
+    return new
+
+
+def check_credentials(paths):
+    """gs:// paths ({key: path}) need Google credentials: asked for once, up front, instead of a 401
+    from a background write (gcsfs would fall back to anonymous access silently). An emulator
+    (STORAGE_EMULATOR_HOST) needs none."""
+    used = [key for key, path in paths.items() if remote(path)]
+    if not used or os.environ.get("STORAGE_EMULATOR_HOST"):
+        return
+    import google.auth
+
+    use_gcs()
+    try:
+        google.auth.default()
+    except google.auth.exceptions.DefaultCredentialsError as e:
+        raise WriteError(
+            f"{used[0]}={paths[used[0]]}: no Google credentials found ({storage_reason(e)}); on a "
+            "Cloud TPU VM the VM's service account is used, elsewhere run `gcloud auth "
+            "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
+        ) from None
+
+
+# ---- the run directory's lock: one run at a time, on a disk or in a bucket -----------------------
+
+
+def holder_line():
+    return (
+        f"process {os.getpid()} on {socket.gethostname()} "
+        f"since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    )
+
+
+class BucketLease:
+    """One owner per gs:// run directory. GCS has no file locks, but it creates an object only if
+    absent (ifGenerationMatch=0): RUN_DIR/.lock is made that way and names its holder and a lease
+    expiry, which the live run renews every LEASE_SECONDS / 3 (rewriting it conditional on the
+    generation it last wrote). A killed run stops renewing: once its lease has run out, or at once
+    on the same host when its process is gone, the next run takes the lock over, again conditional
+    on the generation it read, so two newcomers cannot both win."""
+
+    LEASE_SECONDS = 60
+
+    def __init__(self, path, log=print):
+        self.path, self.host, self.lost, self.log = path, socket.gethostname(), None, log
+        self.holder, self.stop = holder_line(), threading.Event()
+
+    def acquire(self):
+        """'' once held, else who holds it. A lease object
+        that is not the JSON a run writes is taken over."""
+        try:
+            self.generation = self.put(0)
+        except FileExistsError:
+            generation = gcs().info(self.path)["generation"]
+            try:
+                old = json.loads(gcs().cat_file(self.path))
+                live = old["until"] > time.time() and not (
+                    old["host"] == self.host and not pid_alive(old["pid"])
+                )
+            except (ValueError, TypeError, KeyError):
+                old, live = {"holder": "an unreadable lease object"}, False
+            if live:
+                return old["holder"]
+            # a stale lease: FileExistsError if another run just took it
+            self.generation = self.put(generation)
+            self.log(
+                f"took over the lock of {old['holder']} (its lease "
+                "ran out, its process is gone, or it was unreadable)"
+            )
+        threading.Thread(target=self.renew, daemon=True).start()
+        return ""
+
+    def put(self, if_generation):
+        """Writes the lease object only if its generation is
+        still `if_generation` (0: absent); the new one."""
+        body = json.dumps(
+            {
+                "holder": self.holder,
+                "pid": os.getpid(),
+                "host": self.host,
+                "until": time.time() + self.LEASE_SECONDS,
+            }
+        ).encode()
+        bucket, key = self.path.removeprefix("gs://").split("/", 1)
+        multipart = (
+            b"--==0==\nContent-Type: application/json\n\n"
+            + json.dumps({"name": key}).encode()
+            + b"\n--==0==\nContent-Type: application/json\n\n"
+            + body
+            + b"\n--==0==--"
+        )
+        out = gcs().call(
+            "POST",
+            f"{gcs()._location}/upload/storage/v1/b/{bucket}/o",
+            uploadType="multipart",
+            ifGenerationMatch=str(if_generation),
+            data=multipart,
+            json_out=True,
+            headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+        )
+        return out["generation"]
+
+    def renew(self):
+        while not self.stop.wait(self.LEASE_SECONDS / 3):
+            try:
+                self.generation = self.put(self.generation)
+            except Exception as e:  # noqa: BLE001 - taken over (FileExistsError) or unreachable
+                self.lost = storage_reason(e)
+                self.log(
+                    f"WARNING: {self.path}: could not renew this "
+                    f"run's lease on its directory ({self.lost})"
+                )
+                return
+
+    def close(self):
+        """Ends the lease: deleted, waiting a few seconds at most (a bucket gone away would keep
+        gcsfs retrying for half a minute; the lease then just runs out)."""
+        self.stop.set()
+        if not self.lost:
+            done = threading.Thread(target=self.release, daemon=True)
+            done.start()
+            done.join(5)
+
+    def release(self):
+        # a bucket gone away: the lease runs out by itself
+        with contextlib.suppress(*STORAGE_ERRORS):
+            gcs().rm_file(self.path)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def own(run_dir, log=print):
+    """The MAIN process takes the run directory's lock for the whole run: on a disk
+    RUN_DIR/.lock, locked with flock (the kernel drops it when the process ends, however it
+    ends), its holder written inside; in a bucket a BucketLease. Returns (the lock or None, '' or
+    who holds it already)."""
+    if not MAIN:
+        return None, ""
+    if remote(run_dir):
+        lock = BucketLease(os.path.join(run_dir, ".lock"), log)
+        return lock, lock.acquire()
+    lock = open(os.path.join(run_dir, ".lock"), "a+")  # noqa: SIM115 - held for the whole run
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        return None, holder
+    lock.truncate(0)
+    lock.write(holder_line() + "\n")
+    lock.flush()
+    return lock, ""
+
+
+def held(run_dir, lock):
+    """How check_held tells the run directory is still this
+    run's: its lease (a bucket), or its inode (a disk)."""
+    if remote(run_dir):
+        return lambda: not (lock and lock.lost)
+
+    def inode():
+        with contextlib.suppress(OSError):
+            return os.stat(run_dir).st_dev, os.stat(run_dir).st_ino
+
+    first = inode()
+    return lambda: inode() == first
+
+
+# ---- the paths a config names, checked before anything runs --------------------------------------
+
+PATH_KEYS = (
+    "output_dir",
+    "load_params",
+    "load_hf",
+    "export_dir",
+    "dataset_path",
+    "eval_path",
+    "tokenizer_path",
+    "hf_data_files",
+    "compile_cache_dir",
+)
+
+
+def paths_of(cfg):
+    """{key: path} of every path key: what needs credentials,
+    and what tensorstore must be able to name."""
+    return {key: getattr(cfg, key) for key in PATH_KEYS}
+
+
+def check_paths(cfg):
+    """Every path the user typed must exist, whatever else the run does (a resumable run
+    directory would otherwise hide a mistyped load_params). Data paths may be globs; any
+    of them may be on gs://."""
+    for key, path in {
+        **paths_of(cfg),
+        "run_name": cfg.run_name,
+    }.items():  # names orbax cannot write as given
+        if "\\" in path and key in ("run_name", "output_dir"):  # into a JSON spec, unescaped
+            raise DataError(
+                f"{key}={path}: the checkpoint library cannot write "
+                "under a path with a backslash; choose a name without one"
+            )
+        if remote(cfg.output_dir if key == "run_name" else path) and URL_MANGLED.search(path):
+            raise DataError(
+                f"{key}={path}: tensorstore reads a gs:// path as a URL (it cuts ? and # and "
+                "decodes %XX), so arrays would land outside it; choose a name without ?, # or %"
+            )
+    if cfg.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise DataError(
+            f"wandb_project={cfg.wandb_project}: wandb is not installed: "
+            "pip install wandb==0.31.0 (or set wandb_project=)"
+        )
+    check_credentials(paths_of(cfg))
+    # array_record's own file layer (no TensorFlow) and flock: local only
+    for key in (
+        "data_dir",
+        "cache_dir",
+    ):
+        if remote(getattr(cfg, key)):
+            raise DataError(
+                f"{key}={getattr(cfg, key)}: prepared datasets are read through a local file "
+                "layer; give a local directory (copy the data down with `gcloud storage cp -r`, or "
+                "mount the bucket with gcsfuse)"
+            )
+    is_dir, _is_file = lambda p: stored(p).is_dir(), lambda p: stored(p).is_file()
+    matches = lambda pattern: bool(expand(pattern))
+    listed = lambda files: all(matches(f.strip()) for f in files.split(",") if f.strip())
+    # a hub id is fetched first (or is one line saying why not)
+    hf_folder = lambda p: is_dir(hf_dir(p))
+    wanted = {
+        "load_params": is_dir,
+        "load_hf": hf_folder,
+        "tokenizer_path": lambda p: stored(p).exists(),
+        "data_dir": is_dir,
+        "dataset_path": matches,
+        "eval_path": matches,
+        "hf_data_files": listed,
+    }
+    for key, exists in wanted.items():
+        value = getattr(cfg, key)
+        if value and not exists(value):
+            what = (
+                "no such directory"
+                if exists in (is_dir, hf_folder)
+                else "matches no files"
+                if any(c in value for c in "*?[,")
+                else "no such file"
+            )
+            raise DataError(f"{key}={value}: {what}; fix the path (or set {key}= to leave it out)")
+    if cfg.load_params and not checkpoint_steps(cfg.load_params)[1]:
+        raise DataError(
+            f"load_params={cfg.load_params}: no checkpoint there; give a run directory, its "
+            "checkpoints/ directory or one checkpoints/STEP directory"
+        )
+
+
+def checkpoint_steps(path):
+    """load_params=PATH (a run directory, its checkpoints/ directory, or one step directory in it)
+    -> (the checkpoints directory, the steps found there)."""
+    path = path.rstrip("/")
+    if stored(os.path.join(path, "checkpoints")).is_dir():
+        path = os.path.join(path, "checkpoints")
+    if os.path.basename(path).isdigit() and stored(path).is_dir():
+        return os.path.dirname(path), [int(os.path.basename(path))]
+    found = stored(path).iterdir() if stored(path).is_dir() else []
+    return path, sorted(int(d.name) for d in found if d.name.isdigit())
+
+
+# ---- the run directory: made, cleared for a new run, its metrics resumed -------------------------
+
+
+def unwritable(cfg, run_dir, e):
+    """output_dir refusing a write: the user's to fix on a local
+    disk (DataError), a fault in a bucket (WriteError)."""
+    kind = WriteError if remote(run_dir) else DataError
+    return kind(
+        f"output_dir={cfg.output_dir}: cannot write in {run_dir} "
+        f"({storage_reason(e)}); choose a writable output_dir"
+    )
+
+
+def make_run_dir(cfg, run_dir, log):
+    """output_dir/run_name made (local or gs://); one that refuses is `unwritable`."""
+    bucket = "/".join(run_dir.split("/")[:3])  # gs://NAME
+    try:
+        # gcsfs would create the bucket a typo names
+        if remote(run_dir) and not stored(bucket).exists():
+            raise WriteError(
+                f"output_dir={cfg.output_dir}: bucket {bucket} does not exist or these "
+                "credentials cannot see it; create it (gcloud storage buckets create "
+                f"{bucket}) or fix output_dir"
+            )
+        stored(run_dir).mkdir(parents=True, exist_ok=True)
+    except STORAGE_ERRORS as e:
+        raise unwritable(cfg, run_dir, e) from None
+
+
+def prepare_training(cfg, run_dir, log, barrier=lambda: None):
+    """mode=train: resume=false moves an earlier run's checkpoints and metrics aside (renamed, never
+    deleted) so the new run starts clean; then (`barrier`: once every host is past that)
+    checkpoints/ is made and written once, now rather than at the first save."""
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    try:
+        for name in ("checkpoints", "metrics.jsonl") if not cfg.resume and MAIN else ():
+            if stored(os.path.join(run_dir, name)).exists():
+                moved = set_aside(os.path.join(run_dir, name), "replaced")
+                log(f"resume=false: moved the earlier {name} aside to {os.path.basename(moved)}")
+        barrier()
+        if stored(checkpoints).is_file():
+            raise DataError(
+                f"{checkpoints} is a file, where the run keeps its checkpoints: move it away"
+            )
+        stored(checkpoints).mkdir(parents=True, exist_ok=True)
+        probe = stored(checkpoints) / f".writable-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except STORAGE_ERRORS as e:
+        raise unwritable(cfg, run_dir, e) from None
+
+
+def resume_metrics(run_dir, step, log=print):
+    """A run starting at `step`: its metrics.jsonl keeps the rows up to it (none from a fresh
+    start), and a bucket's run drops the TensorBoard event files written past it (a local run's are
+    read up to the newest row)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    write(path, "".join(kept_rows(path, step, log)) if step else "")
+    for f in stored(run_dir).glob("events.out.tfevents.steps-*") if remote(run_dir) else ():
+        if int(f.name.split("-")[1]) > step:
+            f.unlink()
+
+
+def kept_rows(path, step, log=print):
+    """The rows of a metrics.jsonl up to `step`; a last row
+    written only in part (a kill mid-write) is dropped."""
+    try:
+        lines = stored(path).read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
+    if lines and not lines[-1].endswith("\n"):
+        log(f"WARNING: {path}: dropped its last line, written only in part: {lines.pop()[:60]!r}")
+    return [r for r in lines if json.loads(r)["step"] <= step]
+
+
+def move_up(local_dir, pattern, run_dir, name=None):
+    """Local files (local_dir/pattern, ** recursive) moved into run_dir at their relative path,
+    or all as `name`: how what the profiler and TensorBoard can write only locally reaches a
+    bucket's run directory."""
+    for f in glob.glob(os.path.join(local_dir, pattern), recursive=True):
+        if os.path.isfile(f):
+            with open(f, "rb") as local:
+                write(os.path.join(run_dir, name or os.path.relpath(f, local_dir)), local.read())
+            os.remove(f)
+
+
+# ---- the run's tokenizer, kept beside its checkpoints --------------------------------------------
+
+TOKENIZER_KEYS = (
+    "tokenizer_path",
+    "load_hf",
+    "vocab_size",
+    "dataset",
+    "dataset_path",
+    "tfds_name",
+    "train_split",
+    "hf_path",
+    "hf_name",
+    "hf_data_files",
+    "hf_split",
+    "text_key",
+)
+
+
+def flat(values, prefix=""):
+    """A nested dict as {'section.key': value}: how configs are compared and shown."""
+    pairs = {}
+    for k, v in values.items():
+        pairs.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return pairs
+
+
+def config_changes(run_dir, cfg):
+    """'key (old -> new)' for each key whose value differs from run_dir's config.yml."""
+    try:
+        old = flat(yaml.safe_load(stored(os.path.join(run_dir, "config.yml")).read_text()))
+    # none, or not the mapping a run writes
+    except (*STORAGE_ERRORS, yaml.YAMLError, AttributeError):
+        return []
+    new = flat(cfg.model_dump(mode="json"))
+    return [f"{k} ({old[k]} -> {new[k]})" for k in new if k in old and old[k] != new[k]]
+
+
+def keep_tokenizer(ds, run_dir, resumed, cfg):
+    """What a checkpoint's token ids mean is part of it: a run keeps its tokenizer as
+    RUN_DIR/tokenizer.model, and a resume whose tokenizer differs (other files, vocab_size,
+    tokenizer_path) stops, naming what changed since the run's config.yml. A Hugging Face tokenizer
+    is kept as RUN_DIR/tokenizer.json with its special tokens and template beside it."""
+    tok = ds.tokenizer
+    path, model = os.path.join(run_dir, tok.primary), tok.files[tok.primary]
+    if not (resumed and stored(path).exists()):
+        # A Hugging Face tokenizer keeps its special tokens and template beside it.
+        kept = tok.files if tok.primary == "tokenizer.json" else {tok.primary: model}
+        for name, content in kept.items():
+            write(os.path.join(run_dir, name), content)
+        return
+    if stored(path).read_bytes() != model:
+        changed = [c for c in config_changes(run_dir, cfg) if c.split()[0] in TOKENIZER_KEYS] or [
+            "the training text (its files changed, so the tokenizer trained on them did)"
+        ]
+        raise DataError(
+            f"{path}: this run's tokenizer would change with {', '.join(changed)}: the "
+            "checkpoint's token ids would mean other text; undo the change, set tokenizer_path="
+            + path
+            + " to keep "
+            "its tokenizer, or start a new run_name (load_params= takes the weights)"
+        )
+
+
+# ---- metrics: metrics.jsonl, TensorBoard and W&B -------------------------------------------------
+
+
+def open_wandb(cfg, run_dir):
+    """The run's W&B run, the same one across resumes (its id is kept in RUN_DIR/wandb_id),
+    with the resolved config. WANDB_MODE=offline writes it under RUN_DIR/wandb for `wandb
+    sync` later (a bucket's run: under the system's temporary directory, since wandb writes
+    only to a local disk)."""
+    import wandb
+
+    path = os.path.join(run_dir, "wandb_id")
+    try:
+        run_id = stored(path).read_text().strip() if stored(path).exists() else os.urandom(6).hex()
+    except UnicodeDecodeError:
+        run_id = ""
+    if not re.fullmatch(r"[a-z0-9]{1,64}", run_id):
+        raise DataError(
+            f"{path}: not a W&B run id (a run writes 12 hex digits there); restore it to keep "
+            "logging to the same W&B run, or delete it to start a new one"
+        )
+    write(path, run_id + "\n")
+    local = (
+        os.path.join(tempfile.gettempdir(), "wandb", cfg.run_name) if remote(run_dir) else run_dir
+    )
+    os.makedirs(local, exist_ok=True)
+    # wandb's core keeps its logs in its cache directory (~/.cache/wandb) and, where it cannot make
+    # that (a home that is not writable), prints them on stderr instead, line after line: then the
+    # cache goes beside the run.
+    cache = os.environ.get("WANDB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "wandb"
+    )
+    with contextlib.suppress(OSError):
+        os.makedirs(cache, exist_ok=True)
+    if not os.access(cache, os.W_OK):
+        os.environ["WANDB_CACHE_DIR"] = os.path.join(local, "wandb-cache")
+    try:
+        return wandb.init(
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity or None,
+            id=run_id,
+            resume="allow",
+            name=cfg.run_name,
+            dir=local,
+            config=cfg.model_dump(mode="json"),
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+    except Exception as e:  # noqa: BLE001 - not logged in, no network, a project it cannot write
+        raise DataError(
+            f"wandb_project={cfg.wandb_project}: W&B refused the run ({first_line(e)}): log "
+            "in with `wandb login` (or set WANDB_API_KEY), log offline with "
+            "WANDB_MODE=offline, or set wandb_project="
+        ) from None
+
+
+def quiet_libraries():
+    """Library noise off stderr, for what the trainer reports in one line: orbax and tfds narrate
+    through absl warnings (a local build as a download, our per-glob builder config); reading a
+    damaged checkpoint, the tensorstore reads orbax left in flight fail later, each logged by
+    asyncio and raised once more from its abandoned coroutine or into a closed event loop; a refused
+    write leaves orbax's write coroutines unawaited, which Python reports at exit."""
+    # orbax logs a failed save it raises to us as well
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    # retries and fallbacks: what matters, we say once
+    for name in (
+        "gcsfs",
+        "fsspec",
+        "google.auth",
+        "wandb",
+    ):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    hook = sys.unraisablehook
+    orbax_read = lambda u: "orbax" in getattr(getattr(u.object, "cr_code", None), "co_filename", "")
+    sys.unraisablehook = lambda u: (
+        None if str(u.exc_value) == "Event loop is closed" or orbax_read(u) else hook(u)
+    )
+
+
+class MetricsWriter:
+    """The run's metrics rows, on the MAIN process, to metrics.jsonl, TensorBoard (tensorboardX, no
+    TensorFlow) and W&B. Rows reach the run directory at flush(): after every row on a disk, before
+    each checkpoint on a bucket (an event file per flush there). A resume drops rows past its
+    checkpoint; W&B cannot: it gets rows once saved."""
+
+    def __init__(self, cfg, run_dir, start_step, log=print):
+        self.main, self.remote, self.run_dir, self.rows, self.unsent, self.wandb = (
+            MAIN,
+            remote(run_dir),
+            run_dir,
+            [],
+            [],
+            None,
+        )
+        if self.main:
+            self.wandb = open_wandb(cfg, run_dir) if cfg.wandb_project else None
+            resume_metrics(run_dir, start_step, log)
+            self.tb_dir = tempfile.mkdtemp(prefix="tensorboard-") if self.remote else run_dir
+            self.tb = SummaryWriter(self.tb_dir)
+
+    def write(self, m):
+        if not self.main:
+            return
+        # a NaN (a metric not measured) would make TensorBoard warn on stderr
+        for (
+            k,
+            v,
+        ) in m.items():
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                self.tb.add_scalar(k, v, m["step"])
+        self.rows.append(m)
+        self.unsent += [m] if self.wandb else []
+        if not self.remote:
+            self.flush()
+
+    def flush(self, saved=False):
+        """The rows since the last flush into the run directory (a bucket's event file goes
+        up closed, whole); with `saved` (a checkpoint holds every row so far) the rows not
+        yet sent go to W&B too."""
+        for m in self.unsent if saved else ():
+            self.wandb.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
+        self.unsent = [] if saved else self.unsent
+        # taken first: rows a failed write could not land are not tried again
+        rows, self.rows = (
+            self.rows,
+            [],
+        )
+        if not rows:  # only process 0 has any
+            return
+        append(
+            os.path.join(self.run_dir, "metrics.jsonl"), "".join(json.dumps(m) + "\n" for m in rows)
+        )
+        self.tb.flush()
+        if self.remote:
+            self.tb.close()
+            move_up(
+                self.tb_dir,
+                "events.out.tfevents.*",
+                self.run_dir,
+                f"events.out.tfevents.steps-{rows[0]['step']:010d}-{rows[-1]['step']:010d}",
+            )
+            self.tb = SummaryWriter(self.tb_dir)
+
+    def close(self):
+        if self.main:
+            self.flush()
+            self.tb.close()
+            if self.remote:  # a bucket's local staging of event files
+                shutil.rmtree(self.tb_dir, ignore_errors=True)
+            if self.wandb:
+                self.wandb.finish()
 
 
 if __name__ == "__main__":

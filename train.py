@@ -1,13 +1,18 @@
 """Train a GQA transformer with JAX: python train.py base.yml [your.yml ...] [key=value ...]
 
-Read it top to bottom: every section uses only what stands above it, in the order a run meets them:
-config -> devices, hosts and mesh -> sharding -> state -> the step -> eval -> checkpoints -> metrics -> the loop
--> the other modes -> the TPU fit check -> run() -> the command line. A run goes
-  main -> load_config -> run: check, resolve, same_everywhere (every host alike) -> build (mesh, feed, state
-  layout, the jitted steps) -> data.make_dataset -> run_directory -> restore_or_init -> train: train_loop
-  (next_batch, the step, Meter -> MetricsWriter, save_checkpoint; the Watchdog beside it).
-What is trained, the language model or the puzzle heads, is a model.Task picked once in run(); the data pipelines
-and the storage layer (local or gs:// paths, the run directory's lock, W&B) are in data.py. Shape letters: model.py.
+Part 1 is the trainer, read top to bottom: the mesh -> sharding -> state -> the step -> eval ->
+checkpoints -> metrics -> the loop -> the other modes -> run() -> main(). A run goes
+  main -> load_config -> run: as_run (the config checked and made concrete) -> build (the mesh, the
+  batch feed, the state's layout, the jitted steps) -> data.make_dataset -> run_directory ->
+  restore_or_init -> train: train_loop (next_batch, the step, Meter -> MetricsWriter,
+  save_checkpoint), inside guard (the watchdog, a lost host, a non-finite loss).
+Part 2, after its banner, is what a pod needs beyond the trainer, in sections a first reading skips:
+the config schema and its rules, the platforms and the hosts that must agree, the run directory,
+damaged checkpoints, stalls, signals and lost hosts, the memory checks. Part 1 reaches it through 12
+entry points, each marked `Part 2` where it is called.
+What is trained, the language model or the puzzle heads, is a model.Task picked once in run(); the
+data pipelines and the storage layer (local or gs:// paths, the run directory's lock, W&B) are in
+data.py. Shape letters: model.py.
 """
 
 import contextlib
@@ -21,6 +26,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import pkgutil
 import re
 import resource
@@ -50,6 +56,7 @@ import data
 import model as model_lib
 
 GiB = 2**30
+DOES_NOT_FIT = 4  # exit code of compile_topology when the step needs more HBM than the slice has
 gb = lambda n_bytes: f"{n_bytes / GiB:.2f} GiB"
 first_line = data.first_line
 
@@ -64,17 +71,931 @@ def log(msg):
 
 
 # ==================================================================================================
-# Config: every key declared once below with its type and bounds; base.yml holds its default and doc.
+# The mesh: every device in one named grid; only this file builds it.
 # ==================================================================================================
+
+
+def make_mesh(cfg, devices):
+    """The mesh over `devices`: jax.make_mesh on one slice; over several, the axes dcn_mesh names
+    split across the slices (the data-center network between them) and the rest within each
+    (create_hybrid_device_mesh). as_run (Part 2) has checked the slices against the devices."""
+    n, known = len(devices), math.prod(cfg.mesh)  # known < 0: one -1 to fill in
+    shape = [n // -known if s == -1 and n % known == 0 else s for s in cfg.mesh]
+    if math.prod(shape) != n or -1 in shape:
+        raise ConfigError(
+            f"mesh={','.join(map(str, cfg.mesh))} ({','.join(cfg.mesh_axes)}) needs "
+            f"{abs(math.prod(shape))} devices but JAX sees {n} {devices[0].platform} device(s); "
+            f"use e.g. mesh=1,{n},1 or mesh=1,-1,1"
+        )
+    # Auto: the compiler propagates our annotations (not Explicit sharding in types)
+    kinds = (jax.sharding.AxisType.Auto,) * len(shape)
+    if cfg.num_slices == 1:
+        return jax.make_mesh(shape, cfg.mesh_axes, devices=devices, axis_types=kinds)
+    dcn = slices_per_axis(cfg, len(shape))
+    ici = [s // d for s, d in zip(shape, dcn)]
+    # a TPU device knows its slice; elsewhere a process is one
+    granule = devices[0].platform != "tpu"
+    mesh = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=granule)
+    return Mesh(mesh, cfg.mesh_axes, kinds)
+
+
+def slices_per_axis(cfg, ndim):
+    """dcn_mesh: how many slices each mesh axis spans (auto: all of them along the first)."""
+    return (cfg.num_slices,) + (1,) * (ndim - 1) if cfg.dcn_mesh == "auto" else cfg.dcn_mesh
+
+
+# ==================================================================================================
+# Sharding: logical axis names -> mesh axes, through the one table in base.yml.
+# ==================================================================================================
+
+
+def mesh_spec(logical, shape, cfg, mesh):
+    """One array's PartitionSpec from its logical axis names (model.dividing_spec: a dimension keeps
+    the longest prefix of its mesh axes that divides it, so odd sizes stay replicated instead of
+    failing)."""
+    rules = dict(cfg.logical_axis_rules)
+    if missing := [name for name in logical if name is not None and name not in rules]:
+        raise ConfigError(
+            f"logical axis {missing[0]!r} has no entry in logical_axis_rules; add [{missing[0]}, "
+            "null]"
+        )
+    return model_lib.dividing_spec(logical, shape, rules, dict(mesh.shape))
+
+
+def shardings_for(logical, abstract, cfg, mesh):
+    """NamedShardings for a tree of arrays from the same-shaped tree of logical PartitionSpecs."""
+    return jax.tree.map(
+        lambda spec, x: NamedSharding(mesh, mesh_spec(spec, x.shape, cfg, mesh)),
+        logical,
+        abstract,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def sharding_table(layout, cfg, mesh, whole_only=False):
+    """A row per parameter: its shape and sharding, and the dimensions kept whole because their size
+    does not divide by the mesh axes their rule names (such a dimension costs memory on every
+    device). whole_only: the rows with such a dimension, as printed at start."""
+    rows = []
+    for (path, spec), x in zip(
+        jax.tree_util.tree_leaves_with_path(
+            layout.logical["params"], is_leaf=lambda v: isinstance(v, PartitionSpec)
+        ),
+        jax.tree.leaves(layout.abstract["params"]),
+    ):
+        got = mesh_spec(spec, x.shape, cfg, mesh)
+        want = mesh_spec(spec, (0,) * x.ndim, cfg, mesh)  # 0 divides by every axis
+        whole = [f"dim {i} not over {w}" for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        if whole or not whole_only:
+            rows.append(
+                f"{jax.tree_util.keystr(path):52s} {x.shape!s:>20s}  {got}  {', '.join(whole)}"
+            )
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """How host batches become global arrays: the microbatches per step (A, the config's
+    grad_accum), the rows of one microbatch across every process (B), and the shardings of train
+    batches [A, B, L] (the microbatch axis whole) and of eval batches [B, L]."""
+
+    accum: int
+    rows: int
+    length: int
+    step_sharding: NamedSharding
+    eval_sharding: NamedSharding
+
+
+def make_feed(cfg, mesh, rows):
+    spec = mesh_spec(("batch", "length"), (rows, cfg.max_target_length), cfg, mesh)
+    return Feed(
+        cfg.grad_accum,
+        rows,
+        cfg.max_target_length,
+        NamedSharding(mesh, PartitionSpec(None, *spec)),
+        NamedSharding(mesh, spec),
+    )
+
+
+def global_batch(local, sharding, rows):
+    """Host-local numpy [..., rows_here, L] -> global jax arrays [..., rows, L]: each process passes
+    only its own share, so this is correct on multi-host pods."""
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v, v.shape[:-2] + (rows, v.shape[-1]))
+        for k, v in local.items()
+    }
+
+
+def to_host(tree):
+    """Every process gets the whole of each array (gathered across processes), as numpy."""
+    return jax.tree.map(
+        lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree
+    )
+
+
+# ==================================================================================================
+# State: the optimizer, and the train state created directly in its sharding.
+# ==================================================================================================
+
+
+def make_optimizer(cfg):
+    """AdamW on a warmup + cosine schedule. Gradient clipping is not chained in here: the step does
+    it, where a reader can see it."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        # the last update (count steps - 1) at the end value
+        decay_steps=max(cfg.steps - 1, cfg.warmup_steps + 1),
+        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    )
+    # no decay on norm scales
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+    return optax.adamw(
+        schedule,
+        cfg.adam_b1,
+        cfg.adam_b2,
+        cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask,
+    ), schedule
+
+
+class Layout(NamedTuple):
+    init: Callable  # (rng, params or None) -> the train state
+    shardings: dict  # the state's NamedShardings
+    abstract: dict  # its shapes, dtypes and shardings, nothing allocated
+    logical: dict  # its logical axes (PartitionSpecs of names)
+
+
+def state_layout(cfg, task, mesh, tx, rows):
+    """The train state's shapes and placement: step, params, the optimizer state and the task's own
+    (the TRM's EMA and carry). Parameters take the model's logical axes, the optimizer's moments
+    their parameter's, the task's state the axes it declares; the rest replicates."""
+
+    def init(rng, params=None):  # params: start from these (loaded) instead of a fresh init
+        params = model_lib.init(cfg, rng)[1] if params is None else params
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": tx.init(params),
+            **task.state(cfg, params, rows),
+        }
+
+    shapes, params = jax.eval_shape(init, jax.random.key(cfg.seed)), model_lib.abstract(cfg)[1]
+    logical = {
+        "step": PartitionSpec(),
+        "params": params,
+        **task.state_axes(params),
+        "opt_state": optax.tree_map_params(
+            tx,
+            lambda _, spec: spec,
+            shapes["opt_state"],
+            params,
+            transform_non_params=lambda _: PartitionSpec(),
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        ),
+    }
+    shardings = shardings_for(logical, shapes, cfg, mesh)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+    return Layout(init, shardings, abstract, logical)
+
+
+def init_state(cfg, layout, params=None):
+    """Build the train state directly in its sharding (no full copy ever sits on one device), from a
+    fresh init or from given parameters. Called inside the run's mesh and axis rules."""
+    return jax.jit(layout.init, out_shardings=layout.shardings)(jax.random.key(cfg.seed), params)
+
+
+# ==================================================================================================
+# The step: scan over the microbatches summing token-weighted gradients, divide once, clip, AdamW.
+# ==================================================================================================
+
+
+def make_train_step(cfg, task, graph, tx):
+    """The step: (state, batch [A, B, L]) -> (new state, metrics). The task's loss returns a loss
+    summed over the microbatch and the weight it stands for, so summing then dividing once makes
+    grad_accum=4 x batch 2 equal grad_accum=1 x batch 8."""
+
+    def train_step(state, batch_ABL):
+        params = state["params"]
+        loss_fn = lambda p, mb, c, k: task.loss(cfg, graph, p, mb, c, k, state["step"])
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def micro(acc, xs):  # one microbatch: its gradient (float32) and loss added to the sums
+            (grads, loss), (mb, carry, key) = acc, xs
+            (l, (sums, carry)), g = grad_fn(params, mb, carry, key)
+            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+            return (grads, loss + l), (sums, carry)
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        # Random draws (TRM's halting exploration) are a function of (seed, step): resume stays
+        # exact.
+        step_key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
+        keys = jax.random.split(step_key, len(batch_ABL["inputs"]))
+        xs = (batch_ABL, state.get("carry"), keys)
+        (grads, loss), (sums_A, carry) = jax.lax.scan(micro, (zeros, 0.0), xs)
+        sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums_A)
+        denom = jnp.maximum(sums["weight"], 1.0)  # the step's real tokens (LM) or examples (TRM)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
+        # Clip by the global norm: scale every gradient by grad_clip / norm when the norm is above
+        # it.
+        grad_norm = optax.tree.norm(grads)
+        if cfg.grad_clip > 0:
+            over = grad_norm >= cfg.grad_clip
+            clip = lambda g: jnp.where(over, g / grad_norm.astype(g.dtype) * cfg.grad_clip, g)
+            grads = jax.tree.map(clip, grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        new_state = {
+            "step": state["step"] + 1,
+            "params": new_params,
+            "opt_state": opt_state,
+            **task.after_update(cfg, state, new_params, carry),
+        }
+        metrics = {"loss": loss / denom, "grad_norm": grad_norm, "tokens": sums["tokens"]}
+        return new_state, {**metrics, **task.step_metrics(sums, denom)}
+
+    return train_step
+
+
+class Built(NamedTuple):
+    """What build() makes of a config for a set of devices; nothing here holds an array yet."""
+
+    mesh: jax.sharding.Mesh
+    feed: Feed  # the batch's shardings and rows
+    graph: Any  # the model's static graph (nnx.split)
+    schedule: Callable  # the learning rate per step
+    layout: Layout  # the train state's shapes and shardings
+    train_step: Callable  # jitted: (state, batch [A, B, L]) -> (new state, metrics)
+    eval_step: Callable  # jitted: (eval weights, batch [B, L]) -> the task's outputs
+
+
+def build(cfg, task, devices):
+    """The mesh, the batch feed, the model's graph, the optimizer and its schedule, the state's
+    layout, and the jitted steps (compiled at their first call, or ahead by compile_step)."""
+    mesh = make_mesh(cfg, devices)
+    feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
+    tx, schedule = make_optimizer(cfg)
+    graph = model_lib.abstract(cfg)[0]
+    layout = state_layout(cfg, task, mesh, tx, feed.rows)
+    # The sharding is all stated here, at the jit: the state enters and leaves in its layout
+    # (parameters and their optimizer moments split by their logical axes), the batch split over its
+    # 'batch' rule; XLA inserts the collectives (the gradient's reduction across data, the gathers
+    # of fsdp). The old state's buffers are donated to the new one, so a step holds one copy of the
+    # state.
+    train_step = jax.jit(
+        make_train_step(cfg, task, graph, tx),
+        in_shardings=(layout.shardings, feed.step_sharding),
+        out_shardings=(layout.shardings, None),
+        donate_argnums=0,
+    )
+    eval_step = jax.jit(
+        functools.partial(task.eval_step, cfg, graph),
+        in_shardings=(layout.shardings["params"], feed.eval_sharding),
+    )
+    return Built(mesh, feed, graph, schedule, layout, train_step, eval_step)
+
+
+# ==================================================================================================
+# Eval: the task's eval step on fixed batches, its metrics computed on the host.
+# ==================================================================================================
+
+
+def evaluator(cfg, task, eval_step, feed):
+    """evaluate(state, ds, n_batches, save_to=None, beat=None): the task's eval metrics of the
+    state's eval weights on n fixed batches of ds (the same every call, so curves compare; None: the
+    whole eval set), and the seconds they took. save_to: a directory for the task's answers (process
+    0 only); beat: called after every batch."""
+
+    def evaluate(state, ds, n_batches, save_to=None, beat=lambda *_: None):
+        if n_batches == 0:
+            return {}
+        t0 = time.perf_counter()
+        batches, outs = ds.eval_batches(feed.rows // jax.process_count(), n_batches), []
+        for i, b in enumerate(batches):
+            w, x = state[task.eval_weights], global_batch(b, feed.eval_sharding, feed.rows)
+            # Compiled ahead, then every host goes on at once: a collective's first run (Gloo, on
+            # CPU) waits 30 s for the others.
+            if i == 0:
+                eval_step.lower(w, x).compile()
+                agree("", cfg.host_timeout)
+            outs.append(to_host(eval_step(w, x)))
+            beat()
+            # a search can take minutes: say where it is
+            if len(batches) > 1 and time.perf_counter() - t0 > 10:
+                log(f"eval: {i + 1}/{len(batches)} batches ({time.perf_counter() - t0:.0f}s)")
+        result = task.eval_result(
+            cfg,
+            outs,
+            [to_host(b) for b in batches],
+            ds,
+            save_to if jax.process_index() == 0 else None,
+        )
+        return {**result, "seconds": time.perf_counter() - t0}
+
+    return evaluate
+
+
+# ==================================================================================================
+# Checkpoints (orbax): async, sharded, atomic. A step directory appears only once complete, so a
+# crash or kill -9 mid-write leaves nothing that resume would pick up.
+# ==================================================================================================
+
+
+class Preempted(Exception):
+    """SIGTERM/SIGINT: the current step finished and a checkpoint was written."""
+
+
+KEPT = "the ones written before stay as they are"
+
+
+# Room for one row's data-iterator state as JSON (a lane's, or a piece of a stream host's).
+DATA_STATE_BYTES = 1024
+
+
+def wait_for_saves(mngr):
+    """Until the save in flight has committed; one that failed in the background (the disk filled
+    up, the mount or bucket went away) is a WriteError."""
+    try:
+        mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - whatever failed in the background, one line
+        raise data.WriteError(
+            f"{mngr.directory}: the last checkpoint failed ({first_line(e)}); {KEPT}"
+        ) from None
+
+
+@contextlib.contextmanager
+def checkpoints(directory, cfg, read_only=False):
+    """The orbax CheckpointManager of a checkpoints/ directory, open for the block. Leaving the
+    block, by any path, lets a save still in flight land first, then closes the manager."""
+    # Orbax's barriers go through the coordination service (with a timeout), not a collective: on
+    # CPU (Gloo) a collective's first run waits only 30 s for the other hosts, and one host can be
+    # that far behind at a barrier.
+    absl_flags.FLAGS.mark_as_parsed()
+    absl_flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+    # The step directory is made before save() returns, so a directory that refuses it fails there
+    # and then, not in a background thread that the end of the run would wait on.
+    opts = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.keep_checkpoints or None,
+        create=not read_only,
+        cleanup_tmp_directories=not read_only,
+        read_only=read_only,
+        enable_async_checkpointing=True,
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+    )
+    mngr = ocp.CheckpointManager(
+        data.stored(directory),
+        options=opts,
+        item_handlers={
+            "train_state": ocp.PyTreeCheckpointHandler(),
+            "data_state": ocp.StandardCheckpointHandler(),
+        },
+    )
+    try:
+        yield mngr
+    finally:
+        try:
+            wait_for_saves(mngr)
+        finally:
+            mngr.close()
+
+
+def save_checkpoint(mngr, step, state, it):
+    """Step `step`'s train state and data position, saved asynchronously: training goes on while it
+    is written. The position is every lane's iterator state (one per row of the global batch) as a
+    uint8 array with a JSON row each, gathered in process order (process p reads rows p * local_rows
+    onward), so every process holds all of it, process 0's copy is written, and a run on any process
+    count reads every lane back; with it, the identity of the data it counts in."""
+    raw = [json.dumps(s).encode().ljust(DATA_STATE_BYTES) for s in it.state()]
+    assert max(map(len, raw)) <= DATA_STATE_BYTES, "data iterator state too large to checkpoint"
+    lanes = multihost_utils.process_allgather(
+        np.stack([np.frombuffer(r, np.uint8) for r in raw]), tiled=True
+    )
+    data_state = {"lanes": np.asarray(lanes), "source": np.frombuffer(it.source.encode(), np.uint8)}
+    data.check_held(str(mngr.directory))
+    try:
+        mngr.check_for_errors()  # the save before this one, finished in the background
+        mngr.save(
+            step,
+            args=ocp.args.Composite(
+                train_state=ocp.args.PyTreeSave(state), data_state=ocp.args.StandardSave(data_state)
+            ),
+        )
+    except Exception as e:  # noqa: BLE001 - whatever refused the write, one line
+        raise data.WriteError(
+            f"{mngr.directory}: a checkpoint failed ({first_line(e)}); {KEPT}"
+        ) from None
+
+
+def restore_or_init(cfg, task, mngr, layout):
+    """The train state: the newest readable checkpoint of this run (resume), else a fresh state,
+    from load_params (another run's newest readable checkpoint: its params for training, what the
+    task evaluates for the other modes) or load_hf weights if given. Returns (state, every lane's
+    data state or None, whether the state holds trained parameters). restore_checkpoint (Part 2)
+    skips damaged steps and names a changed config."""
+    if cfg.resume and mngr.all_steps():
+        restored = restore_checkpoint(mngr, layout.abstract, cfg, move_aside=True)
+        if not restored:
+            raise ConfigError(
+                f"no readable checkpoint in {mngr.directory} (steps "
+                f"{', '.join(map(str, mngr.all_steps()))} are damaged, see the warnings): move "
+                "them away to start over, or set resume=false"
+            )
+        log(f"resuming from checkpoint {mngr.directory}/{restored.step}")
+        return restored.state, restored.data_state, True
+    if cfg.load_params:
+        part = "params" if cfg.mode == "train" else task.eval_weights
+        path, steps = data.checkpoint_steps(cfg.load_params)
+        with checkpoints(path, cfg, read_only=True) as source:
+            found = restore_checkpoint(source, layout.abstract, cfg, steps, part=part)
+        if not found:
+            raise ConfigError(
+                f"load_params={path}: no readable checkpoint there (see the warnings)"
+            )
+        log(f"loaded {part} from {path}/{found.step}")
+        state = init_state(cfg, layout, found.state)
+        if cfg.mode != "train":  # eval: the step it was trained to
+            state = {**state, "step": jnp.int32(found.step)}
+        return state, None, True
+    if cfg.load_hf:  # each host reads what its devices hold
+        params = model_lib.load_hf(cfg, cfg.load_hf, layout.abstract["params"])
+        log(f"loaded Hugging Face checkpoint {cfg.load_hf}")
+        return init_state(cfg, layout, params), None, True
+    return init_state(cfg, layout), None, False
+
+
+# ==================================================================================================
+# Metrics: throughput and MFU, one row per log_every steps to stdout, JSONL and TensorBoard.
+# ==================================================================================================
+
+
+def rates(flops, tps):
+    """Throughput at `tps` tokens/s: per device, in TFLOP/s per device, and as MFU. A measured CPU
+    peak that the step outruns was timed on a busy CPU: it is raised to the step's own rate, so MFU
+    never passes 100%."""
+    if tps * flops["per_token"] > flops["peak"] and "spec sheet" not in flops["peak_source"]:
+        if not flops["peak_source"].startswith("this run"):
+            log(
+                "peak: raised to this run's fastest step (the CPU was busy when its matmul was "
+                "timed)"
+            )
+        flops["peak"] = flops["peak_per_device"] = tps * flops["per_token"]
+        flops["peak_source"] = "this run's fastest step"
+    n = flops["devices"]
+    return {
+        "tokens_per_sec": tps,
+        "tokens_per_sec_per_device": tps / n,
+        "tflops_per_device": tps * flops["per_token"] / n / 1e12,
+        "mfu": tps * flops["per_token"] / flops["peak"],
+    }
+
+
+def host_rss_gb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def device_peak_memory_gb(device):
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return stats.get("peak_bytes_in_use", 0) / 2**30 if stats else None
+
+
+def short_line(m, steps, shown):
+    """The line a person reads: progress, loss, speed, time left, and the eval when there is one.
+    The whole row (grad norm, learning rate, memory, data wait, ...) is in metrics.jsonl and
+    TensorBoard; `shown`: the task's (metric, format) pairs."""
+    parts = [f"step {m['step']}/{steps}", f"loss {m['loss']:.4f}"]
+    if "tokens_per_sec" in m:
+        eta = int(m["step_seconds"] * (steps - m["step"]))
+        parts += [
+            f"{m['tokens_per_sec']:,.0f} tokens/s",
+            f"MFU {m['mfu']:.1%}",
+            f"ETA {eta // 3600}h{eta // 60 % 60:02d}m"
+            if eta >= 3600
+            else f"ETA {eta // 60}m{eta % 60:02d}s",
+        ]
+    return "  ".join(parts + [fmt.format(m[k]) for k, fmt in shown if k in m])
+
+
+class NonFinite(Exception):
+    """A step whose loss or gradient norm is NaN or inf: (step, what was non-finite)."""
+
+
+class Meter:
+    """Dispatched steps read back oldest first (one in flight lets the host dispatch step n + 1
+    while n runs; a log line, eval or checkpoint reads them all first, so none sees an unchecked
+    loss), and the window since the last row: losses, task metrics, tokens, time, data wait. Keeps
+    step times for the benchmark; `beat`: the watchdog."""
+
+    def __init__(self, waited, beat):
+        self.waited = waited  # () -> the seconds spent waiting for data so far
+        self.beat = beat
+        self.pending = []  # (step, dispatch time, outputs) of the steps not read back yet
+        self.step_times = []
+        self.t_done = None  # when the last step read back was seen to finish
+        self.first_step_seconds = None
+        self.last = None  # the newest step's outputs
+        self.new_window()
+
+    def new_window(self):
+        self.losses, self.extras = [], []
+        self.tokens, self.timed = 0.0, 0
+        self.t0, self.wait0 = time.perf_counter(), self.waited()
+
+    def read(self, keep=0):
+        """Reads back finished steps until `keep` remain in flight; returns the newest outputs."""
+        while len(self.pending) > keep:
+            step, t0, out = self.pending.pop(0)
+            out, now = jax.device_get(out), time.perf_counter()
+            timed = self.t_done is not None  # the first step warms up (compiled before): not timed
+            if timed:  # from the last step's end or this dispatch, whichever came later
+                self.step_times.append(now - max(self.t_done, t0))
+            else:
+                self.first_step_seconds = now - t0
+                log(f"first step: {now - t0:.1f}s")
+                self.t0, self.wait0 = now, self.waited()
+            self.t_done, self.last = now, out
+            self.beat(step, now - t0)
+            for name, key in (("loss", "loss"), ("gradient norm", "grad_norm")):
+                if not np.isfinite(out[key]):
+                    loss = f" (loss {out['loss']:.4f})" if key != "loss" else ""
+                    raise NonFinite(step, f"{name} is {out[key]}{loss}")
+            self.losses.append(float(out["loss"]))
+            # the task's metrics; NaN = not measured
+            task = {k: v for k, v in out.items() if k not in ("loss", "grad_norm", "tokens")}
+            self.extras.append({k: float(v) for k, v in task.items() if np.isfinite(v)})
+            self.tokens += float(out["tokens"]) if timed else 0.0
+            self.timed += timed
+        return self.last
+
+    def row(self, step, learning_rate, flops):
+        """The window's metrics row, every step read first."""
+        out, dt = self.read(), max(time.perf_counter() - self.t0, 1e-9)
+        m = {
+            "step": step,
+            "loss": float(np.mean(self.losses)) if self.losses else float("nan"),
+            "learning_rate": learning_rate,
+            "grad_norm": float(out["grad_norm"]),
+        }
+        if self.tokens:  # a window holding only the compiling first step has no rate to report
+            m.update(rates(flops, self.tokens / dt), step_seconds=dt / max(self.timed, 1))
+        m["tokens_per_step"] = float(out["tokens"])
+        m["data_wait_fraction"] = (self.waited() - self.wait0) / dt
+        m["host_rss_gb"] = host_rss_gb()
+        names = {k for e in self.extras for k in e}
+        m.update({k: float(np.mean([e[k] for e in self.extras if k in e])) for k in names})
+        if (mem := device_peak_memory_gb(jax.local_devices()[0])) is not None:
+            m["device_peak_memory_gb"] = mem
+        self.new_window()
+        return m
+
+
+def benchmark(meter, flops, tokens_per_step, note):
+    """Medians over every timed step (the first, compiling, excluded): for the summary, one line."""
+    if not meter.step_times:
+        return {}
+    med = float(np.median(meter.step_times))
+    r = rates(flops, tokens_per_step / med)
+    log(
+        f"benchmark: {len(meter.step_times)} timed steps, median {med:.3f} s/step = "
+        f"{r['tokens_per_sec']:,.0f} tokens/s, {r['tflops_per_device']:.3f} TFLOP/s per device, "
+        f"MFU {r['mfu']:.1%} of {flops['peak_per_device'] / 1e12:.3f} TFLOP/s "
+        f"({flops['peak_source']}); {note}"
+    )
+    return {
+        "median_step_seconds": med,
+        "median_tokens_per_sec": r["tokens_per_sec"],
+        "median_mfu": r["mfu"],
+    }
+
+
+# ==================================================================================================
+# The loop: dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps.
+# ==================================================================================================
+
+
+@dataclasses.dataclass
+class Signals:
+    """The SIGTERM / SIGINT names a run has noted (Part 2's preemption_signals); until `saving` is
+    set (the loop is about to take its first step) there is nothing new to save, and a signal stops
+    the run at once."""
+
+    names: list = dataclasses.field(default_factory=list)
+    saving: bool = False
+
+
+@dataclasses.dataclass
+class Job:
+    """What the loop works with: the run directory and its checkpoints, the built step and the
+    evaluator, the signals it answers and the FLOPs its rates need; once training starts, the
+    metrics writer and the watchdog's beat (called for every step read back, eval batch and
+    checkpoint)."""
+
+    dir: str
+    mngr: Any
+    built: Any
+    evaluate: Callable
+    caught: Signals
+    flops: dict = None
+    writer: Any = None
+    beat: Callable = lambda *_: None
+
+
+def next_batch(feed, it):
+    """The next grad_accum microbatches as one global [A, B, L] batch."""
+    mbs = [next(it) for _ in range(feed.accum)]
+    return global_batch(
+        {k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, feed.step_sharding, feed.rows
+    )
+
+
+def profile(cfg, step, run_dir, drain):
+    """profile_steps=a,b: a jax.profiler trace of steps a..b (1-based) into RUN_DIR/profile; called
+    with the steps done so far, before each dispatch and after the last. `drain` reads back the
+    steps in flight."""
+    local = (
+        os.path.join(tempfile.gettempdir(), "profile", cfg.run_name)
+        if data.remote(run_dir)
+        else run_dir
+    )
+    if step + 1 == cfg.profile_steps[0]:
+        drain()
+        jax.profiler.start_trace(os.path.join(local, "profile"))
+    if step == cfg.profile_steps[1] and step:
+        drain()
+        jax.profiler.stop_trace()
+        if local != run_dir:  # the profiler writes local files only
+            data.move_up(local, "profile/**/*", run_dir)
+        log(f"profile of steps {cfg.profile_steps[0]}-{step}: {run_dir}/profile")
+
+
+def train_loop(cfg, task, state, it, ds, job):
+    """Dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps. Returns
+    the last metrics row and the Meter (its timings); a signal (noted in job.caught) ends it with a
+    checkpoint and Preempted."""
+    step, last, meter = int(state["step"]), {}, Meter(lambda: it.wait_seconds, job.beat)
+    while step < cfg.steps:
+        profile(cfg, step, job.dir, meter.read)
+        t0 = time.perf_counter()
+        state, out = job.built.train_step(state, next_batch(job.built.feed, it))
+        step += 1
+        meter.pending.append((step, t0, out))
+        meter.read(keep=1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            last = meter.row(step, float(job.built.schedule(step - 1)), job.flops)
+            if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+                evaluated = job.evaluate(state, ds, cfg.eval_batches, beat=job.beat)
+                last.update({f"eval_{k}": v for k, v in evaluated.items()})
+            log(short_line(last, cfg.steps, task.shown))
+            job.writer.write(last)
+            meter.new_window()  # after the eval: its time counts in no window
+        preempted = job.caught.names or (
+            jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step)
+        )
+        if (
+            (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+            or step == cfg.steps
+            or preempted
+        ):
+            meter.read()  # a checkpoint holds only checked steps
+            # before the save: a resume drops rows past the checkpoint, never misses one
+            job.writer.flush()
+            save_checkpoint(job.mngr, step, state, it)  # async: training goes on while it writes
+            job.writer.flush(saved=True)
+            job.beat()
+        if preempted:
+            raise Preempted(
+                f"{job.caught.names[0] if job.caught.names else 'preemption notice'}: saved "
+                f"checkpoint at step {step} in {job.mngr.directory}; rerun the same command to "
+                "resume"
+            )
+    profile(cfg, step, job.dir, meter.read)
+    return last, meter
+
+
+def train(cfg, task, state, it, ds, job):
+    """mode=train: from state['step'] to cfg.steps; returns the last metrics row with the
+    benchmark's medians."""
+    if (start := int(state["step"])) >= cfg.steps:
+        log(
+            f"{job.dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise "
+            "steps= to go on)"
+        )
+        return {"step": start, "run_dir": job.dir}
+    # before the compile: a W&B problem shows at once
+    job.writer = data.MetricsWriter(cfg, job.dir, start, log)
+    try:
+        t_xla, compiled = compile_ahead(cfg, job.built, state)
+        with guard(cfg, job, t_xla):  # Part 2: the watchdog, a lost host, a non-finite loss
+            summary, meter = train_loop(cfg, task, state, it, ds, job)
+    finally:
+        it.close()
+        job.writer.close()
+        # still under the handlers: a repeated SIGTERM cannot cut the last save short
+        wait_for_saves(job.mngr)
+    mem = device_peak_memory_gb(jax.local_devices()[0])
+    summary.update(run_dir=job.dir, compile_seconds=t_xla + (meter.first_step_seconds or 0))
+    note = (
+        f"compile + first step {summary['compile_seconds']:.1f}s; host RSS {host_rss_gb():.2f} GiB"
+        + (f", device peak {mem:.2f} GiB" if mem is not None else "")
+        + f", compiled step {gb(compiled or 0)}"
+    )
+    summary.update(benchmark(meter, job.flops, summary.get("tokens_per_step", 0.0), note))
+    done = ("step", "loss", "eval_loss", "tokens_per_sec", "mfu", "compile_seconds", "run_dir")
+    log("done: " + json.dumps({k: summary.get(k) for k in done}))
+    log(
+        f"checkpoints: {job.mngr.directory}; metrics: {job.dir}/metrics.jsonl (tensorboard "
+        f"--logdir {job.dir})"
+    )
+    return summary
+
+
+# ==================================================================================================
+# The other modes: eval, generation, Hugging Face export (import is in restore_or_init), each (cfg,
+# task, state, ds, job) -> a summary.
+# ==================================================================================================
+
+
+def eval_mode(cfg, task, state, ds, job):
+    """mode=eval: the loaded parameters on the eval set (eval_batches, or all of it where the task
+    says so), printed as one JSON line and written to eval.json (and any answers the task writes
+    beside it)."""
+    n_batches = None if task.eval_all else cfg.eval_batches
+    result = {"step": int(state["step"]), **job.evaluate(state, ds, n_batches, save_to=job.dir)}
+    if task.answers and cfg.eval_answers:  # held-out prompts answered, scored by exact match
+        result.update(task.answers(cfg, job.built.graph, state[task.eval_weights], ds, job.dir))
+    data.write(os.path.join(job.dir, "eval.json"), json.dumps(result))
+    log(json.dumps(result))
+    return result
+
+
+def generate_mode(cfg, task, state, ds, job):
+    """mode=generate: the task's generation from prompt=, printed and written to
+    RUN_DIR/generation.txt."""
+    summary, shown, text = task.generate(
+        cfg, job.built.graph, state[task.eval_weights], ds, job.built.mesh.size
+    )
+    log(shown)
+    data.write(os.path.join(job.dir, "generation.txt"), text)
+    return {**summary, "run_dir": job.dir}
+
+
+def export_hf(cfg, params, ds, out_dir):
+    """A Hugging Face checkpoint of params in out_dir (model.save_hf): the family the model's
+    options make, over the config.json of the load_hf checkpoint the run started from, with the
+    run's tokenizer."""
+    host = multihost_utils.process_allgather(params, tiled=True)  # whole arrays on every process
+    source = (
+        data.read_json(os.path.join(data.hf_dir(cfg.load_hf), "config.json"))
+        if cfg.load_hf
+        else None
+    )
+    try:
+        tensors = model_lib.save_hf(cfg, host, out_dir, ds.tokenizer, source)
+    except (data.WriteError, *data.STORAGE_ERRORS) as e:
+        reason = e if isinstance(e, data.WriteError) else data.storage_reason(e)
+        raise ConfigError(
+            f"export_dir={out_dir}: cannot write there ({reason}); choose a writable directory"
+        ) from None
+    except ValueError as e:
+        raise ConfigError(f"mode=export: {e}") from None
+    arch = model_lib.hf_config(cfg)["architectures"][0]
+    log(
+        f"exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face {arch} checkpoint "
+        f"to {out_dir}"
+    )
+    return tensors
+
+
+def export_mode(cfg, task, state, ds, job):
+    """mode=export: the parameters as a Hugging Face Llama checkpoint in export_dir (default
+    RUN_DIR/hf)."""
+    export_hf(cfg, state["params"], ds, out_dir := cfg.export_dir or os.path.join(job.dir, "hf"))
+    return {"export_dir": out_dir}
+
+
+# ==================================================================================================
+# run: everything above, in the order the data flows; main: the command line.
+# ==================================================================================================
+
+
+def describe(cfg, devices, built):
+    """Logs the devices, the mesh, the batch and the parameters kept whole; returns the batch."""
+    rows = cfg.per_device_batch * len(devices) * cfg.grad_accum
+    batch = (
+        f"batch: {cfg.per_device_batch}/device x {len(devices)} devices x {cfg.grad_accum} accum = "
+        f"{rows} examples = {rows * cfg.max_target_length} tokens per step"
+    )
+    log(
+        f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), "
+        f"{jax.process_count()} process(es), {cfg.num_slices} slice(s); mesh "
+        f"{dict(built.mesh.shape)}\n{batch}"
+    )
+    if whole := sharding_table(built.layout, cfg, built.mesh, whole_only=True):
+        log(
+            "parameters kept whole where their size does not divide by their mesh axes:\n"
+            + "\n".join(whole)
+        )
+    return batch
+
+
+def run(cfg, devices=None, caught=None):
+    """Train, evaluate, export or generate per cfg; returns a summary dict. `devices` lets tests
+    pick a subset; `caught`: the signals main() listens for."""
+    task = model_lib.TASKS[cfg.task]  # what is trained: the one place train.py asks
+    # Part 2: checked, load_hf's keys, auto values, alike on every host
+    cfg, devices = as_run(cfg, task, devices)
+    if cfg.compile_topology:
+        return fit_tpu(cfg, task, devices)  # Part 2: compiled for a TPU slice, nothing run
+    ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log, task.dataset)
+    if cfg.epochs:  # the steps that read every training example `epochs` times
+        steps = ds.epoch_steps(cfg.per_device_batch * len(devices), cfg.grad_accum, cfg.epochs)
+        cfg = cfg.model_copy(update={"steps": steps})
+        log(f"epochs={cfg.epochs}: steps={steps}")
+    built = build(cfg, task, devices)
+    # Part 2: the same data on every host, its vocabulary the model's, the state within host memory
+    preflight(cfg, ds, built.layout)
+    batch = describe(cfg, devices, built)
+    # Part 2: the FLOPs per token and the device's peak (on CPU, measured outside the mesh)
+    flops = step_flops(cfg, task, devices) if cfg.mode == "train" else None
+    with (
+        run_directory(cfg) as run_dir,  # Part 2: one run at a time in it, shared by every host
+        jax.set_mesh(built.mesh),
+        nnx.logical_axis_rules(cfg.logical_axis_rules),
+        checkpoints(os.path.join(run_dir, "checkpoints"), cfg) as mngr,
+    ):
+        state, data_state, trained = restore_or_init(cfg, task, mngr, built.layout)
+        if cfg.mode == "train" and ds.tokenizer:
+            data.keep_tokenizer(ds, run_dir, int(state["step"]) > 0, cfg)
+        # train's record of its config stays; the other modes write theirs beside it
+        name = "config.yml" if cfg.mode == "train" else f"config.{cfg.mode}.yml"
+        config = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+        data.write(os.path.join(run_dir, name), f"# {batch}\n{config}")
+        log(
+            f"model: {sum(x.size for x in jax.tree.leaves(state['params'])) / 1e6:.2f}M "
+            f"parameters, {task.flops_per_token(cfg) / 1e6:.1f} MFLOPs per token (train)"
+        )
+        if cfg.print_sharding:
+            log("\n".join(sharding_table(built.layout, cfg, built.mesh)))
+        if cfg.mode != "train" and not trained:
+            raise ConfigError(
+                f"mode={cfg.mode} needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, "
+                f"or run_name= a run with checkpoints (none in {run_dir}/checkpoints)"
+            )
+        evaluate = evaluator(cfg, task, built.eval_step, built.feed)
+        job = Job(run_dir, mngr, built, evaluate, caught or Signals(), flops)
+        if cfg.mode == "train":
+            it = ds.train_iter(built.feed.rows // jax.process_count(), state=data_state)
+            return train(cfg, task, state, it, ds, job)
+        modes = {"export": export_mode, "generate": generate_mode, "eval": eval_mode}
+        return modes[cfg.mode](cfg, task, state, ds, job)
+
+
+def main(argv):
+    """The command line: config files first (base.yml, then yours), then key=value pairs. Returns
+    the exit code."""
+    if len(argv) < 2 or argv[1] in ("-h", "--help"):
+        print(__doc__.strip().splitlines()[0])
+        return 0 if len(argv) >= 2 else 2
+    is_file = lambda arg: arg.endswith((".yml", ".yaml")) and "=" not in arg
+    files = [argv[1], *itertools.takewhile(is_file, argv[2:])]
+    # Part 2: a mistake, a full disk, a lost host: one line and an exit code
+    with OneLineErrors() as outcome:
+        # Part 2: the files and keys, checked by the schema
+        cfg = load_config(files, argv[1 + len(files) :])
+        # Part 2: the platforms and hosts; from here a signal is answered
+        with started(cfg) as caught:
+            summary = run(cfg, caught=caught)
+        outcome.code = DOES_NOT_FIT if summary.get("fits") is False else 0
+    return outcome.code
+
+
+# Part 2: what a pod needs beyond the trainer. A first reading of the trainer skips all of it;
+# each section names the failure it answers and the test that shows it. Part 1 reaches it through
+# 12 entry points, each with a one-line docstring: load_config, as_run, fit_tpu, preflight, agree,
+# step_flops, run_directory, restore_checkpoint, compile_ahead, guard, OneLineErrors, started.
+
+
+# ==================================================================================================
+# The config (Part 2). Failure: a key mistyped, out of range or at odds with another, a file that is
+# not a config, a checkpoint whose config.json this model cannot run: one line naming the key and
+# the fix, exit 2. Shown by tests/test_errors.py::test_bad_input_is_one_line_and_exit_2, test_hf.py
+# (load_hf's keys). Every key is declared once below with its type and bounds; base.yml holds its
+# default and doc.
+# ==================================================================================================
+
+
 def _number(value):
     """YAML reads yes/true as a boolean, which pydantic would take as 1 for a number key."""
     if isinstance(value, bool):
-        raise ValueError("expected a number")
+        raise ValueError("expected a number")  # noqa: TRY004 - pydantic reports only ValueError
     return value
 
 
 def _items(value):
-    """A list typed on the command line: 4,4,2 or YAML ([[batch, data]]); from a YAML file as it is."""
+    """A list typed on the command line: 4,4,2 or YAML ([[batch, data]]); from a file, as it is."""
     if isinstance(value, str) and value.startswith("["):
         try:
             return yaml.safe_load(value)
@@ -84,9 +1005,8 @@ def _items(value):
             ) from None
     if isinstance(value, str):
         return [v.strip() for v in value.split(",")]
-    return (
-        value if isinstance(value, (list, tuple)) else [value]
-    )  # one value (YAML's 45) is a list of one
+    # one value (YAML's 45) is a list of one
+    return value if isinstance(value, (list, tuple)) else [value]
 
 
 def _mesh_sizes(sizes):
@@ -96,20 +1016,42 @@ def _mesh_sizes(sizes):
 
 
 Number = BeforeValidator(_number)
+
+
 INT_MAX = 2**31 - 1  # steps, counts and sizes reach jitted code as int32
-FLOAT_MAX = float(
-    np.finfo(np.float32).max
-)  # rates and decays too, as float32: 1e39 would be inf there
+
+
+# rates and decays too, as float32: 1e39 would be inf there
+FLOAT_MAX = float(np.finfo(np.float32).max)
+
+
 Count = Annotated[int, Number, Field(ge=1, le=INT_MAX)]  # at least one
+
+
 Off = Annotated[int, Number, Field(ge=0, le=INT_MAX)]  # a count where 0 means off, none or all
+
+
 Positive = Annotated[float, Number, Field(gt=0, le=FLOAT_MAX)]
+
+
 NonNeg = Annotated[float, Number, Field(ge=0, le=FLOAT_MAX)]
+
+
 Share = Annotated[float, Number, Field(ge=0, le=1)]  # a probability or fraction
+
+
 Decay = Annotated[float, Number, Field(ge=0, lt=1)]  # a moving-average decay: 1 would never move
+
+
 Names = Annotated[tuple[str, ...], BeforeValidator(_items)]
+
+
 AxisRule = tuple[str, str | tuple[str, ...] | None]
-# TPU slices the fit check compiles for: (libtpu topology, chip config, HBM per JAX device). A v2/v3 device is one
-# core (half a chip); a TPU7x (Ironwood) device one of a chip's two dies (libtpu 0.0.51: 8 x 94.7 GiB per 2x2x1).
+
+
+# TPU slices the fit check compiles for: (libtpu topology, chip config, HBM per JAX device). A v2/v3
+# device is one core (half a chip); a TPU7x (Ironwood) device one of a chip's two dies (libtpu
+# 0.0.51: 8 x 94.7 GiB per 2x2x1).
 TPU_SLICES = {
     "v2-8": ("v2:2x2", "default", 8 * GiB),
     "v3-8": ("v3:2x2", "default", 16 * GiB),
@@ -124,8 +1066,9 @@ TPU_SLICES = {
 
 
 class Keys(pydantic.BaseModel):
-    """Frozen (nothing changes a config once loaded; resolve() makes a new one), strict about names. `_given`: the
-    keys the user set beyond base.yml (later files, the command line), which a checkpoint's own may not contradict."""
+    """Frozen (nothing changes a config once loaded; resolve() makes a new one), strict about names.
+    `_given`: the keys the user set beyond base.yml (later files, the command line), which a
+    checkpoint's own may not contradict."""
 
     model_config = pydantic.ConfigDict(
         frozen=True, extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False
@@ -146,8 +1089,8 @@ KINDS = {
 
 
 def kind_type(kind):
-    """A task's key kind (model.Task.keys) as its type: a name in KINDS, ('int', lo, hi), ('ints', lo, hi) for a
-    list of those, or a tuple of the values allowed."""
+    """A task's key kind (model.Task.keys) as its type: a name in KINDS, ('int', lo, hi), ('ints',
+    lo, hi) for a list of those, or a tuple of the values allowed."""
     if isinstance(kind, str):
         return KINDS[kind]
     if kind[0] in ("int", "ints"):
@@ -160,22 +1103,22 @@ def kind_type(kind):
     return Literal[kind]
 
 
-# (type, keys): every key of base.yml, each once, grouped by type; what it means and its default are written
-# in base.yml. A dotted key lives in a section (trm.T: `T` of section `trm`). The trainer's keys, then each
-# task's own (model.Task.keys).
+# (type, keys): every key of base.yml, each once, grouped by type; what it means and its default are
+# written in base.yml. A dotted key lives in a section (trm.T: `T` of section `trm`). The trainer's
+# keys, then each task's own (model.Task.keys).
 SCHEMA = [
     (
         Count,
         (
-            "steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads mlp_dim "
-            "max_target_length grad_accum host_timeout num_slices mlp_chunks"
+            "steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads "
+            "mlp_dim max_target_length grad_accum host_timeout num_slices mlp_chunks"
         ),
     ),
     (
         Off,
         (
-            "eval_every eval_batches checkpoint_every keep_checkpoints top_k head_dim warmup_steps prefetch seed "
-            "epochs eval_answers"
+            "eval_every eval_batches checkpoint_every keep_checkpoints top_k head_dim warmup_steps "
+            "prefetch seed epochs eval_answers"
         ),
     ),
     (Positive, "rope_scaling.factor rope_scaling.low_freq_factor rope_scaling.high_freq_factor"),
@@ -187,14 +1130,18 @@ SCHEMA = [
     (Decay, "adam_b1 adam_b2"),
     (
         bool,
-        "print_sharding resume tie_embeddings qkv_bias qk_norm scan_layers hf_streaming packing completion_only",
+        (
+            "print_sharding resume tie_embeddings qkv_bias qk_norm scan_layers hf_streaming "
+            "packing completion_only"
+        ),
     ),
     (
         str,
         (
-            "run_name output_dir compile_cache_dir load_params export_dir load_hf prompt dataset_path "
-            "eval_path tfds_name data_dir train_split eval_split text_key tokenizer_path cache_dir wandb_project "
-            "wandb_entity hf_path hf_name hf_data_files hf_split hf_eval_split"
+            "run_name output_dir compile_cache_dir load_params export_dir load_hf prompt "
+            "dataset_path eval_path tfds_name data_dir train_split eval_split text_key "
+            "tokenizer_path cache_dir wandb_project wandb_entity hf_path hf_name hf_data_files "
+            "hf_split hf_eval_split"
         ),
     ),
     (Annotated[tuple[Off, Off], BeforeValidator(_items)], "profile_steps"),
@@ -213,6 +1160,8 @@ SCHEMA = [
     (Literal["auto", "einsum", "xla", "cudnn", "splash"], "attention"),
     (Literal["stdlib", "files", "tfds", "hf", "synthetic"], "dataset"),
 ] + [(kind_type(kind), keys) for task in model_lib.TASKS.values() for kind, keys in task.keys]
+
+
 KEYS = [key for _, keys in SCHEMA for key in keys.split()]
 
 
@@ -235,7 +1184,8 @@ Config = make_schema(SCHEMA)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML silently keeps the last of two equal keys; a config that sets a key twice is a mistake."""
+    """PyYAML silently keeps the last of two equal keys; a config that sets a key twice is a
+    mistake."""
 
     def construct_mapping(self, node, deep=False):
         keys = [(self.construct_object(k, deep=deep), k.start_mark.line + 1) for k, _ in node.value]
@@ -270,7 +1220,8 @@ def unknown_key(key, path):
 
 
 def merge(into, new, path, prefix):
-    """The keys of `new` (read from `path`) over `into`, section by section, each checked to be a key."""
+    """The keys of `new` (read from `path`) over `into`, section by section, each checked to be a
+    key."""
     for name, value in new.items():
         if isinstance(name, str) and "." in name:  # `trm.T: 3` in a file is `trm:` then `T: 3`
             name, _, rest = name.partition(".")
@@ -281,7 +1232,8 @@ def merge(into, new, path, prefix):
         section = any(k.startswith(f"{key}.") for k in KEYS)
         if section != isinstance(value, dict):
             raise ConfigError(
-                f"{path}: {key} is {'a section of keys, not a value' if section else 'a value, not a section'}"
+                f"{path}: {key} is "
+                f"{'a section of keys, not a value' if section else 'a value, not a section'}"
             )
         if section:
             merge(into.setdefault(name, {}), value, path, f"{key}.")
@@ -289,78 +1241,71 @@ def merge(into, new, path, prefix):
             into[name] = value
 
 
+BOUNDS = {
+    "greater_than": ">",
+    "greater_than_equal": ">=",
+    "less_than": "<",
+    "less_than_equal": "<=",
+}
+EXPECTED = {  # pydantic's error types -> what the key takes, in words
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "string": "text",
+    "model": "a section of keys",
+    "dict": "a section of keys",
+    "tuple": "a list",
+    "list": "a list",
+    "finite": "a finite number",
+}
+
+
 def schema_error(err, path, raw):
     """pydantic's first complaint as our one line: the key, its value as typed, what it must be."""
-    names = [
-        p
-        for p in err["loc"]
-        if isinstance(p, str) and p in {k for key in KEYS for k in key.split(".")}
-    ]
-    key, kind, ctx, value, in_list = (
-        ".".join(names),
-        err["type"],
-        err.get("ctx", {}),
-        raw,
-        len(names) < len(err["loc"]),
-    )
-    for name in names:  # the whole value of the key (err['input'] is only the bad item of a list)
+    parts = {k for key in KEYS for k in key.split(".")}
+    names = [p for p in err["loc"] if isinstance(p, str) and p in parts]
+    key, kind, ctx = ".".join(names), err["type"], err.get("ctx", {})
+    in_list = len(names) < len(err["loc"])  # err['input'] is only the bad item of a list
+    value = raw
+    for name in names:  # the whole value of the key
         value = value.get(name) if isinstance(value, dict) else None
-    shown = (
-        value if isinstance(value, str) else json.dumps(value, default=str)
-    )  # as typed, or as YAML wrote it
-    ops = {
-        "greater_than": ">",
-        "greater_than_equal": ">=",
-        "less_than": "<",
-        "less_than_equal": "<=",
-    }
+    # as typed, or as YAML wrote it
+    shown = value if isinstance(value, str) else json.dumps(value, default=str)
     if kind == "extra_forbidden":
         return unknown_key(key, path)
     if key == "logical_axis_rules":
         return (
-            f"logical_axis_rules={shown}: give a list of [logical axis, mesh axis or list of them or null] "
-            "pairs, e.g. [[batch, [data, fsdp]], [embed, fsdp]]"
+            f"logical_axis_rules={shown}: give a list of [logical axis, mesh axis or list of them "
+            "or null] pairs, e.g. [[batch, [data, fsdp]], [embed, fsdp]]"
         )
     if kind == "missing" and not in_list:
-        return f"{path}: key {key} is missing; list base.yml first to take it from there: train.py base.yml {path}"
+        return (
+            f"{path}: key {key} is missing; list base.yml first to take it from there: train.py "
+            f"base.yml {path}"
+        )
     if kind == "literal_error":
         return f"{key}={value!r}: choose one of {ctx['expected'].replace(' or ', ', ')}"
-    if kind in ops:
+    if kind in BOUNDS:
         bound = next(iter(ctx.values()))
-        return f"{key}={shown}: must be {ops[kind]} {f'{bound:g}' if isinstance(bound, float) else bound}"
+        bound = f"{bound:g}" if isinstance(bound, float) else bound
+        return f"{key}={shown}: must be {BOUNDS[kind]} {bound}"
     if kind in ("missing", "too_long"):  # a list of fixed length
-        return (
-            f"{key}={shown}: expected {len(Config.model_fields[key].annotation.__args__)} entries"
-        )
-    expected = {
-        "int": "an integer",
-        "float": "a number",
-        "bool": "true or false",
-        "string": "text",
-        "model": "a section of keys",
-        "dict": "a section of keys",
-        "tuple": "a list",
-        "list": "a list",
-        "finite": "a finite number",
-    }
-    what = (
-        ctx["error"]
-        if kind == "value_error"
-        else "expected " + next((v for k, v in expected.items() if kind.startswith(k)), kind)
-    )
-    return f"{key}={shown}: {what}" + (
-        " in each entry" if in_list and kind != "value_error" else ""
-    )
+        entries = len(Config.model_fields[key].annotation.__args__)
+        return f"{key}={shown}: expected {entries} entries"
+    if kind == "value_error":
+        return f"{key}={shown}: {ctx['error']}"
+    what = next((v for k, v in EXPECTED.items() if kind.startswith(k)), kind)
+    return f"{key}={shown}: expected {what}" + (" in each entry" if in_list else "")
 
 
 def load_config(paths, overrides=()):
-    """YAML files (base.yml, then any files of your own, later keys winning) + ['key=value', ...] -> Config,
-    all checked by the one schema. Raises ConfigError naming the key on any mistake."""
+    """YAML files (base.yml, then yours; later keys win) + key=value pairs -> a checked Config."""
+    # Each file and pair is checked by the one schema; a mistake is a ConfigError naming the key.
     raw, paths, given = {}, [paths] if isinstance(paths, str) else paths, set()
     for i, path in enumerate(paths):
         values = read_yaml(path)
         merge(raw, values, path, "")
-        given |= set(flat(values)) if i else set()
+        given |= set(data.flat(values)) if i else set()
     given_keys = [item.partition("=")[0] for item in overrides]
     for item, key in zip(overrides, given_keys):
         text = item.partition("=")[2]
@@ -370,9 +1315,8 @@ def load_config(paths, overrides=()):
             raise ConfigError(f"{key} is given twice on the command line; keep one")
         try:
             text.encode()
-        except (
-            UnicodeEncodeError
-        ):  # Python keeps bytes that are not UTF-8 as surrogates: the tokenizer cannot
+        # Python keeps bytes that are not UTF-8 as surrogates: the tokenizer cannot
+        except UnicodeEncodeError:
             raise ConfigError(
                 f"{key}=: the value is not UTF-8 text; retype it, or set the terminal to UTF-8"
             ) from None
@@ -397,19 +1341,16 @@ def validated(raw, path, given):
     return cfg
 
 
-def flat(values, prefix=""):
-    """A nested dict as {'section.key': value}: how configs are compared and shown."""
-    return dict(
-        kv
-        for k, v in values.items()
-        for kv in (
-            flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(f"{prefix}{k}", v)]
-        )
-    )
-
-
 def check(cfg, task):
-    """The rules that tie keys together, the task's own, and the paths: each message names the key and the fix."""
+    """The rules that tie keys together, the task's own, the paths: each names the key and fix."""
+    rules = shape_rules(cfg) + run_rules(cfg) + [(True, task.check(cfg))]
+    if message := next((says for broken, says in rules if broken and says), None):
+        raise ConfigError(message)
+    data.check_paths(cfg)
+
+
+def shape_rules(cfg):
+    """(broken, message) for the model's shape and the mesh's."""
     mesh, axes = ",".join(map(str, cfg.mesh)), ",".join(cfg.mesh_axes)
     unmapped = [
         (name, a)
@@ -417,8 +1358,7 @@ def check(cfg, task):
         for a in (to if isinstance(to, tuple) else [to])
         if a and a not in cfg.mesh_axes
     ] or [("", "")]
-    first, last = cfg.profile_steps
-    rules = [
+    return [
         (
             cfg.num_heads % cfg.num_kv_heads,
             f"num_heads={cfg.num_heads} must be a multiple of num_kv_heads={cfg.num_kv_heads}",
@@ -426,8 +1366,8 @@ def check(cfg, task):
         (
             not cfg.head_dim and cfg.d_model % cfg.num_heads,
             (
-                f"d_model={cfg.d_model} is not divisible by num_heads="
-                f"{cfg.num_heads}; change one, or set head_dim explicitly"
+                f"d_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}; change one, "
+                "or set head_dim explicitly"
             ),
         ),
         (
@@ -436,18 +1376,31 @@ def check(cfg, task):
         ),
         (
             len(cfg.mesh) != len(cfg.mesh_axes),
-            f"mesh={mesh} has {len(cfg.mesh)} entries but mesh_axes={axes} names {len(cfg.mesh_axes)}",
+            (
+                f"mesh={mesh} has {len(cfg.mesh)} entries but mesh_axes={axes} names "
+                f"{len(cfg.mesh_axes)}"
+            ),
         ),
         (
             unmapped[0][1],
             (
-                f"logical_axis_rules maps {unmapped[0][0]!r} to mesh axis {unmapped[0][1]!r}, which "
-                f"mesh_axes={axes} does not name"
+                f"logical_axis_rules maps {unmapped[0][0]!r} to mesh axis {unmapped[0][1]!r}, "
+                f"which mesh_axes={axes} does not name"
             ),
         ),
+    ]
+
+
+def run_rules(cfg):
+    """(broken, message) for the run's keys: what it profiles, its batch, its start, its name."""
+    first, last = cfg.profile_steps
+    return [
         (
             (first, last) != (0, 0) and not 1 <= first <= last <= cfg.steps,
-            f"profile_steps={first},{last}: give two steps a,b with 1 <= a <= b <= steps={cfg.steps} (0,0 = off)",
+            (
+                f"profile_steps={first},{last}: give two steps a,b with 1 <= a <= b <= "
+                f"steps={cfg.steps} (0,0 = off)"
+            ),
         ),
         (
             cfg.vocab_tile not in (0, "auto") and cfg.vocab_size % cfg.vocab_tile,
@@ -455,25 +1408,27 @@ def check(cfg, task):
         ),
         (
             cfg.per_device_batch == "auto" and not cfg.compile_topology,
-            "per_device_batch=auto is the fit check's search: give compile_topology=SLICE, or a number to train",
+            (
+                "per_device_batch=auto is the fit check's search: give compile_topology=SLICE, or "
+                "a number to train"
+            ),
         ),
         (cfg.load_params and cfg.load_hf, "load_params and load_hf are both set; keep one"),
         (
             cfg.epochs and "steps" in cfg._given,
             (
-                f"steps={cfg.steps} and epochs={cfg.epochs} are both set: epochs sets "
-                "steps from the size of the data; keep one"
+                f"steps={cfg.steps} and epochs={cfg.epochs} are both set: epochs sets steps from "
+                "the size of the data; keep one"
             ),
         ),
         (
             not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in (".", ".."),
-            f"run_name={cfg.run_name!r}: give a plain directory name (the run goes to output_dir/run_name)",
+            (
+                f"run_name={cfg.run_name!r}: give a plain directory name (the run goes to "
+                "output_dir/run_name)"
+            ),
         ),
-        (True, task.check(cfg)),
     ]
-    if message := next((says for bad, says in rules if bad and says), None):
-        raise ConfigError(message)
-    data.check_paths(cfg)
 
 
 def with_values(cfg, values):
@@ -486,27 +1441,29 @@ def with_values(cfg, values):
 
 
 def checkpoint_keys(cfg):
-    """load_hf: the model's keys come from the checkpoint's config.json, so the user types none; a key they set that
-    disagrees is one line naming both values, and a model this Transformer cannot run one line naming why."""
+    """load_hf: the model's keys come from the checkpoint's config.json, so the user types none; a
+    key they set that disagrees is one line naming both values, and a model this Transformer cannot
+    run one line naming why."""
     folder = data.hf_dir(cfg.load_hf)
     path = os.path.join(folder, "config.json")
     try:
         keys = model_lib.hf_keys(data.read_json(path, "of a model config"))
     except data.STORAGE_ERRORS as e:
         raise ConfigError(
-            f"load_hf={cfg.load_hf}: cannot read {path} ({data.storage_reason(e)}); give a Hugging Face "
-            "checkpoint directory (config.json, model.safetensors) or a hub id"
+            f"load_hf={cfg.load_hf}: cannot read {path} ({data.storage_reason(e)}); give a Hugging "
+            "Face checkpoint directory (config.json, model.safetensors) or a hub id"
         ) from None
     except ValueError as e:
         raise ConfigError(f"load_hf={cfg.load_hf}: {e}") from None
-    values = flat(cfg.model_dump(mode="json"))
+    values = data.flat(cfg.model_dump(mode="json"))
     for key, value in keys.items():
         mine = values[key] if key != "head_dim" else model_lib.dims(cfg)  # head_dim=0: derived
         same = math.isclose(mine, value) if isinstance(value, float) else mine == value
         if key in cfg._given and not same:
             raise ConfigError(
-                f"load_hf={cfg.load_hf}: its config.json has {model_lib.HF_KEYS.get(key, key)}={value} "
-                f"but {key}={mine} is set; drop {key}= (the checkpoint decides it)"
+                f"load_hf={cfg.load_hf}: its config.json has "
+                f"{model_lib.HF_KEYS.get(key, key)}={value} but {key}={mine} is set; drop {key}= "
+                "(the checkpoint decides it)"
             )
     try:
         return with_values(cfg, keys)
@@ -515,17 +1472,19 @@ def checkpoint_keys(cfg):
 
 
 def cpu_has_bf16():
-    """Whether this CPU has bf16 instructions: avx512_bf16 or amx_bf16 among /proc/cpuinfo's flags."""
-    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    """Whether this CPU has bf16 instructions: avx512_bf16 or amx_bf16 in /proc/cpuinfo's flags."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve(cfg, task, platform, device_kind=""):
-    """The config as run: dtype=auto made concrete (bfloat16 on TPU, GPU and CPUs with bf16 instructions,
-    float32 on other CPUs, where XLA:CPU's bf16 step is slower), attention=auto (splash on TPU chips whose
-    compiler takes the Pallas kernel, v4 on; XLA's on v2 and v3, whose Mosaic refuses its bf16 matmuls;
-    cuDNN's on GPU; einsum on CPU), vocab_tile=auto (4096 on TPU, off elsewhere), and the values the task
-    decides (the puzzle vocabulary and length). Computed once; config.yml records the result."""
+    """The config as run: dtype=auto made concrete (bfloat16 on TPU, GPU and CPUs with bf16
+    instructions, float32 on other CPUs, where XLA:CPU's bf16 step is slower), attention=auto
+    (splash on TPU chips whose compiler takes the Pallas kernel, v4 on; XLA's on v2 and v3, whose
+    Mosaic refuses its bf16 matmuls; cuDNN's on GPU; einsum on CPU), vocab_tile=auto (4096 on TPU,
+    off elsewhere), and the values the task decides (the puzzle vocabulary and length). Computed
+    once; config.yml records the result."""
     fixed, old_tpu, chip = (
         task.fixed(cfg),
         device_kind.startswith(("TPU v2", "TPU v3")),
@@ -543,14 +1502,14 @@ def resolve(cfg, task, platform, device_kind=""):
             platform, "einsum"
         )
         log(f"attention=auto: {fixed['attention']} on {chip}")
-    if (
-        cfg.vocab_tile == "auto"
-    ):  # on TPU the memory it frees buys batch; XLA:CPU runs the recompute slower
+    # on TPU the memory it frees buys batch; XLA:CPU runs the recompute slower
+    if cfg.vocab_tile == "auto":
         fixed["vocab_tile"] = 4096 if platform == "tpu" and cfg.vocab_size % 4096 == 0 else 0
     attention = fixed.get("attention", cfg.attention)
     if attention == "splash" and (platform != "tpu" or old_tpu):
         raise ConfigError(
-            f"attention=splash: the Pallas kernel runs on TPU v4 and later, not on {chip}; use attention=auto"
+            f"attention=splash: the Pallas kernel runs on TPU v4 and later, not on {chip}; use "
+            "attention=auto"
         )
     if attention == "splash" and not model_lib.splash_block(cfg.max_target_length):
         raise ConfigError(
@@ -559,38 +1518,147 @@ def resolve(cfg, task, platform, device_kind=""):
         )
     if attention == "cudnn" and platform != "gpu":
         raise ConfigError(
-            f"attention=cudnn: cuDNN's kernel runs on NVIDIA GPUs, not on {chip}; use attention=auto"
+            f"attention=cudnn: cuDNN's kernel runs on NVIDIA GPUs, not on {chip}; use "
+            "attention=auto"
         )
     return cfg.model_copy(update=fixed)
 
 
+def as_run(cfg, task, devices=None):
+    """(the config as this run uses it, its devices): checked, concrete, alike on every host."""
+    # The rules checked; load_hf's model keys from its config.json, the rules again on them; the
+    # compilation cache on; the devices (for compile_topology, the TPU slice's, described by
+    # libtpu); the auto values made concrete for them; and every host started alike.
+    check(cfg, task)
+    if cfg.load_hf:  # the model's shape from its config.json, then the rules again on it
+        check(cfg := checkpoint_keys(cfg), task)
+    # before the first compile; every program is cached, however quick to compile
+    if cfg.compile_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(data.stored(cfg.compile_cache_dir)))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    devices = tpu_slice(cfg) if cfg.compile_topology else devices or jax.devices()
+    check_slices(cfg, devices)
+    cfg = resolve(cfg, task, devices[0].platform, devices[0].device_kind)
+    local = ("cache_dir", "data_dir", "compile_cache_dir")  # these may name each host's own disk
+    shared = {k: v for k, v in data.flat(cfg.model_dump(mode="json")).items() if k not in local}
+    same_everywhere(shared, "start every host with the same command", cfg.host_timeout)
+    return cfg, devices
+
+
 # ==================================================================================================
-# Devices, hosts and mesh. Only this file builds the mesh. The hosts of a multi-host run compare what must match
-# through JAX's coordination service (its key-value store, no devices): a collective across hosts that disagree
-# would hang, or train them apart.
+# Platforms and hosts (Part 2). Failures: a platform JAX cannot start, distributed variables that do
+# not add up, hosts started with other keys or other data (a collective across them would hang, or
+# train them apart): one line each. Shown by
+# tests/test_errors.py::test_a_platform_jax_cannot_start_is_one_line,
+# test_hardware.py::test_bad_distributed_env_is_one_line_error,
+# test_hosts.py::test_hosts_started_differently_*. The hosts compare what must match through JAX's
+# coordination service (its key-value store, no devices).
 # ==================================================================================================
-def make_mesh(cfg, devices):
-    """The mesh over `devices`: jax.make_mesh on one slice; over several, the axes dcn_mesh names split across
-    the slices (the data-center network between them) and the rest within each (create_hybrid_device_mesh)."""
-    n, known, axes = (
-        len(devices),
-        math.prod(cfg.mesh),
-        ",".join(cfg.mesh_axes),
-    )  # known < 0: one -1 to fill in
-    shape = [n // -known if s == -1 and n % known == 0 else s for s in cfg.mesh]
-    if math.prod(shape) != n or -1 in shape:
+
+
+def pci_vendors():
+    """The PCI vendor ids of this host's devices (Linux sysfs): what accelerators it has, without
+    starting any of them. Google 0x1ae0 = TPU chips, NVIDIA 0x10de, AMD 0x1002."""
+    return {open(path).read().strip() for path in glob.glob("/sys/bus/pci/devices/*/vendor")}
+
+
+def start_platforms():
+    """An installed libtpu (tests/requirements.txt brings it, for the TPU fit check) loads itself
+    into every JAX process and prints five lines of errors on a host without TPU chips. There,
+    unless the user chose platforms (JAX_PLATFORMS), JAX starts only what the host has: a GPU whose
+    JAX plugin is installed, and the CPU. The fit check loads libtpu itself."""
+    vendors = pci_vendors()
+    if jax.config.jax_platforms or "0x1ae0" in vendors:
+        return
+    plugins = [m.name for m in pkgutil.iter_modules()]
+    gpus = [
+        name
+        for name, vendor in (("cuda", "0x10de"), ("rocm", "0x1002"))
+        if vendor in vendors and any(p.startswith(f"jax_{name}") for p in plugins)
+    ]
+    jax.config.update("jax_platforms", ",".join(gpus + ["cpu"]))
+
+
+def check_backends():
+    """JAX starts the platforms JAX_PLATFORMS names, or fails deep inside (RuntimeError, or a bare
+    AssertionError for a GPU whose plugin is missing): one line instead."""
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError, ValueError) as e:
         raise ConfigError(
-            f"mesh={','.join(map(str, cfg.mesh))} ({axes}) needs {abs(math.prod(shape))} devices but JAX "
-            f"sees {n} {devices[0].platform} device(s); use e.g. mesh=1,{n},1 or mesh=1,-1,1"
+            f"JAX_PLATFORMS={jax.config.jax_platforms}: JAX cannot start it on this host "
+            f"({first_line(e)}); name platforms this host has (cpu, gpu with jax[cuda], tpu on a "
+            "TPU VM), or unset it"
+        ) from None
+
+
+DISTRIBUTED = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_COUNT", "JAX_PROCESS_INDEX")
+
+
+def several_processes():
+    """Whether this process is one of several: JAX_* variables, or a cluster JAX finds by itself
+    (SLURM with several tasks, a Cloud TPU VM, which JAX asks for its slice's hosts)."""
+    slurm = "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    return any(os.environ.get(n) for n in DISTRIBUTED) or slurm or "0x1ae0" in pci_vendors()
+
+
+def init_distributed(cfg):
+    """Join a multi-process JAX system before any device is touched, every host waiting host_timeout
+    seconds for the others (to join, and later for a silent host's heartbeat). Explicit JAX_*
+    variables win, checked first (JAX answers a bad one with a traceback, or waits for a coordinator
+    that never comes)."""
+    given = [n for n in DISTRIBUTED if os.environ.get(n)]
+    if given and len(given) < len(DISTRIBUTED):
+        missing = ", ".join(n for n in DISTRIBUTED if n not in given)
+        raise ConfigError(
+            f"{', '.join(given)} set but {missing} not: set all three for a multi-process run, or "
+            "none"
         )
-    dcn = (cfg.num_slices,) + (1,) * (len(shape) - 1) if cfg.dcn_mesh == "auto" else cfg.dcn_mesh
-    tpu = (
-        devices[0].platform == "tpu"
-    )  # a TPU device knows its slice; elsewhere each process is one (a granule)
+    address, count, index = (os.environ.get(n, "") for n in DISTRIBUTED)
+    if given and not (count.isdigit() and index.isdigit() and int(index) < int(count)):
+        raise ConfigError(
+            f"JAX_PROCESS_INDEX={index}: must be 0..N-1 for JAX_PROCESS_COUNT={count}"
+        )
+    if given and not address.rpartition(":")[2].isdigit():
+        raise ConfigError(
+            f"JAX_COORDINATOR_ADDRESS={address}: give host:port of process 0 (e.g. 10.0.0.1:8476)"
+        )
+    if several_processes():
+        jax.distributed.initialize(
+            *(address, int(count), int(index)) if given else (),
+            heartbeat_timeout_seconds=cfg.host_timeout,
+            initialization_timeout=cfg.host_timeout,
+        )
+        data.MAIN = jax.process_index() == 0
+
+
+@contextlib.contextmanager
+def started(cfg):
+    """This process ready to run; then a SIGTERM or SIGINT is answered by a checkpoint."""
+    # Library noise off stderr, the platforms this host has, a multi-process system joined, JAX's
+    # backends up; then, until the run's last save, a signal is noted and answered
+    # (preemption_signals). Yields the Signals.
+    data.quiet_libraries()
+    start_platforms()
+    init_distributed(cfg)
+    check_backends()
+    with preemption_signals() as caught:
+        yield caught
+
+
+def check_slices(cfg, devices):
+    """num_slices and dcn_mesh against the devices: the slices they are in (processes off TPU), and
+    slices that divide each mesh axis."""
+    n, known = len(devices), math.prod(cfg.mesh)
+    shape = [n // -known if s == -1 and n % known == 0 else s for s in cfg.mesh]
+    if math.prod(shape) != n or -1 in shape:  # the mesh does not fit the devices: make_mesh says so
+        return
+    dcn, tpu = slices_per_axis(cfg, len(shape)), devices[0].platform == "tpu"
     found = len({getattr(d, "slice_index", 0) if tpu else d.process_index for d in devices})
     if found != cfg.num_slices and (tpu or cfg.num_slices > 1):
         raise ConfigError(
-            f"num_slices={cfg.num_slices}: the devices are in {found} slice(s) (processes off TPU); set it to {found}"
+            f"num_slices={cfg.num_slices}: the devices are in {found} slice(s) (processes off "
+            f"TPU); set it to {found}"
         )
     if (
         len(dcn) != len(shape)
@@ -598,45 +1666,43 @@ def make_mesh(cfg, devices):
         or any(s % d for s, d in zip(shape, dcn))
     ):
         raise ConfigError(
-            f"dcn_mesh={','.join(map(str, dcn))}: give the slices of each axis of mesh={','.join(map(str, shape))}"
-            f" ({axes}), {cfg.num_slices} in all, each a divisor of its axis; e.g. mesh={cfg.num_slices},-1,1"
+            f"dcn_mesh={','.join(map(str, dcn))}: give the slices of each axis of "
+            f"mesh={','.join(map(str, shape))} ({','.join(cfg.mesh_axes)}), {cfg.num_slices} in "
+            f"all, each a divisor of its axis; e.g. mesh={cfg.num_slices},-1,1"
         )
-    kinds = (jax.sharding.AxisType.Auto,) * len(
-        shape
-    )  # the compiler propagates our annotations (not Explicit)
-    if cfg.num_slices == 1:
-        return jax.make_mesh(shape, cfg.mesh_axes, devices=devices, axis_types=kinds)
-    ici = [s // d for s, d in zip(shape, dcn)]
-    return Mesh(
-        mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=not tpu),
-        cfg.mesh_axes,
-        kinds,
-    )
 
 
-AGREED = (
-    itertools.count()
-)  # every process agrees on the same topics in the same order, so their keys match
+def coordination():
+    """The client of the coordination service that jax.distributed.initialize started. JAX has no
+    public handle on its key-value store (multihost_utils exchanges arrays through a collective,
+    which would hang on a lost host), so this is the one place a private module (jax._src) is used.
+    """
+    from jax._src.distributed import global_state
+
+    return global_state.client
+
+
+# every process agrees on the same topics in the same order, so their keys match
+AGREED = itertools.count()
 
 
 def agree(mine, timeout_s):
-    """Every process's `mine` (JSON), in process order, through the coordination service that
-    jax.distributed.initialize started; it is also where the hosts wait for each other."""
+    """Every process's `mine` (JSON), in process order: also where the hosts wait for each other."""
+    # Through the coordination service that jax.distributed.initialize started (no devices, no
+    # collective).
     if jax.process_count() == 1:
         return [mine]
-    from jax._src.distributed import global_state
-
-    topic = f"train/agree/{next(AGREED)}"
-    global_state.client.key_value_set(f"{topic}/{jax.process_index()}", json.dumps(mine))
+    topic, client = f"train/agree/{next(AGREED)}", coordination()
+    client.key_value_set(f"{topic}/{jax.process_index()}", json.dumps(mine))
     return [
-        json.loads(global_state.client.blocking_key_value_get(f"{topic}/{k}", timeout_s * 1000))
+        json.loads(client.blocking_key_value_get(f"{topic}/{k}", timeout_s * 1000))
         for k in range(jax.process_count())
     ]
 
 
 def same_everywhere(values, fix, timeout_s):
-    """Stops every host, each with the same one line, when a process's values ({name: value}) differ from
-    process 0's: the first such process and the names that differ, with both values."""
+    """Stops every host, each with the same one line, when a process's values ({name: value}) differ
+    from process 0's: the first such process and the names that differ, with both values."""
     every = agree(values, timeout_s)
     for k, theirs in enumerate(every):
         if differ := [
@@ -647,596 +1713,31 @@ def same_everywhere(values, fix, timeout_s):
                 for n in differ[:4]
             )
             raise ConfigError(
-                f"process {k} of {len(every)} was started differently from process 0: {shown}; {fix}"
+                f"process {k} of {len(every)} was started differently from process 0: {shown}; "
+                f"{fix}"
             )
 
 
-RERUN = "checkpoints already committed are intact; rerun the command on every host to resume"
-
-
-def quit_now(line, code):
-    """One line and exit, now: without JAX's shutdown, which would wait for a lost host, then abort."""
-    print(line, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code)
-
-
-def stop_lost_host(e, seconds=3):
-    """A collective failed: a host is gone (its process ended, its network went). The survivors answer a roll call
-    in the coordination service for a few seconds and whoever did not is named; no service at all means its host,
-    process 0, is gone."""
-    try:
-        from jax._src.distributed import global_state
-
-        global_state.client.key_value_set(f"train/alive/{jax.process_index()}", "")
-        time.sleep(seconds)
-        alive = {
-            int(key.rsplit("/", 1)[1])
-            for key, _ in global_state.client.key_value_dir_get("train/alive/")
-        }
-        lost = [str(k) for k in range(jax.process_count()) if k not in alive] or ["unknown"]
-    except Exception:  # the coordination service went with process 0
-        lost = ["0"]
-    quit_now(
-        f"error: lost process {', '.join(lost)} of {jax.process_count()} ({first_line(e)}); {RERUN}",
-        74,
-    )
-
-
-# ==================================================================================================
-# Sharding: logical axis names -> mesh axes, through the one table in base.yml.
-# ==================================================================================================
-def mesh_spec(logical, shape, cfg, mesh):
-    """One array's PartitionSpec from its logical axis names (model.dividing_spec: a dimension keeps the
-    longest prefix of its mesh axes that divides it, so odd sizes stay replicated instead of failing)."""
-    rules = dict(cfg.logical_axis_rules)
-    if missing := [name for name in logical if name is not None and name not in rules]:
+def preflight(cfg, ds, layout):
+    """The data alike on every host and the model's, the state within host memory, or one line."""
+    # Before anything is allocated: a host reading other data would train apart; a vocabulary other
+    # than the model's would index past it; the steps epochs= made stay within the schema's bounds;
+    # on CPU the train state's shards on this host's devices must fit its free memory.
+    same_everywhere({"data": ds.identity}, "give every host the same data", cfg.host_timeout)
+    if ds.vocab_size != cfg.vocab_size:
         raise ConfigError(
-            f"logical axis {missing[0]!r} has no entry in logical_axis_rules; add [{missing[0]}, null]"
+            f"vocab_size={cfg.vocab_size}: the data has {ds.vocab_size} tokens; set "
+            f"vocab_size={ds.vocab_size}"
         )
-    return model_lib.dividing_spec(logical, shape, rules, dict(mesh.shape))
+    if cfg.epochs:
+        with_values(cfg, {"steps": cfg.steps})
+    arrays = jax.tree.leaves(layout.abstract)
+    if next(iter(arrays[0].sharding.device_set)).platform == "cpu":
+        shard = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        need = sum(shard(x) * len(x.sharding.addressable_devices) for x in arrays)
+        fits_host(need, "the train state", "train a smaller model")
 
 
-def shardings_for(logical, abstract, cfg, mesh):
-    """NamedShardings for a tree of arrays from the same-shaped tree of logical PartitionSpecs."""
-    return jax.tree.map(
-        lambda spec, x: NamedSharding(mesh, mesh_spec(spec, x.shape, cfg, mesh)),
-        logical,
-        abstract,
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
-
-
-def sharding_table(layout, cfg, mesh, whole_only=False):
-    """A row per parameter: its shape and sharding, and the dimensions kept whole because their size does not
-    divide by the mesh axes their rule names (such a dimension costs memory on every device). whole_only: the rows
-    with such a dimension, as printed at start."""
-    rows = []
-    for (path, spec), x in zip(
-        jax.tree_util.tree_leaves_with_path(
-            layout.logical["params"], is_leaf=lambda v: isinstance(v, PartitionSpec)
-        ),
-        jax.tree.leaves(layout.abstract["params"]),
-    ):
-        got, want = (
-            mesh_spec(spec, x.shape, cfg, mesh),
-            mesh_spec(spec, (0,) * x.ndim, cfg, mesh),
-        )  # 0 divides by all
-        whole = [f"dim {i} not over {w}" for i, (g, w) in enumerate(zip(got, want)) if g != w]
-        if whole or not whole_only:
-            rows.append(
-                f"{jax.tree_util.keystr(path):52s} {x.shape!s:>20s}  {got}  {', '.join(whole)}"
-            )
-    return rows
-
-
-@dataclasses.dataclass(frozen=True)
-class Feed:
-    """How host batches become global arrays: the microbatches per step (A, the config's grad_accum), the rows of
-    one microbatch across every process (B), and the shardings of train batches [A, B, L] (the microbatch axis
-    whole) and of eval batches [B, L]."""
-
-    accum: int
-    rows: int
-    length: int
-    step_sharding: NamedSharding
-    eval_sharding: NamedSharding
-
-
-def make_feed(cfg, mesh, rows):
-    spec = mesh_spec(("batch", "length"), (rows, cfg.max_target_length), cfg, mesh)
-    return Feed(
-        cfg.grad_accum,
-        rows,
-        cfg.max_target_length,
-        NamedSharding(mesh, PartitionSpec(None, *spec)),
-        NamedSharding(mesh, spec),
-    )
-
-
-def global_batch(local, sharding, rows):
-    """Host-local numpy [..., rows_here, L] -> global jax arrays [..., rows, L]: each process passes only
-    its own share, so this is correct on multi-host pods."""
-    return {
-        k: jax.make_array_from_process_local_data(sharding, v, v.shape[:-2] + (rows, v.shape[-1]))
-        for k, v in local.items()
-    }
-
-
-def to_host(tree):
-    """Every process gets the whole of each array (gathered across processes), as numpy."""
-    return jax.tree.map(
-        lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree
-    )
-
-
-# ==================================================================================================
-# State: the optimizer, and the train state created directly in its sharding.
-# ==================================================================================================
-def make_optimizer(cfg):
-    """AdamW on a warmup + cosine schedule. Gradient clipping is not chained in here: the step does it,
-    where a reader can see it."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=max(
-            cfg.steps - 1, cfg.warmup_steps + 1
-        ),  # the last update (count steps - 1) at the end value
-        end_value=cfg.learning_rate * cfg.min_lr_ratio,
-    )
-    decay_mask = lambda params: jax.tree.map(
-        lambda p: p.ndim > 1, params
-    )  # no decay on norm scales
-    return optax.adamw(
-        schedule,
-        cfg.adam_b1,
-        cfg.adam_b2,
-        cfg.adam_eps,
-        weight_decay=cfg.weight_decay,
-        mask=decay_mask,
-    ), schedule
-
-
-class Layout(NamedTuple):
-    init: Callable  # (rng, params or None) -> the train state
-    shardings: dict  # the state's NamedShardings
-    abstract: dict  # its shapes, dtypes and shardings, nothing allocated
-    logical: dict  # its logical axes (PartitionSpecs of names)
-
-
-def state_layout(cfg, task, mesh, tx, rows):
-    """The train state's shapes and placement: step, params, the optimizer state and the task's own (the
-    TRM's EMA and carry). Parameters take the model's logical axes, the optimizer's moments their
-    parameter's, the task's state the axes it declares; the rest replicates."""
-
-    def init(rng, params=None):  # params: start from these (loaded) instead of a fresh init
-        params = model_lib.init(cfg, rng)[1] if params is None else params
-        return {
-            "step": jnp.zeros((), jnp.int32),
-            "params": params,
-            "opt_state": tx.init(params),
-            **task.state(cfg, params, rows),
-        }
-
-    shapes, params = jax.eval_shape(init, jax.random.key(cfg.seed)), model_lib.abstract(cfg)[1]
-    logical = {
-        "step": PartitionSpec(),
-        "params": params,
-        **task.state_axes(params),
-        "opt_state": optax.tree_map_params(
-            tx,
-            lambda _, spec: spec,
-            shapes["opt_state"],
-            params,
-            transform_non_params=lambda _: PartitionSpec(),
-            is_leaf=lambda x: isinstance(x, PartitionSpec),
-        ),
-    }
-    shardings = shardings_for(logical, shapes, cfg, mesh)
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
-    )
-    return Layout(init, shardings, abstract, logical)
-
-
-def init_state(cfg, layout, params=None):
-    """Build the train state directly in its sharding (no full copy ever sits on one device), from a fresh
-    init or from given parameters. Called inside the run's mesh and axis rules."""
-    return jax.jit(layout.init, out_shardings=layout.shardings)(jax.random.key(cfg.seed), params)
-
-
-# ==================================================================================================
-# The step: scan over the microbatches summing token-weighted gradients, divide once, clip, AdamW.
-# ==================================================================================================
-def make_train_step(cfg, task, graph, tx):
-    """The step: (state, batch [A, B, L]) -> (new state, metrics). The task's loss returns a loss summed over
-    the microbatch and the weight it stands for, so summing then dividing once makes grad_accum=4 x batch 2
-    equal grad_accum=1 x batch 8."""
-
-    def train_step(state, batch_ABL):
-        params = state["params"]
-        grad_fn = jax.value_and_grad(
-            lambda p, mb, c, k: task.loss(cfg, graph, p, mb, c, k, state["step"]), has_aux=True
-        )
-
-        def micro(
-            acc, xs
-        ):  # one microbatch: add its gradient (float32) and loss to the running sums
-            (grads, loss), (mb, carry, key) = acc, xs
-            (l, (sums, carry)), g = grad_fn(params, mb, carry, key)
-            return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), loss + l), (
-                sums,
-                carry,
-            )
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        # Random draws (TRM's halting exploration) are a function of (seed, step): resume stays exact.
-        keys = jax.random.split(
-            jax.random.fold_in(jax.random.key(cfg.seed), state["step"]), len(batch_ABL["inputs"])
-        )
-        (grads, loss), (sums_A, carry) = jax.lax.scan(
-            micro, (zeros, 0.0), (batch_ABL, state.get("carry"), keys)
-        )
-        sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums_A)
-        denom = jnp.maximum(
-            sums["weight"], 1.0
-        )  # all real tokens (LM) / examples (TRM) of the step
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
-        # Clip by the global norm: scale every gradient by grad_clip / norm when the norm is above it.
-        grad_norm = optax.tree.norm(grads)
-        if cfg.grad_clip > 0:
-            over = grad_norm >= cfg.grad_clip
-            grads = jax.tree.map(
-                lambda g: jnp.where(over, g / grad_norm.astype(g.dtype) * cfg.grad_clip, g), grads
-            )
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-        new_state = {
-            "step": state["step"] + 1,
-            "params": new_params,
-            "opt_state": opt_state,
-            **task.after_update(cfg, state, new_params, carry),
-        }
-        return new_state, {
-            "loss": loss / denom,
-            "grad_norm": grad_norm,
-            "tokens": sums["tokens"],
-            **task.step_metrics(sums, denom),
-        }
-
-    return train_step
-
-
-class Built(NamedTuple):
-    """What build() makes of a config for a set of devices; nothing here holds an array yet."""
-
-    mesh: jax.sharding.Mesh
-    feed: Feed  # the batch's shardings and rows
-    graph: Any  # the model's static graph (nnx.split)
-    schedule: Callable  # the learning rate per step
-    layout: Layout  # the train state's shapes and shardings
-    train_step: (
-        Callable  # jitted: (state, batch [A, B, L]) -> (new state, metrics); the state donated
-    )
-    eval_step: Callable  # jitted: (eval weights, batch [B, L]) -> the task's outputs
-
-
-def build(cfg, task, devices):
-    """The mesh, the batch feed, the model's graph, the optimizer and its schedule, the state's layout, and the
-    jitted steps (compiled at their first call, or ahead by compile_step)."""
-    mesh = make_mesh(cfg, devices)
-    feed, (tx, schedule) = (
-        make_feed(cfg, mesh, cfg.per_device_batch * len(devices)),
-        make_optimizer(cfg),
-    )
-    graph = model_lib.abstract(cfg)[0]
-    layout = state_layout(cfg, task, mesh, tx, feed.rows)
-    train_step = jax.jit(
-        make_train_step(cfg, task, graph, tx),
-        in_shardings=(layout.shardings, feed.step_sharding),
-        out_shardings=(layout.shardings, None),
-        donate_argnums=0,
-    )
-    eval_step = jax.jit(
-        functools.partial(task.eval_step, cfg, graph),
-        in_shardings=(layout.shardings["params"], feed.eval_sharding),
-    )
-    return Built(mesh, feed, graph, schedule, layout, train_step, eval_step)
-
-
-# ==================================================================================================
-# Eval: the task's eval step on fixed batches, its metrics computed on the host.
-# ==================================================================================================
-def evaluator(cfg, task, eval_step, feed):
-    """evaluate(state, ds, n_batches, save_to=None, beat=None): the task's eval metrics of the state's eval weights
-    on n fixed batches of ds (the same every call, so curves compare; None: the whole eval set), and the seconds
-    they took. save_to: a directory for the task's answers (process 0 only); beat: called after every batch."""
-
-    def evaluate(state, ds, n_batches, save_to=None, beat=lambda *_: None):
-        if n_batches == 0:
-            return {}
-        t0 = time.perf_counter()
-        batches, outs = ds.eval_batches(feed.rows // jax.process_count(), n_batches), []
-        for i, b in enumerate(batches):
-            w, x = state[task.eval_weights], global_batch(b, feed.eval_sharding, feed.rows)
-            if (
-                i == 0
-            ):  # compiled ahead, then every host goes on at once: a collective's first run (Gloo, on CPU) waits 30 s
-                eval_step.lower(w, x).compile(), agree("", cfg.host_timeout)
-            outs.append(to_host(eval_step(w, x)))
-            beat()
-            if (
-                len(batches) > 1 and time.perf_counter() - t0 > 10
-            ):  # a search can take minutes: say where it is
-                log(f"eval: {i + 1}/{len(batches)} batches ({time.perf_counter() - t0:.0f}s)")
-        result = task.eval_result(
-            cfg,
-            outs,
-            [to_host(b) for b in batches],
-            ds,
-            save_to if jax.process_index() == 0 else None,
-        )
-        return {**result, "seconds": time.perf_counter() - t0}
-
-    return evaluate
-
-
-# ==================================================================================================
-# Checkpoints (orbax): async, sharded, atomic. A step directory appears only once complete, so a crash
-# or kill -9 mid-write leaves nothing that resume would pick up.
-# ==================================================================================================
-class Preempted(Exception):
-    """SIGTERM/SIGINT: the current step finished and a checkpoint was written."""
-
-
-class Damaged(Exception):
-    """A checkpoint step that cannot be read back: truncated, garbled or missing files, bad metadata."""
-
-
-KEPT = "the ones written before stay as they are"
-DATA_STATE_BYTES = (
-    1024  # room for one row's data-iterator state as JSON (a lane's, or a piece of a stream host's)
-)
-
-
-def wait_for_saves(mngr):
-    """Until the save in flight has committed; one that failed in the background (the disk filled up, the mount or
-    bucket went away) is a WriteError."""
-    try:
-        mngr.wait_until_finished()
-    except Exception as e:
-        raise data.WriteError(
-            f"{mngr.directory}: the last checkpoint failed ({first_line(e)}); {KEPT}"
-        ) from None
-
-
-@contextlib.contextmanager
-def checkpoints(directory, cfg, read_only=False):
-    """The orbax CheckpointManager of a checkpoints/ directory, open for the block. Leaving the block, by
-    any path, lets a save still in flight land first, then closes the manager."""
-    # Orbax's barriers go through the coordination service (with a timeout), not a collective: on CPU (Gloo) a
-    # collective's first run waits only 30 s for the other hosts, and one host can be that far behind at a barrier.
-    (
-        absl_flags.FLAGS.mark_as_parsed(),
-        setattr(absl_flags.FLAGS, "experimental_orbax_use_distributed_barrier", True),
-    )
-    # The step directory is made before save() returns, so a directory that refuses it fails there and
-    # then, not in a background thread that the end of the run would wait on.
-    opts = ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.keep_checkpoints or None,
-        create=not read_only,
-        cleanup_tmp_directories=not read_only,
-        read_only=read_only,
-        enable_async_checkpointing=True,
-        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
-    )
-    mngr = ocp.CheckpointManager(
-        data.stored(directory),
-        options=opts,
-        item_handlers={
-            "train_state": ocp.PyTreeCheckpointHandler(),
-            "data_state": ocp.StandardCheckpointHandler(),
-        },
-    )
-    try:
-        yield mngr
-    finally:
-        try:
-            wait_for_saves(mngr)
-        finally:
-            mngr.close()
-
-
-def save_checkpoint(mngr, step, state, it):
-    """Step `step`'s train state and data position, saved asynchronously: training goes on while it is written.
-    The position is every lane's iterator state (one per row of the global batch) as a uint8 array with a JSON
-    row each, gathered in process order (process p reads rows p * local_rows onward), so every process holds all
-    of it, process 0's copy is written, and a run on any process count reads every lane back; with it, the
-    identity of the data it counts in."""
-    raw = [json.dumps(s).encode().ljust(DATA_STATE_BYTES) for s in it.state()]
-    assert max(map(len, raw)) <= DATA_STATE_BYTES, "data iterator state too large to checkpoint"
-    lanes = multihost_utils.process_allgather(
-        np.stack([np.frombuffer(r, np.uint8) for r in raw]), tiled=True
-    )
-    data_state = {"lanes": np.asarray(lanes), "source": np.frombuffer(it.source.encode(), np.uint8)}
-    data.check_held(str(mngr.directory))
-    try:
-        mngr.check_for_errors()  # the save before this one, finished in the background
-        mngr.save(
-            step,
-            args=ocp.args.Composite(
-                train_state=ocp.args.PyTreeSave(state), data_state=ocp.args.StandardSave(data_state)
-            ),
-        )
-    except Exception as e:
-        raise data.WriteError(
-            f"{mngr.directory}: a checkpoint failed ({first_line(e)}); {KEPT}"
-        ) from None
-
-
-def read_step(mngr, step, abstract, part):
-    """(state or its `part`, every lane's data state) of one step; Damaged if it cannot be read; and '' or, for a
-    checkpoint of another config (not damage), the first array whose shape differs, found in the metadata before
-    any array is read (orbax would fail deep inside)."""
-    name = lambda k: str(
-        getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
-    )  # optax's tuples come back
-    shapes = lambda tree: {
-        tuple(map(name, p)): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-    }
-    target = {part: abstract[part]} if part else abstract
-    try:
-        saved, want = shapes(mngr.item_metadata(step)["train_state"]), shapes(target)
-    except (
-        Exception
-    ) as e:  # orbax raises ValueError, KeyError, tensorstore errors ... for unreadable metadata
-        raise Damaged(f"its metadata is unreadable: {first_line(e)}")
-    if not any(path[0] == "params" for path in saved):
-        raise Damaged("its metadata lists no parameters")
-    for path in sorted(
-        set(want) | (set(saved) if not part else set()), key=lambda p: (p[0] != "params", p)
-    ):
-        if saved.get(path) != want.get(path):
-            return (
-                None,
-                None,
-                f"{'/'.join(path)} is {saved.get(path, 'none')} there but {want.get(path, 'none')} here",
-            )
-    # With `part`, that subtree alone: another run's optimizer may differ.
-    reads = {
-        "train_state": (
-            ocp.PyTreeCheckpointHandler,
-            ocp.args.PyTreeRestore(
-                item=target,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                partial_restore=bool(part),
-            ),
-        )
-    }
-    if not part:
-        reads["data_state"] = (ocp.StandardCheckpointHandler, ocp.args.StandardRestore())
-    try:  # item by item, not mngr.restore: that ends waiting for every host, and a host that failed would never come
-        got = {
-            item: handler().restore(data.stored(mngr.directory) / str(step) / item, args=args)
-            for item, (handler, args) in reads.items()
-        }
-    except Exception as e:  # orbax/tensorstore raise bare Exception for unreadable data
-        raise Damaged(first_line(e)) from None
-    if part:
-        return got["train_state"][part], None, ""
-    lanes, source = got["data_state"].get("lanes"), got["data_state"].get("source")
-    if lanes is None or source is None:  # not a position this trainer wrote
-        return (
-            got["train_state"],
-            {"lanes": [], "source": "a data state without per-row positions"},
-            "",
-        )
-    return (
-        got["train_state"],
-        {
-            "lanes": [json.loads(row.tobytes().decode().strip()) for row in lanes],
-            "source": source.tobytes().decode(),
-        },
-        "",
-    )
-
-
-def config_changes(run_dir, cfg):
-    """'key (old -> new)' for each key whose value differs from the config.yml the run in run_dir wrote."""
-    try:
-        old = flat(yaml.safe_load(data.stored(os.path.join(run_dir, "config.yml")).read_text()))
-    except (
-        *data.STORAGE_ERRORS,
-        yaml.YAMLError,
-        AttributeError,
-    ):  # none, or not the mapping a run writes
-        return []
-    new = flat(cfg.model_dump(mode="json"))
-    return [f"{k} ({old[k]} -> {new[k]})" for k in new if k in old and old[k] != new[k]]
-
-
-def restore_checkpoint(mngr, abstract, cfg, steps=None, part=None, move_aside=False):
-    """Newest checkpoint every host can read -> (step, state or its `part` ('params', 'ema'), every lane's data
-    state), or None. The hosts decide together, step by step: a step any of them cannot read is damaged for all,
-    reported in one line and skipped for the one before it (with move_aside, the run's own checkpoints, renamed
-    STEP.damaged-TIME once a readable one is found, never deleted, so the next save of that step has room). A
-    checkpoint of another config is not damage: it stops the run with what differs."""
-    damaged = []
-    for step in sorted(steps or mngr.all_steps(), reverse=True):
-        try:
-            state, data_state, mismatch = read_step(mngr, step, abstract, part)
-            why = ""
-        except Damaged as e:
-            mismatch, why = "", str(e)
-        if mismatch:
-            changed = config_changes(os.path.dirname(mngr.directory), cfg)
-            raise ConfigError(
-                f"checkpoint {mngr.directory}/{step} was written by another config: {mismatch}"
-                + (f"; changed since: {', '.join(changed[:6])}" if changed else "")
-                + "; use the keys of the run that wrote it, or a new run_name / resume=false"
-            )
-        if any(reasons := agree(why, cfg.host_timeout)):
-            k, why = next((k, r) for k, r in enumerate(reasons) if r)
-            where = f"on process {k}: " if k else ""
-            log(
-                f"WARNING: checkpoint {mngr.directory}/{step} is damaged ({where}{why}); trying the one before it"
-            )
-            damaged.append(step)
-            continue
-        if move_aside and damaged:
-            moved = [
-                data.set_aside(os.path.join(mngr.directory, str(bad)), "damaged")
-                for bad in damaged
-                if data.MAIN
-            ]
-            log(f"moved the damaged step(s) aside: {', '.join(moved)}")
-            agree("", cfg.host_timeout)  # the others wait for the renames
-            mngr.reload()
-        return step, state, data_state
-    return None
-
-
-def restore_or_init(cfg, task, mngr, layout):
-    """The train state: the newest readable checkpoint of this run (resume), else a fresh state, from
-    load_params (another run's newest readable checkpoint: its params for training, what the task evaluates for
-    the other modes) or load_hf weights if given. Returns (state, every lane's data state or None, whether the
-    state holds trained parameters)."""
-    if cfg.resume and mngr.all_steps():
-        if not (restored := restore_checkpoint(mngr, layout.abstract, cfg, move_aside=True)):
-            raise ConfigError(
-                f"no readable checkpoint in {mngr.directory} (steps {', '.join(map(str, mngr.all_steps()))} "
-                "are damaged, see the warnings): move them away to start over, or set resume=false"
-            )
-        log(f"resuming from checkpoint {mngr.directory}/{restored[0]}")
-        return restored[1], restored[2], True
-    if cfg.load_params:
-        part, (path, steps) = (
-            "params" if cfg.mode == "train" else task.eval_weights,
-            data.checkpoint_steps(cfg.load_params),
-        )
-        with checkpoints(path, cfg, read_only=True) as source:
-            if not (found := restore_checkpoint(source, layout.abstract, cfg, steps, part=part)):
-                raise ConfigError(
-                    f"load_params={path}: no readable checkpoint there (see the warnings)"
-                )
-        log(f"loaded {part} from {path}/{found[0]}")
-        state = init_state(cfg, layout, found[1])
-        return (
-            {**state, "step": jnp.int32(found[0])} if cfg.mode != "train" else state,
-            None,
-            True,
-        )  # eval: its step
-    if cfg.load_hf:  # each host reads what its devices hold
-        params = model_lib.load_hf(cfg, cfg.load_hf, layout.abstract["params"])
-        log(f"loaded Hugging Face checkpoint {cfg.load_hf}")
-        return init_state(cfg, layout, params), None, True
-    return init_state(cfg, layout), None, False
-
-
-# ==================================================================================================
-# Metrics: FLOPs against the device peak, one row per log_every steps to stdout, JSONL and TensorBoard.
-# ==================================================================================================
 PEAK_BF16_FLOPS = {  # per JAX device (a v2/v3 device is one core = half a chip)
     "TPU v2": 22.5e12,
     "TPU v3": 61.5e12,
@@ -1258,9 +1759,10 @@ PEAK_BF16_FLOPS = {  # per JAX device (a v2/v3 device is one core = half a chip)
 
 @functools.lru_cache  # once per process: the machine's peak does not change between runs in it
 def device_peak_flops(dtype, device):
-    """bf16 peak from the table; on CPU measured now, in the compute dtype on all cores: the best of two
-    matmul shapes, each warmed and then timed eight times (0.1 s; larger squares ran no faster on 2 cores). A busy
-    machine still reads low, which `rates` corrects when the step itself runs faster."""
+    """bf16 peak from the table; on CPU measured now, in the compute dtype on all cores: the best of
+    two matmul shapes, each warmed and then timed eight times (0.1 s; larger squares ran no faster
+    on 2 cores). A busy machine still reads low, which `rates` corrects when the step itself runs
+    faster."""
     for name, flops in PEAK_BF16_FLOPS.items():
         if name in device.device_kind:
             return flops, f"{device.device_kind} spec sheet"
@@ -1280,8 +1782,9 @@ def device_peak_flops(dtype, device):
 
 
 def step_flops(cfg, task, devices):
-    """FLOPs per token and the peak they are measured against. On CPU the simulated devices share one
-    processor, so the peak measured there is the whole machine's."""
+    """FLOPs per token, and the device peak that MFU is measured against."""
+    # On CPU the simulated devices share one processor, so the peak measured there is the whole
+    # machine's.
     peak, source = device_peak_flops(cfg.dtype, devices[0])
     log(f"peak: {peak / 1e12:.3f} TFLOP/s per device ({source})")
     return {
@@ -1293,672 +1796,17 @@ def step_flops(cfg, task, devices):
     }
 
 
-def rates(flops, tps):
-    """Throughput at `tps` tokens/s: per device, in TFLOP/s per device, and as MFU. A measured CPU peak that the
-    step outruns was timed on a busy CPU: it is raised to the step's own rate, so MFU never passes 100%."""
-    if tps * flops["per_token"] > flops["peak"] and "spec sheet" not in flops["peak_source"]:
-        if not flops["peak_source"].startswith("this run"):
-            log(
-                "peak: raised to this run's fastest step (the CPU was busy when its matmul was timed)"
-            )
-        flops["peak"] = flops["peak_per_device"] = tps * flops["per_token"]
-        flops["peak_source"] = "this run's fastest step"
-    n = flops["devices"]
-    return {
-        "tokens_per_sec": tps,
-        "tokens_per_sec_per_device": tps / n,
-        "tflops_per_device": tps * flops["per_token"] / n / 1e12,
-        "mfu": tps * flops["per_token"] / flops["peak"],
-    }
-
-
-def host_rss_gb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def device_peak_memory_gb(device):
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return stats.get("peak_bytes_in_use", 0) / 2**30 if stats else None
-
-
-def short_line(m, steps, shown):
-    """The line a person reads: progress, loss, speed, time left, and the eval when there is one. The whole
-    row (grad norm, learning rate, memory, data wait, ...) is in metrics.jsonl and TensorBoard; `shown`: the
-    task's (metric, format) pairs."""
-    parts = [f"step {m['step']}/{steps}", f"loss {m['loss']:.4f}"]
-    if "tokens_per_sec" in m:
-        eta = int(m["step_seconds"] * (steps - m["step"]))
-        parts += [
-            f"{m['tokens_per_sec']:,.0f} tokens/s",
-            f"MFU {m['mfu']:.1%}",
-            f"ETA {eta // 3600}h{eta // 60 % 60:02d}m"
-            if eta >= 3600
-            else f"ETA {eta // 60}m{eta % 60:02d}s",
-        ]
-    return "  ".join(parts + [fmt.format(m[k]) for k, fmt in shown if k in m])
-
-
 # ==================================================================================================
-# The loop: dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps.
+# The run directory (Part 2). Failures: two runs training in one directory, hosts that do not share
+# it (each would hold part of the checkpoints): one line. Shown by tests/test_checkpoint.py::
+# test_two_runs_on_one_run_directory, test_a_run_holds_its_directory_whatever_form_its_path_takes.
 # ==================================================================================================
-class NonFinite(Exception):
-    """A step whose loss or gradient norm is NaN or inf: (step, what was non-finite)."""
 
 
-class Meter:
-    """Dispatched steps read back oldest first (one in flight lets the host dispatch step n + 1 while n runs; a log
-    line, eval or checkpoint reads them all first, so none sees an unchecked loss), and the window since the last
-    row: losses, task metrics, tokens, time, data wait. Keeps step times for the benchmark; `beat`: the watchdog."""
-
-    def __init__(self, waited, beat):
-        self.waited, self.beat, self.pending, self.step_times = waited, beat, [], []
-        self.t_done = self.first_step_seconds = self.last = None
-        self.new_window()
-
-    def new_window(self):
-        self.losses, self.extras, self.tokens, self.timed = [], [], 0.0, 0
-        self.t0, self.wait0 = time.perf_counter(), self.waited()
-
-    def read(
-        self, keep=0
-    ):  # finished steps until `keep` remain in flight; returns the newest outputs read
-        while len(self.pending) > keep:
-            step, t0, out = self.pending.pop(0)
-            out, now, timed = jax.device_get(out), time.perf_counter(), self.t_done is not None
-            if timed:
-                self.step_times.append(
-                    now - max(self.t_done, t0)
-                )  # from the last step's end or this dispatch
-            else:  # the first step warms up (the program was compiled before): not timed
-                self.first_step_seconds = now - t0
-                log(f"first step: {now - t0:.1f}s")
-                self.t0, self.wait0 = now, self.waited()
-            self.t_done, self.last = now, out
-            self.beat(step, now - t0)
-            for name, key in (("loss", "loss"), ("gradient norm", "grad_norm")):
-                if not np.isfinite(out[key]):
-                    raise NonFinite(
-                        step,
-                        f"{name} is {out[key]}"
-                        + (f" (loss {out['loss']:.4f})" if key != "loss" else ""),
-                    )
-            self.losses.append(float(out["loss"]))
-            self.extras.append(
-                {
-                    k: float(v)
-                    for k, v in out.items()  # the task's metrics; NaN = not measured
-                    if k not in ("loss", "grad_norm", "tokens") and np.isfinite(v)
-                }
-            )
-            self.tokens += float(out["tokens"]) if timed else 0.0
-            self.timed += timed
-        return self.last
-
-    def row(self, step, learning_rate, flops):  # the window's metrics row, every step read first
-        out, dt = self.read(), max(time.perf_counter() - self.t0, 1e-9)
-        m = {
-            "step": step,
-            "loss": float(np.mean(self.losses)) if self.losses else float("nan"),
-            "learning_rate": learning_rate,
-            "grad_norm": float(out["grad_norm"]),
-        }
-        if self.tokens:  # a window holding only the compiling first step has no rate to report
-            m.update(rates(flops, self.tokens / dt), step_seconds=dt / max(self.timed, 1))
-        m.update(
-            tokens_per_step=float(out["tokens"]),
-            data_wait_fraction=(self.waited() - self.wait0) / dt,
-            host_rss_gb=host_rss_gb(),
-        )
-        m.update(
-            {
-                k: float(np.mean([e[k] for e in self.extras if k in e]))
-                for k in {k for e in self.extras for k in e}
-            }
-        )
-        if (mem := device_peak_memory_gb(jax.local_devices()[0])) is not None:
-            m["device_peak_memory_gb"] = mem
-        self.new_window()
-        return m
-
-
-def benchmark(meter, flops, tokens_per_step, note):
-    """Medians over every timed step (the first, compiling, excluded), for the summary and one line."""
-    if not meter.step_times:
-        return {}
-    med = float(np.median(meter.step_times))
-    r = rates(flops, tokens_per_step / med)
-    log(
-        f"benchmark: {len(meter.step_times)} timed steps, median {med:.3f} s/step = {r['tokens_per_sec']:,.0f} tokens/s, "
-        f"{r['tflops_per_device']:.3f} TFLOP/s per device, MFU {r['mfu']:.1%} of {flops['peak_per_device'] / 1e12:.3f} "
-        f"TFLOP/s ({flops['peak_source']}); {note}"
-    )
-    return {
-        "median_step_seconds": med,
-        "median_tokens_per_sec": r["tokens_per_sec"],
-        "median_mfu": r["mfu"],
-    }
-
-
-@dataclasses.dataclass
-class Signals:
-    """The SIGTERM / SIGINT names a run has noted; until `saving` is set (the loop is about to take its first step)
-    there is nothing new to save, and a signal stops the run at once."""
-
-    names: list = dataclasses.field(default_factory=list)
-    saving: bool = False
-
-
-@contextlib.contextmanager
-def preemption_signals():
-    """SIGTERM (preemption, schedulers) and SIGINT, from the start of the run to its last committed save. Before
-    the loop a signal ends the run at once; in the loop it is noted, not obeyed: the loop finishes the step,
-    checkpoints and exits, and a repeated signal during that save is noted too. With several processes a signal
-    reaching one host must stop them all at the same step: JAX's preemption sync point listens for SIGTERM, so
-    SIGINT is passed on to it as one (and SIGUSR1, the supervisor's word that a SIGTERM came, only wakes)."""
-    caught = Signals()
-
-    def note(
-        signum, _
-    ):  # before the loop nothing is new: it ends now, whatever it was in (no exception to unwind)
-        if not caught.saving:
-            quit_now(
-                f"stopped: {signal.Signals(signum).name} before the first step: nothing new to save; rerun the same "
-                "command to go on",
-                75,
-            )
-        caught.names.append(signal.Signals(signum).name)
-
-    to_sync_point = lambda signum, _: os.kill(os.getpid(), signal.SIGTERM)
-    wanted = (
-        {signal.SIGINT: to_sync_point, signal.SIGUSR1: lambda *_: None}
-        if jax.process_count() > 1
-        else {signal.SIGTERM: note, signal.SIGINT: note}
-    )
-    old = {sig: signal.signal(sig, handler) for sig, handler in wanted.items()}
-    try:
-        yield caught
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-class Watchdog(threading.Thread):
-    """Ends a run that stopped moving. The loop beats for every step it reads back (and every eval batch and
-    checkpoint); no beat for stall_seconds (auto: 10 minutes + 10 x (the compile + a typical step)), or none
-    within a few steps of a signal (its handler cannot run while the main thread waits in a hung collective):
-    every thread's stack goes into RUN_DIR/stacks-pK.txt, one line names the step and the file, exit 74."""
-
-    def __init__(self, cfg, run_dir, compile_seconds):
-        super().__init__(daemon=True)
-        local = (
-            tempfile.gettempdir() if data.remote(run_dir) else run_dir
-        )  # the stacks go to a local file
-        self.path, self.done = (
-            os.path.join(local, f"stacks-p{jax.process_index()}.txt"),
-            threading.Event(),
-        )
-        # A pipe the signal machinery writes a byte to at once, even while the main thread waits inside a step, where
-        # no Python handler runs (set from the main thread).
-        self.wakeup, self.write_end = os.pipe()
-        os.set_blocking(self.wakeup, False), os.set_blocking(self.write_end, False)
-        self.old_wakeup = signal.set_wakeup_fd(self.write_end, warn_on_full_buffer=False)
-        self.fixed, self.compile_seconds = cfg.stall_seconds, compile_seconds
-        self.step, self.at, self.typical, self.signalled = 0, time.monotonic(), 0.0, None
-
-    def beat(self, step=None, seconds=None):
-        self.at, self.step = time.monotonic(), self.step if step is None else step
-        self.typical = self.typical if seconds is None else 0.9 * self.typical + 0.1 * seconds
-
-    def run(self):
-        while self.fixed != 0 and not self.done.wait(1):  # stall_seconds=0: off
-            with contextlib.suppress(BlockingIOError):
-                self.signalled = self.signalled or (os.read(self.wakeup, 64) and time.monotonic())
-            bound = (
-                600 + 10 * (self.compile_seconds + self.typical)
-                if self.fixed == "auto"
-                else self.fixed
-            )
-            quiet, grace = (
-                time.monotonic() - self.at,
-                max(10.0, 3 * self.typical),
-            )  # a signal waits for the step
-            if quiet > bound:
-                self.fire(f"no step finished in {quiet:.0f}s (stall_seconds={bound:.0f})")
-            if self.signalled and time.monotonic() - max(self.signalled, self.at) > grace:
-                self.fire(f"a signal went unanswered for {grace:.0f}s")
-
-    def stop(self):
-        self.done.set()
-        self.join()
-        signal.set_wakeup_fd(self.old_wakeup)
-        os.close(self.wakeup), os.close(self.write_end)
-
-    def fire(self, why):
-        with open(self.path, "w") as f:
-            faulthandler.dump_traceback(f, all_threads=True)
-        quit_now(
-            f"error: stalled after step {self.step}: {why}; every thread's stack is in {self.path}; {RERUN}",
-            74,
-        )
-
-
-@dataclasses.dataclass
-class Job:
-    """What the loop works with: the run directory and its checkpoints, the built step and the evaluator, the
-    signals it answers and the FLOPs its rates need; the writer and watchdog once training starts."""
-
-    dir: str
-    mngr: Any
-    built: Any
-    evaluate: Callable
-    caught: Signals
-    flops: dict = None
-    writer: Any = None
-    watchdog: Watchdog = None
-
-
-def next_batch(feed, it):
-    """The next grad_accum microbatches as one global [A, B, L] batch."""
-    mbs = [next(it) for _ in range(feed.accum)]
-    return global_batch(
-        {k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, feed.step_sharding, feed.rows
-    )
-
-
-def profile(cfg, step, run_dir, drain):
-    """profile_steps=a,b: a jax.profiler trace of steps a..b (1-based) into RUN_DIR/profile; called with the
-    steps done so far, before each dispatch and after the last. `drain` reads back the steps in flight."""
-    local = (
-        os.path.join(tempfile.gettempdir(), "profile", cfg.run_name)
-        if data.remote(run_dir)
-        else run_dir
-    )
-    if step + 1 == cfg.profile_steps[0]:
-        drain()
-        jax.profiler.start_trace(os.path.join(local, "profile"))
-    if step == cfg.profile_steps[1] and step:
-        drain()
-        jax.profiler.stop_trace()
-        if local != run_dir:  # the profiler writes local files only
-            data.move_up(local, "profile/**/*", run_dir)
-        log(f"profile of steps {cfg.profile_steps[0]}-{step}: {run_dir}/profile")
-
-
-def train_loop(cfg, task, state, it, ds, job):
-    """Dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps. Returns the last
-    metrics row and the Meter (its timings); a signal (noted in job.caught) ends it with a checkpoint and Preempted."""
-    step, last, meter = int(state["step"]), {}, Meter(lambda: it.wait_seconds, job.watchdog.beat)
-    while step < cfg.steps:
-        profile(cfg, step, job.dir, meter.read)
-        t0 = time.perf_counter()
-        state, out = job.built.train_step(state, next_batch(job.built.feed, it))
-        step += 1
-        meter.pending.append((step, t0, out))
-        meter.read(keep=1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            last = meter.row(step, float(job.built.schedule(step - 1)), job.flops)
-            if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                evaluated = job.evaluate(state, ds, cfg.eval_batches, beat=job.watchdog.beat)
-                last.update({f"eval_{k}": v for k, v in evaluated.items()})
-            log(short_line(last, cfg.steps, task.shown))
-            job.writer.write(last)
-            meter.new_window()  # after the eval: its time counts in no window
-        preempted = job.caught.names or (
-            jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step)
-        )
-        if (
-            (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-            or step == cfg.steps
-            or preempted
-        ):
-            meter.read()  # a checkpoint holds only checked steps
-            job.writer.flush()  # before the save: a resume drops rows past the checkpoint, never misses one
-            save_checkpoint(job.mngr, step, state, it)  # async: training goes on while it writes
-            job.writer.flush(saved=True)
-            job.watchdog.beat()
-        if preempted:
-            raise Preempted(
-                f"{job.caught.names[0] if job.caught.names else 'preemption notice'}: saved checkpoint at "
-                f"step {step} in {job.mngr.directory}; rerun the same command to resume"
-            )
-    profile(cfg, step, job.dir, meter.read)
-    return last, meter
-
-
-def fits_host(need, what, fix):
-    """On CPU the devices' memory is the host's. Past what the host has, XLA:CPU either waits without a word or dies
-    in an out-of-memory traceback: a run that cannot fit stops before it allocates, saying what to lower."""
-    with (
-        open("/proc/meminfo")
-        if os.path.exists("/proc/meminfo")
-        else contextlib.nullcontext([]) as f
-    ):
-        avail = next(
-            (int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None
-        )
-    if avail is not None and need > avail:
-        raise ConfigError(
-            f"{what} needs {gb(need)} of host memory on CPU and {gb(avail)} is free: {fix}"
-        )
-
-
-def abstract_batch(feed):
-    """The step's [A, B, L] batch as shapes only: to compile ahead of time, nothing read."""
-    shape = (feed.accum, feed.rows, feed.length)
-    return {
-        k: jax.ShapeDtypeStruct(
-            shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=feed.step_sharding
-        )
-        for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")
-    }
-
-
-def compile_step(train_step, state, feed):
-    """Compile the step for this state and an [A, B, L] batch ahead of its first call (which then reuses the
-    program). Returns (seconds, the compiler's memory analysis: its per-device figures are the truth for every
-    task, where a hand estimate would know only a language model's arithmetic)."""
-    t0 = time.perf_counter()
-    m = train_step.lower(state, abstract_batch(feed)).compile()
-    return time.perf_counter() - t0, m.memory_analysis()
-
-
-def compiled_line(m):
-    """(the compiler's memory_analysis() per device as a log line, total bytes). Donated state buffers are
-    reused for the new state (alias), so they count once."""
-    need = (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
-    return (
-        (
-            f"compiled per device: arguments (params + optimizer state + batch) {gb(m.argument_size_in_bytes)}, "
-            f"temporaries {gb(m.temp_size_in_bytes)}, outputs {gb(m.output_size_in_bytes)} "
-            f"({gb(m.alias_size_in_bytes)} reusing donated arguments) = {gb(need)}"
-        ),
-        need,
-    )
-
-
-def stop_nonfinite(e, mngr, cfg):
-    """A non-finite step k: the parameters of step k - 1 produced it, so the checkpoint to go on from comes before
-    k - 1, and one of k - 1 is set aside (renamed, never deleted) so that a rerun resumes from there."""
-    step, what = e.args
-    wait_for_saves(mngr)
-    bad = [s for s in mngr.all_steps() if s >= step - 1]
-    for s in bad if jax.process_index() == 0 else ():
-        data.set_aside(os.path.join(mngr.directory, str(s)), "nonfinite")
-    agree("", cfg.host_timeout)  # the others wait for the renames
-    good = [s for s in mngr.all_steps() if s < step - 1]
-    where = (
-        f"the newest checkpoint before it is step {good[-1]}"
-        + (f" (step {bad[0]} set aside)" if bad else "")
-        if good
-        else "no checkpoint comes before it"
-    )
-    return FloatingPointError(
-        f"{what} at step {step}: stopped; {where}; lower learning_rate (or raise warmup_steps) "
-        f"and rerun to {'resume from there' if good else 'start over'}"
-    )
-
-
-def train(cfg, task, state, it, ds, job):
-    """mode=train: from state['step'] to cfg.steps; returns the last metrics row with the benchmark's medians."""
-    if (start := int(state["step"])) >= cfg.steps:
-        log(
-            f"{job.dir} is already at step {start} of steps={cfg.steps}: nothing to train (raise steps= to go on)"
-        )
-        return {"step": start, "run_dir": job.dir}
-    job.writer = data.MetricsWriter(
-        cfg, job.dir, start, log
-    )  # before the compile: a W&B problem shows at once
-    try:
-        t_xla, m = compile_step(job.built.train_step, state, job.built.feed)
-        agree(
-            "", cfg.host_timeout
-        )  # all hosts leave the compile together: a collective's first run (Gloo, on CPU) waits 30 s
-        line, compiled = compiled_line(m) if m else ("", None)
-        log(f"step compiled in {t_xla:.1f}s; {line}")
-        if compiled and jax.local_devices()[0].platform == "cpu":
-            fits_host(
-                compiled * jax.local_device_count(),
-                "the step",
-                "lower per_device_batch, or remat=full",
-            )
-        job.caught.saving = True  # from here a signal is noted and answered with a checkpoint
-        job.watchdog = Watchdog(cfg, job.dir, t_xla)
-        job.watchdog.start()
-        try:
-            summary, meter = train_loop(cfg, task, state, it, ds, job)
-        except (
-            jax.errors.JaxRuntimeError
-        ) as e:  # here, before the cleanup below waits for a lost host
-            if jax.process_count() > 1:
-                stop_lost_host(e)
-            raise
-        except NonFinite as e:
-            raise stop_nonfinite(e, job.mngr, cfg) from None
-        finally:
-            job.watchdog.stop()
-    finally:
-        it.close()
-        job.writer.close()
-        wait_for_saves(
-            job.mngr
-        )  # still under the handlers: a repeated SIGTERM cannot cut the last save short
-    mem = device_peak_memory_gb(jax.local_devices()[0])
-    summary.update(run_dir=job.dir, compile_seconds=t_xla + (meter.first_step_seconds or 0))
-    summary.update(
-        benchmark(
-            meter,
-            job.flops,
-            summary.get("tokens_per_step", 0.0),
-            (
-                f"compile + first step {summary['compile_seconds']:.1f}s; host RSS {host_rss_gb():.2f} GiB"
-                + (f", device peak {mem:.2f} GiB" if mem is not None else "")
-                + f", compiled step {gb(compiled or 0)}"
-            ),
-        )
-    )
-    done = ("step", "loss", "eval_loss", "tokens_per_sec", "mfu", "compile_seconds", "run_dir")
-    log("done: " + json.dumps({k: summary.get(k) for k in done}))
-    log(
-        f"checkpoints: {job.mngr.directory}; metrics: {job.dir}/metrics.jsonl (tensorboard --logdir {job.dir})"
-    )
-    return summary
-
-
-# ==================================================================================================
-# The other modes: eval, generation, Hugging Face export (import is in restore_or_init), each (cfg, task, state,
-# ds, run) -> a summary.
-# ==================================================================================================
-def eval_mode(cfg, task, state, ds, job):
-    """mode=eval: the loaded parameters on the eval set (eval_batches, or all of it where the task says so),
-    printed as one JSON line and written to eval.json (and any answers the task writes beside it)."""
-    n_batches = None if task.eval_all else cfg.eval_batches
-    result = {"step": int(state["step"]), **job.evaluate(state, ds, n_batches, save_to=job.dir)}
-    if task.answers and cfg.eval_answers:  # held-out prompts answered, scored by exact match
-        result.update(task.answers(cfg, job.built.graph, state[task.eval_weights], ds, job.dir))
-    data.write(os.path.join(job.dir, "eval.json"), json.dumps(result))
-    log(json.dumps(result))
-    return result
-
-
-def generate_mode(cfg, task, state, ds, job):
-    """mode=generate: the task's generation from prompt=, printed and written to RUN_DIR/generation.txt."""
-    summary, shown, text = task.generate(
-        cfg, job.built.graph, state[task.eval_weights], ds, job.built.mesh.size
-    )
-    log(shown)
-    data.write(os.path.join(job.dir, "generation.txt"), text)
-    return {**summary, "run_dir": job.dir}
-
-
-def export_hf(cfg, params, ds, out_dir):
-    """A Hugging Face checkpoint of params in out_dir (model.save_hf): the family the model's options make, over the
-    config.json of the load_hf checkpoint the run started from, with the run's tokenizer."""
-    host = multihost_utils.process_allgather(params, tiled=True)  # whole arrays on every process
-    source = (
-        data.read_json(os.path.join(data.hf_dir(cfg.load_hf), "config.json"))
-        if cfg.load_hf
-        else None
-    )
-    try:
-        tensors = model_lib.save_hf(cfg, host, out_dir, ds.tokenizer, source)
-    except (data.WriteError, *data.STORAGE_ERRORS) as e:
-        reason = e if isinstance(e, data.WriteError) else data.storage_reason(e)
-        raise ConfigError(
-            f"export_dir={out_dir}: cannot write there ({reason}); choose a writable directory"
-        ) from None
-    except ValueError as e:
-        raise ConfigError(f"mode=export: {e}") from None
-    arch = model_lib.hf_config(cfg)["architectures"][0]
-    log(
-        f"exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face {arch} checkpoint to {out_dir}"
-    )
-    return tensors
-
-
-def export_mode(cfg, task, state, ds, job):
-    """mode=export: the parameters as a Hugging Face Llama checkpoint in export_dir (default RUN_DIR/hf)."""
-    export_hf(cfg, state["params"], ds, out_dir := cfg.export_dir or os.path.join(job.dir, "hf"))
-    return {"export_dir": out_dir}
-
-
-# ==================================================================================================
-# The TPU fit check: compile the real step for a TPU slice on this machine (libtpu), compare with HBM.
-# ==================================================================================================
-DOES_NOT_FIT = 4  # exit code of compile_topology when the step needs more HBM than the slice has
-
-
-def tpu_slice(cfg):
-    """compile_topology=v4-64: that slice's devices as libtpu describes them, on any machine (no TPU needed)."""
-    topology, chips, hbm = TPU_SLICES[cfg.compile_topology]
-    if topology.startswith("tpu7x") and tuple(map(int, jax.__version__.split(".")[:2])) < (0, 12):
-        raise ConfigError(
-            f"compile_topology={cfg.compile_topology}: TPU7x needs the current JAX and libtpu 0.0.51 "
-            f"(Python 3.12: pip install -r requirements.txt -r tests/requirements.txt there); the "
-            f"libtpu of jax {jax.__version__} aborts compiling its programs"
-        )
-    for name, value in (
-        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
-        ("TPU_WORKER_HOSTNAMES", "localhost"),
-        ("TPU_ACCELERATOR_TYPE", cfg.compile_topology.replace("v5e", "v5litepod")),
-    ):
-        os.environ.setdefault(
-            name, value
-        )  # no chip to find: two checks may run at once, and libtpu says nothing
-    try:
-        from jax.experimental import topologies
-
-        devices = topologies.get_topology_desc(
-            topology_name=topology,
-            platform="tpu",
-            chip_config_name=chips,
-            num_slices=cfg.num_slices,
-        ).devices
-    except Exception as e:  # no libtpu, an older one, or another process holding it
-        raise ConfigError(
-            f"compile_topology={cfg.compile_topology}: libtpu cannot describe the slice: "
-            f"{first_line(e, typed=False, limit=200)} (pip install -r tests/requirements.txt brings libtpu)"
-        ) from None
-    log(
-        f"AOT compile for {cfg.num_slices} x {cfg.compile_topology}: {len(devices)} x {devices[0].device_kind}, {gb(hbm)} each"
-    )
-    return devices
-
-
-def fit_memory(cfg, task, devices):
-    """Compile the real train step of cfg for the slice's devices: (bytes per device or None where the
-    compiler refuses it as too large, the compiler's figures, the log line). Nothing runs, no data is read."""
-    built = build(cfg, task, devices)
-    try:
-        with jax.set_mesh(built.mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
-            seconds, m = compile_step(built.train_step, built.layout.abstract, built.feed)
-    except (
-        jax.errors.JaxRuntimeError
-    ) as e:  # the TPU compiler itself refuses a program over its HBM
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        return None, None, f"compiler: {first_line(e, typed=False, limit=300)}"
-    line, need = compiled_line(m)
-    return (
-        need,
-        {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "temp", "output", "alias")},
-        f"compiled in {seconds:.1f}s; {line}",
-    )
-
-
-def fit_check(cfg, task, devices):
-    """compile_topology=SLICE: does the step fit the slice's HBM? With what to change when it does not."""
-    hbm = TPU_SLICES[cfg.compile_topology][2]
-    need, memory, line = fit_memory(cfg, task, devices)
-    fits = need is not None and need <= hbm
-    log(f"{line} of {gb(hbm)} HBM: {'fits' if fits else 'does not fit'}")
-    if not fits:
-        log(
-            "to fit: per_device_batch=auto finds the largest batch that does; or remat=full, more fsdp, a larger slice"
-        )
-    return {"fits": fits, "bytes_per_device": need, "hbm_bytes": hbm, "memory": memory}
-
-
-def fit_search(cfg, task, devices):
-    """compile_topology=SLICE per_device_batch=auto: the largest per-device microbatch that fits in 90% of the
-    HBM, grad_accum being the examples per device per update (split into grad_accum / b microbatches of b),
-    then the least recompute that still fits at that size. Bisection over the divisors, one compile each, every
-    result printed; ends with the command line to run."""
-    total, hbm = cfg.grad_accum, TPU_SLICES[cfg.compile_topology][2]
-
-    def fits(b, remat):
-        need = fit_memory(
-            cfg.model_copy(
-                update={"per_device_batch": b, "grad_accum": total // b, "remat": remat}
-            ),
-            task,
-            devices,
-        )[0]
-        ok = need is not None and need <= 0.9 * hbm
-        log(
-            f"  per_device_batch={b} grad_accum={total // b} remat={remat}: {gb(need) if need else 'over the HBM'} -> "
-            f"{'fits' if ok else 'no'}"
-        )
-        return ok
-
-    sizes = [b for b in range(1, total + 1) if total % b == 0]
-    lo, hi = (
-        0,
-        len(sizes) - 1,
-    )  # sizes[:lo] fit with remat=full (the least memory); find the last that does
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        lo, hi = (mid + 1, hi) if fits(sizes[mid], "full") else (lo, mid - 1)
-    if not lo:
-        log(
-            "nothing fits, even one example per device with remat=full: more fsdp, a smaller model or a larger slice"
-        )
-        return {"fits": False}
-    b = sizes[lo - 1]
-    remat = next(r for r in ("none", "save_dots", "full") if r == "full" or fits(b, r))
-    found = [f"per_device_batch={b}", f"grad_accum={total // b}", f"remat={remat}"]
-    kept = [
-        a
-        for a in sys.argv[1:]
-        if a.partition("=")[0]
-        not in ("per_device_batch", "grad_accum", "remat", "compile_topology")
-    ]
-    log(
-        f"largest that fits: {' '.join(found)}\nrun on the slice: python train.py {' '.join(kept + found)}"
-    )
-    return {"fits": True, "per_device_batch": b, "grad_accum": total // b, "remat": remat}
-
-
-# ==================================================================================================
-# run: everything above, in the order the data flows.
-# ==================================================================================================
 def hold(run_dir, cfg):
-    """Process 0 takes the run directory's lock (data.own); every host then checks that it reads back what process 0
-    wrote there: a run directory on each host's own disk would split the run's checkpoints between them."""
+    """Process 0 takes the run directory's lock (data.own); every host then checks that it reads
+    back what process 0 wrote there: a run directory on each host's own disk would split the run's
+    checkpoints between them."""
     lock, holder = data.own(run_dir, log)
     if holder := agree(holder, cfg.host_timeout)[0]:
         raise ConfigError(
@@ -1981,9 +1829,10 @@ def hold(run_dir, cfg):
 
 @contextlib.contextmanager
 def run_directory(cfg):
-    """output_dir/run_name (a local path or gs://) for the block: made, checked writable and shared by every host,
-    and in mode=train owned by this run (one run trains in a run directory at a time; data.prepare_training moves
-    an earlier run's checkpoints and metrics aside under resume=false)."""
+    """output_dir/run_name for the block: made, writable, shared by every host, held by one run."""
+    # A local path or gs://. In mode=train this run owns it (one run trains in a run directory at a
+    # time); data.prepare_training moves an earlier run's checkpoints and metrics aside under
+    # resume=false.
     run_dir = os.path.join(cfg.output_dir, cfg.run_name)
     data.make_run_dir(cfg, run_dir, log)
     lock = hold(run_dir, cfg) if cfg.mode == "train" else None
@@ -1999,224 +1848,375 @@ def run_directory(cfg):
             lock.close()
 
 
-def run(cfg, devices=None, caught=None):
-    """Train, evaluate, export or generate per cfg; returns a summary dict. `devices` lets tests pick a subset;
-    `caught`: the signals main() listens for."""
-    task = model_lib.TASKS[cfg.task]  # what is trained: the one place train.py asks
-    check(cfg, task)
-    if cfg.load_hf:  # the model's shape from its config.json, then the rules again on it
-        check(cfg := checkpoint_keys(cfg), task)
-    if (
-        cfg.compile_cache_dir
-    ):  # before the first compile; every program is cached, however quick to compile
-        jax.config.update("jax_compilation_cache_dir", str(data.stored(cfg.compile_cache_dir)))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    devices = tpu_slice(cfg) if cfg.compile_topology else devices or jax.devices()
-    cfg = resolve(cfg, task, devices[0].platform, devices[0].device_kind)
-    local = ("cache_dir", "data_dir", "compile_cache_dir")  # these may name each host's own disk
-    same_everywhere(
-        {k: v for k, v in flat(cfg.model_dump(mode="json")).items() if k not in local},
-        "start every host with the same command",
-        cfg.host_timeout,
-    )
-    if cfg.compile_topology:
-        return (fit_search if cfg.per_device_batch == "auto" else fit_check)(cfg, task, devices)
-    ds = data.make_dataset(cfg, jax.process_index(), jax.process_count(), log, task.dataset)
-    same_everywhere({"data": ds.identity}, "give every host the same data", cfg.host_timeout)
-    if ds.vocab_size != cfg.vocab_size:
-        raise ConfigError(
-            f"vocab_size={cfg.vocab_size}: the data has {ds.vocab_size} tokens; set vocab_size={ds.vocab_size}"
-        )
-    rows = cfg.per_device_batch * len(devices) * cfg.grad_accum
-    if cfg.epochs:  # the steps that read every training example `epochs` times
-        cfg = with_values(
-            cfg, {"steps": ds.epoch_steps(rows // cfg.grad_accum, cfg.grad_accum, cfg.epochs)}
-        )
-        log(f"epochs={cfg.epochs}: steps={cfg.steps}")
-    built = build(cfg, task, devices)
-    batch = (
-        f"batch: {cfg.per_device_batch}/device x {len(devices)} devices x {cfg.grad_accum} accum = {rows} "
-        f"examples = {rows * cfg.max_target_length} tokens per step"
-    )
-    log(
-        f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), {jax.process_count()} "
-        f"process(es), {cfg.num_slices} slice(s); mesh {dict(built.mesh.shape)}\n{batch}"
-    )
-    if whole := sharding_table(built.layout, cfg, built.mesh, whole_only=True):
-        log(
-            "parameters kept whole where their size does not divide by their mesh axes:\n"
-            + "\n".join(whole)
-        )
-    if devices[0].platform == "cpu":  # the state's shards on this host's devices
-        fits_host(
-            sum(
-                math.prod(x.sharding.shard_shape(x.shape))
-                * x.dtype.itemsize
-                * len(x.sharding.addressable_devices)
-                for x in jax.tree.leaves(built.layout.abstract)
-            ),
-            "the train state",
-            "train a smaller model",
-        )
-    flops = (
-        step_flops(cfg, task, devices) if cfg.mode == "train" else None
-    )  # its probe runs outside the mesh
-    with (
-        run_directory(cfg) as run_dir,
-        jax.set_mesh(built.mesh),
-        nnx.logical_axis_rules(cfg.logical_axis_rules),
-        checkpoints(os.path.join(run_dir, "checkpoints"), cfg) as mngr,
-    ):
-        state, data_state, trained = restore_or_init(cfg, task, mngr, built.layout)
-        if cfg.mode == "train" and ds.tokenizer:
-            data.keep_tokenizer(ds, run_dir, int(state["step"]) > 0, config_changes(run_dir, cfg))
-        data.write(
-            os.path.join(
-                run_dir, "config.yml" if cfg.mode == "train" else f"config.{cfg.mode}.yml"
-            ),
-            f"# {batch}\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False),
-        )  # train's record stays
-        log(
-            f"model: {sum(x.size for x in jax.tree.leaves(state['params'])) / 1e6:.2f}M parameters, "
-            f"{task.flops_per_token(cfg) / 1e6:.1f} MFLOPs per token (train)"
-        )
-        if cfg.print_sharding:
-            log("\n".join(sharding_table(built.layout, cfg, built.mesh)))
-        if cfg.mode != "train" and not trained:
-            raise ConfigError(
-                f"mode={cfg.mode} needs trained parameters: set load_params=RUN_DIR, load_hf=DIR, or "
-                f"run_name= a run with checkpoints (none in {run_dir}/checkpoints)"
-            )
-        job = Job(
-            run_dir,
-            mngr,
-            built,
-            evaluator(cfg, task, built.eval_step, built.feed),
-            caught or Signals(),
-            flops,
-        )
-        if cfg.mode == "train":
-            return train(
-                cfg,
-                task,
-                state,
-                ds.train_iter(built.feed.rows // jax.process_count(), state=data_state),
-                ds,
-                job,
-            )
-        return {"export": export_mode, "generate": generate_mode, "eval": eval_mode}[cfg.mode](
-            cfg, task, state, ds, job
-        )
-
-
 # ==================================================================================================
-# The command line, and the process plumbing it needs: which platforms to start, joining a multi-process
-# system (bounded, and watched by a parent process), and keeping library noise off stderr.
+# Damaged checkpoints and changed configs (Part 2). Failures: a checkpoint truncated or garbled (on
+# one host or all), one written by another config, a non-finite loss: the damaged step skipped and
+# set aside, never deleted; the change named. Shown by
+# tests/test_checkpoint.py::test_damaged_newest_checkpoint_is_moved_aside_and_the_run_resumes,
+# test_a_changed_model_on_resume_is_named_not_damage, test_a_nonfinite_step_names_the_checkpoint_*,
+# test_hosts.py::test_a_checkpoint_only_one_host_cannot_read_is_damaged_for_all.
 # ==================================================================================================
-def pci_vendors():
-    """The PCI vendor ids of this host's devices (Linux sysfs): what accelerators it has, without starting
-    any of them. Google 0x1ae0 = TPU chips, NVIDIA 0x10de, AMD 0x1002."""
-    return {open(path).read().strip() for path in glob.glob("/sys/bus/pci/devices/*/vendor")}
 
 
-def start_platforms():
-    """An installed libtpu (tests/requirements.txt brings it, for the TPU fit check) loads itself into every
-    JAX process and prints five lines of errors on a host without TPU chips. There, unless the user chose
-    platforms (JAX_PLATFORMS), JAX starts only what the host has: a GPU whose JAX plugin is installed, and
-    the CPU. The fit check loads libtpu itself."""
-    vendors = pci_vendors()
-    if jax.config.jax_platforms or "0x1ae0" in vendors:
-        return
-    plugins = [m.name for m in pkgutil.iter_modules()]
-    gpus = [
-        name
-        for name, vendor in (("cuda", "0x10de"), ("rocm", "0x1002"))
-        if vendor in vendors and any(p.startswith(f"jax_{name}") for p in plugins)
-    ]
-    jax.config.update("jax_platforms", ",".join(gpus + ["cpu"]))
+class Damaged(Exception):
+    """A checkpoint step that cannot be read back: truncated, garbled or missing files, bad
+    metadata."""
 
 
-def check_backends():
-    """JAX starts the platforms JAX_PLATFORMS names, or fails deep inside (RuntimeError, or a bare AssertionError
-    for a GPU whose plugin is missing): one line instead."""
+def shape_mismatch(mngr, step, target, part):
+    """'' or, for a checkpoint of another config, the first array of another shape; or Damaged."""
+    # Read from the metadata before any array is (orbax would fail deep inside). optax's state comes
+    # back as tuples, whose keys are indices.
+    name = lambda k: str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+    shapes = lambda tree: {
+        tuple(map(name, p)): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
     try:
-        jax.devices()
-    except (RuntimeError, AssertionError, ValueError) as e:
-        raise ConfigError(
-            f"JAX_PLATFORMS={jax.config.jax_platforms}: JAX cannot start it on this host ({first_line(e)}); "
-            "name platforms this host has (cpu, gpu with jax[cuda], tpu on a TPU VM), or unset it"
-        ) from None
+        saved, want = shapes(mngr.item_metadata(step)["train_state"]), shapes(target)
+    except Exception as e:  # noqa: BLE001 - orbax: ValueError, KeyError, tensorstore errors ...
+        raise Damaged(f"its metadata is unreadable: {first_line(e)}") from None
+    if not any(path[0] == "params" for path in saved):
+        raise Damaged("its metadata lists no parameters")
+    paths = set(want) | (set(saved) if not part else set())
+    for path in sorted(paths, key=lambda p: (p[0] != "params", p)):
+        if saved.get(path) != want.get(path):
+            there, here = saved.get(path, "none"), want.get(path, "none")
+            return f"{'/'.join(path)} is {there} there but {here} here"
+    return ""
 
 
-DISTRIBUTED = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_COUNT", "JAX_PROCESS_INDEX")
+def read_step(mngr, step, abstract, part):
+    """(state or its `part`, every lane's data state, '' or how its config differs), or Damaged."""
+    target = {part: abstract[part]} if part else abstract
+    if mismatch := shape_mismatch(mngr, step, target, part):
+        return None, None, mismatch
+    # With `part`, that subtree alone: another run's optimizer may differ.
+    restore = ocp.args.PyTreeRestore(
+        item=target,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=bool(part),
+    )
+    reads = {"train_state": (ocp.PyTreeCheckpointHandler, restore)}
+    if not part:
+        reads["data_state"] = (ocp.StandardCheckpointHandler, ocp.args.StandardRestore())
+    # Item by item, not mngr.restore: that ends waiting for every host, and a host that failed would
+    # never come.
+    try:
+        got = {
+            item: handler().restore(data.stored(mngr.directory) / str(step) / item, args=args)
+            for item, (handler, args) in reads.items()
+        }
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise bare Exception for bad data
+        raise Damaged(first_line(e)) from None
+    if part:
+        return got["train_state"][part], None, ""
+    lanes, source = got["data_state"].get("lanes"), got["data_state"].get("source")
+    if lanes is None or source is None:  # not a position this trainer wrote
+        data_state = {"lanes": [], "source": "a data state without per-row positions"}
+    else:
+        rows = [json.loads(row.tobytes().decode().strip()) for row in lanes]
+        data_state = {"lanes": rows, "source": source.tobytes().decode()}
+    return got["train_state"], data_state, ""
 
 
-def several_processes():
-    """Whether this process is one of several: JAX_* variables, or a cluster JAX finds by itself (SLURM with
-    several tasks, a Cloud TPU VM, which JAX asks for its slice's hosts)."""
-    slurm = "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
-    return any(os.environ.get(n) for n in DISTRIBUTED) or slurm or "0x1ae0" in pci_vendors()
+class Restored(NamedTuple):
+    """A checkpoint step read back by restore_checkpoint."""
+
+    step: int
+    state: Any  # the train state, or its `part`
+    data_state: Any  # every lane's data position ({'lanes', 'source'}); None with a `part`
 
 
-def init_distributed(cfg):
-    """Join a multi-process JAX system before any device is touched, every host waiting host_timeout seconds for the
-    others (to join, and later for a silent host's heartbeat). Explicit JAX_* variables win, checked first (JAX
-    answers a bad one with a traceback, or waits for a coordinator that never comes)."""
-    given = [n for n in DISTRIBUTED if os.environ.get(n)]
-    if given and len(given) < len(DISTRIBUTED):
-        missing = ", ".join(n for n in DISTRIBUTED if n not in given)
-        raise ConfigError(
-            f"{', '.join(given)} set but {missing} not: set all three for a multi-process run, or none"
+def restore_checkpoint(mngr, abstract, cfg, steps=None, part=None, move_aside=False):
+    """The newest checkpoint step every host can read, as Restored, or None."""
+    # The hosts decide together, step by step: a step any of them cannot read is damaged for all,
+    # reported in one line and skipped for the one before it (with move_aside, the run's own
+    # checkpoints, renamed STEP.damaged-TIME once a readable one is found, never deleted, so the
+    # next save of that step has room). `part` ('params', 'ema') reads that subtree alone. A
+    # checkpoint of another config is not damage: it stops the run with what differs.
+    damaged = []
+    for step in sorted(steps or mngr.all_steps(), reverse=True):
+        try:
+            state, data_state, mismatch = read_step(mngr, step, abstract, part)
+            why = ""
+        except Damaged as e:
+            mismatch, why = "", str(e)
+        if mismatch:
+            changed = data.config_changes(os.path.dirname(mngr.directory), cfg)
+            raise ConfigError(
+                f"checkpoint {mngr.directory}/{step} was written by another config: {mismatch}"
+                + (f"; changed since: {', '.join(changed[:6])}" if changed else "")
+                + "; use the keys of the run that wrote it, or a new run_name / resume=false"
+            )
+        if any(reasons := agree(why, cfg.host_timeout)):
+            k, why = next((k, r) for k, r in enumerate(reasons) if r)
+            where = f"on process {k}: " if k else ""
+            log(
+                f"WARNING: checkpoint {mngr.directory}/{step} is damaged ({where}{why}); trying "
+                "the one before it"
+            )
+            damaged.append(step)
+            continue
+        if move_aside and damaged:
+            moved = [
+                data.set_aside(os.path.join(mngr.directory, str(bad)), "damaged")
+                for bad in damaged
+                if data.MAIN
+            ]
+            log(f"moved the damaged step(s) aside: {', '.join(moved)}")
+            agree("", cfg.host_timeout)  # the others wait for the renames
+            mngr.reload()
+        return Restored(step, state, data_state)
+    return None
+
+
+def stop_nonfinite(e, mngr, cfg):
+    """A non-finite step k: the parameters of step k - 1 produced it, so the checkpoint to go on
+    from comes before k - 1, and one of k - 1 is set aside (renamed, never deleted) so that a rerun
+    resumes from there."""
+    step, what = e.args
+    wait_for_saves(mngr)
+    bad = [s for s in mngr.all_steps() if s >= step - 1]
+    for s in bad if jax.process_index() == 0 else ():
+        data.set_aside(os.path.join(mngr.directory, str(s)), "nonfinite")
+    agree("", cfg.host_timeout)  # the others wait for the renames
+    good = [s for s in mngr.all_steps() if s < step - 1]
+    where = (
+        f"the newest checkpoint before it is step {good[-1]}"
+        + (f" (step {bad[0]} set aside)" if bad else "")
+        if good
+        else "no checkpoint comes before it"
+    )
+    return FloatingPointError(
+        f"{what} at step {step}: stopped; {where}; lower learning_rate (or raise warmup_steps) and "
+        f"rerun to {'resume from there' if good else 'start over'}"
+    )
+
+
+# ==================================================================================================
+# Stalls, signals and lost hosts (Part 2). Failures: a preemption (SIGTERM) or Ctrl-C, a run that
+# stopped moving, a host that died or never joined, any user mistake reaching main: a checkpoint
+# where there is something to save, one line, an exit code. Shown by
+# tests/test_checkpoint.py::test_interrupted_run_resumes_exactly, test_a_second_sigterm_*,
+# test_hosts.py::test_a_host_killed_mid_run_*, test_a_stalled_host_is_named_with_its_stacks,
+# test_hosts_that_never_all_join_end_in_one_line_within_host_timeout.
+# ==================================================================================================
+
+
+RERUN = "checkpoints already committed are intact; rerun the command on every host to resume"
+
+
+def quit_now(line, code):
+    """One line and exit now, not through JAX's shutdown (it would wait for a lost host)."""
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def stop_lost_host(e, seconds=3):
+    """A collective failed: a host is gone (its process ended, its network went). The survivors
+    answer a roll call in the coordination service for a few seconds and whoever did not is named;
+    no service at all means its host, process 0, is gone."""
+    try:
+        client = coordination()
+        client.key_value_set(f"train/alive/{jax.process_index()}", "")
+        time.sleep(seconds)
+        alive = {int(key.rsplit("/", 1)[1]) for key, _ in client.key_value_dir_get("train/alive/")}
+        lost = [str(k) for k in range(jax.process_count()) if k not in alive] or ["unknown"]
+    except Exception:  # noqa: BLE001 - the coordination service went with process 0
+        lost = ["0"]
+    quit_now(
+        f"error: lost process {', '.join(lost)} of {jax.process_count()} ({first_line(e)}); "
+        f"{RERUN}",
+        74,
+    )
+
+
+@contextlib.contextmanager
+def preemption_signals():
+    """SIGTERM (preemption, schedulers) and SIGINT, from the start of the run to its last committed
+    save. Before the loop a signal ends the run at once; in the loop it is noted, not obeyed: the
+    loop finishes the step, checkpoints and exits, and a repeated signal during that save is noted
+    too. With several processes a signal reaching one host must stop them all at the same step:
+    JAX's preemption sync point listens for SIGTERM, so SIGINT is passed on to it as one (and
+    SIGUSR1, the supervisor's word that a SIGTERM came, only wakes)."""
+    caught = Signals()
+
+    # before the loop nothing is new: it ends now, whatever it was in (no exception to unwind)
+    def note(signum, _):
+        if not caught.saving:
+            quit_now(
+                f"stopped: {signal.Signals(signum).name} before the first step: nothing new to "
+                "save; rerun the same command to go on",
+                75,
+            )
+        caught.names.append(signal.Signals(signum).name)
+
+    to_sync_point = lambda signum, _: os.kill(os.getpid(), signal.SIGTERM)
+    wanted = (
+        {signal.SIGINT: to_sync_point, signal.SIGUSR1: lambda *_: None}
+        if jax.process_count() > 1
+        else {signal.SIGTERM: note, signal.SIGINT: note}
+    )
+    old = {sig: signal.signal(sig, handler) for sig, handler in wanted.items()}
+    try:
+        yield caught
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+class Watchdog(threading.Thread):
+    """Ends a run that stopped moving. The loop beats for every step it reads back (and every eval
+    batch and checkpoint); no beat for stall_seconds (auto: 10 minutes + 10 x (the compile + a
+    typical step)), or none within a few steps of a signal (its handler cannot run while the main
+    thread waits in a hung collective): every thread's stack goes into RUN_DIR/stacks-pK.txt, one
+    line names the step and the file, exit 74."""
+
+    def __init__(self, cfg, run_dir, compile_seconds):
+        super().__init__(daemon=True)
+        # the stacks go to a local file
+        local = tempfile.gettempdir() if data.remote(run_dir) else run_dir
+        self.path, self.done = (
+            os.path.join(local, f"stacks-p{jax.process_index()}.txt"),
+            threading.Event(),
         )
-    address, count, index = (os.environ.get(n, "") for n in DISTRIBUTED)
-    if given and not (count.isdigit() and index.isdigit() and int(index) < int(count)):
-        raise ConfigError(
-            f"JAX_PROCESS_INDEX={index}: must be 0..N-1 for JAX_PROCESS_COUNT={count}"
+        # A pipe the signal machinery writes a byte to at once, even while the main thread waits
+        # inside a step, where no Python handler runs (set from the main thread).
+        self.wakeup, self.write_end = os.pipe()
+        os.set_blocking(self.wakeup, False)
+        os.set_blocking(self.write_end, False)
+        self.old_wakeup = signal.set_wakeup_fd(self.write_end, warn_on_full_buffer=False)
+        self.fixed, self.compile_seconds = cfg.stall_seconds, compile_seconds
+        self.step, self.at, self.typical, self.signalled = 0, time.monotonic(), 0.0, None
+
+    def beat(self, step=None, seconds=None):
+        self.at, self.step = time.monotonic(), self.step if step is None else step
+        self.typical = self.typical if seconds is None else 0.9 * self.typical + 0.1 * seconds
+
+    def run(self):
+        while self.fixed != 0 and not self.done.wait(1):  # stall_seconds=0: off
+            with contextlib.suppress(BlockingIOError):
+                self.signalled = self.signalled or (os.read(self.wakeup, 64) and time.monotonic())
+            bound = (
+                600 + 10 * (self.compile_seconds + self.typical)
+                if self.fixed == "auto"
+                else self.fixed
+            )
+            # a signal waits for the step
+            quiet, grace = (
+                time.monotonic() - self.at,
+                max(10.0, 3 * self.typical),
+            )
+            if quiet > bound:
+                self.fire(f"no step finished in {quiet:.0f}s (stall_seconds={bound:.0f})")
+            if self.signalled and time.monotonic() - max(self.signalled, self.at) > grace:
+                self.fire(f"a signal went unanswered for {grace:.0f}s")
+
+    def stop(self):
+        self.done.set()
+        self.join()
+        signal.set_wakeup_fd(self.old_wakeup)
+        os.close(self.wakeup)
+        os.close(self.write_end)
+
+    def fire(self, why):
+        with open(self.path, "w") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+        quit_now(
+            f"error: stalled after step {self.step}: {why}; every thread's stack is in "
+            f"{self.path}; {RERUN}",
+            74,
         )
-    if given and not address.rpartition(":")[2].isdigit():
-        raise ConfigError(
-            f"JAX_COORDINATOR_ADDRESS={address}: give host:port of process 0 (e.g. 10.0.0.1:8476)"
-        )
-    if several_processes():
-        jax.distributed.initialize(
-            *(address, int(count), int(index)) if given else (),
-            heartbeat_timeout_seconds=cfg.host_timeout,
-            initialization_timeout=cfg.host_timeout,
-        )
-        data.MAIN = jax.process_index() == 0
 
 
-NATIVE_LOG = (
-    "TRAIN_NATIVE_LOG"  # set by the supervisor for its child: where C++ libraries' stderr goes
-)
+@contextlib.contextmanager
+def guard(cfg, job, compile_seconds):
+    """Around the loop: the watchdog, a lost host, a non-finite loss; signals answered from here."""
+    # The Watchdog ends a run that stopped moving (job.beat is its heartbeat); a failed collective
+    # names the lost host (stop_lost_host); a non-finite loss names the checkpoint to go on from
+    # (stop_nonfinite).
+    job.caught.saving = True
+    watchdog = Watchdog(cfg, job.dir, compile_seconds)
+    watchdog.start()
+    job.beat = watchdog.beat
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() > 1:  # now, before the cleanup after the loop waits for a lost host
+            stop_lost_host(e)
+        raise
+    except NonFinite as e:
+        raise stop_nonfinite(e, job.mngr, cfg) from None
+    finally:
+        watchdog.stop()
+
+
+class OneLineErrors(contextlib.AbstractContextManager):
+    """main's last word: what a user can fix ends as one line on stderr and an exit `code`."""
+
+    # A mistake in the config, unreadable data, a refused write, a failing disk or bucket, a non-
+    # finite loss or a preemption; a host lost outside the loop as stop_lost_host's line. Anything
+    # else is a bug, and keeps its traceback.
+
+    code = 0
+
+    def __exit__(self, kind, e, traceback):
+        if isinstance(e, data.STORAGE_ERRORS):  # where no message names the key: still one line
+            where = f" at {e.filename}" if getattr(e, "filename", None) else ""
+            print(
+                f"error: storage failed{where}: {data.storage_reason(e)}; {KEPT}", file=sys.stderr
+            )
+            self.code = 74
+            return True
+        if isinstance(
+            e, (ConfigError, data.DataError, FloatingPointError, data.WriteError, Preempted)
+        ):
+            said = "stopped" if isinstance(e, Preempted) else "error"
+            print(f"{said}: {e}", file=sys.stderr, flush=True)
+            # 3: the loss went non-finite; 74 (EX_IOERR): the run directory refused a write; 75
+            # (EX_TEMPFAIL): preempted with a checkpoint, schedulers requeue on it
+            self.code = {FloatingPointError: 3, data.WriteError: 74, Preempted: 75}.get(type(e), 2)
+            return True
+        if isinstance(e, jax.errors.JaxRuntimeError) and jax.distributed.is_initialized():
+            stop_lost_host(e)
+        return False
+
+
+# Set by the supervisor for its child: where C++ libraries' stderr goes.
+NATIVE_LOG = "TRAIN_NATIVE_LOG"
 
 
 def supervise(argv):
-    """A process of a multi-host run trains in a child process. When a host is lost, or the hosts never all join,
-    JAX's distributed runtime (C++) ends the others with an abort and a page of log; this parent turns such an end
-    into one line naming the cause (exit 74), keeps C++ log lines off the terminal (in a file it names), and passes
-    SIGTERM and SIGINT on (SIGTERM with a SIGUSR1 beside it: the child's watchdog hears of it at once)."""
+    """A process of a multi-host run trains in a child process. When a host is lost, or the hosts
+    never all join, JAX's distributed runtime (C++) ends the others with an abort and a page of log;
+    this parent turns such an end into one line naming the cause (exit 74), keeps C++ log lines off
+    the terminal (in a file it names), and passes SIGTERM and SIGINT on (SIGTERM with a SIGUSR1
+    beside it: the child's watchdog hears of it at once)."""
     path = os.path.join(tempfile.gettempdir(), f"train-{os.getpid()}.log")
+    # A kill -9 of this process ends the child too (Linux's PR_SET_PDEATHSIG, set in the child
+    # before it runs Python: no thread of ours exists there yet).
+    die_with_parent = lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     child = subprocess.Popen(
         [sys.executable, *argv],
-        env={**os.environ, NATIVE_LOG: path},  # and a kill -9 of this
-        preexec_fn=(lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL))  # process ends the child
-        if sys.platform == "linux"
-        else None,
-    )  # (Linux's PR_SET_PDEATHSIG)
+        env={**os.environ, NATIVE_LOG: path},
+        preexec_fn=die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
+    )
 
     def forward(signum, _):
         for sig in (signum, signal.SIGUSR1) if signum == signal.SIGTERM else (signum,):
             child.send_signal(sig)
 
-    signal.signal(signal.SIGTERM, forward), signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
     if (code := child.wait()) >= 0:
         return code
+    # passed on before the child listened for it
     if -code in (
         signal.SIGTERM,
         signal.SIGINT,
         signal.SIGUSR1,
-    ):  # passed on before the child listened for it
+    ):
         print(
             f"stopped: {signal.Signals(-code).name} before the first step: nothing new to save",
             file=sys.stderr,
@@ -2233,8 +2233,8 @@ def supervise(argv):
         (
             "RegisterTask" in native,
             (
-                f"the {count} processes did not all join at {address} within host_timeout "
-                "(a host missing or the coordinator unreachable, or two with one JAX_PROCESS_INDEX)"
+                f"the {count} processes did not all join at {address} within host_timeout (a host "
+                "missing or the coordinator unreachable, or two with one JAX_PROCESS_INDEX)"
             ),
         ),
         (
@@ -2248,66 +2248,234 @@ def supervise(argv):
     return 74
 
 
-def main(argv):
-    if len(argv) < 2 or argv[1] in ("-h", "--help"):
-        print(__doc__.strip().splitlines()[0])
-        return 0 if len(argv) >= 2 else 2
-    if os.environ.get(
-        NATIVE_LOG
-    ):  # the supervisor's child: C++ libraries write to fd 2, Python keeps the terminal
+def command_line(argv):
+    """python train.py ...: a process of a multi-host run trains in a child that supervise()
+    watches; that child sends C++ libraries' stderr to the supervisor's log file and keeps Python's
+    on the terminal. A single process runs main() itself."""
+    if several_processes() and not os.environ.get(NATIVE_LOG):
+        return supervise(argv)
+    if os.environ.get(NATIVE_LOG):
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until the loop listens for it
         sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
         os.dup2(os.open(os.environ[NATIVE_LOG], os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+    return main(argv)
+
+
+# ==================================================================================================
+# Memory (Part 2). Failures: a run past the host's memory (XLA:CPU waits without a word or dies in a
+# traceback), a preset that would not fit its TPU slice: stopped before anything is allocated, with
+# what to lower. Shown by
+# tests/test_errors.py::test_a_run_past_the_hosts_memory_stops_before_it_allocates,
+# test_hardware.py::test_readme_preset_fits_its_tpu_slice, test_per_device_batch_auto_bisects_*.
+# ==================================================================================================
+
+
+def abstract_batch(feed):
+    """The step's [A, B, L] batch as shapes only: to compile ahead of time, nothing read."""
+    shape = (feed.accum, feed.rows, feed.length)
+    return {
+        k: jax.ShapeDtypeStruct(
+            shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=feed.step_sharding
+        )
+        for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+    }
+
+
+def compile_step(train_step, state, feed):
+    """Compile the step for this state and an [A, B, L] batch ahead of its first call (which then
+    reuses the program). Returns (seconds, the compiler's memory analysis: its per-device figures
+    are the truth for every task, where a hand estimate would know only a language model's
+    arithmetic)."""
+    t0 = time.perf_counter()
+    m = train_step.lower(state, abstract_batch(feed)).compile()
+    return time.perf_counter() - t0, m.memory_analysis()
+
+
+def compiled_line(m):
+    """(the compiler's memory_analysis() per device as a log line, total bytes). Donated state
+    buffers are reused for the new state (alias), so they count once."""
+    need = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+    return (
+        (
+            "compiled per device: arguments (params + optimizer state + batch) "
+            f"{gb(m.argument_size_in_bytes)}, temporaries {gb(m.temp_size_in_bytes)}, outputs "
+            f"{gb(m.output_size_in_bytes)} ({gb(m.alias_size_in_bytes)} reusing donated arguments) "
+            f"= {gb(need)}"
+        ),
+        need,
+    )
+
+
+def compile_ahead(cfg, built, state):
+    """The step compiled before its first call: (seconds, bytes per device or None)."""
+    # Every host leaves the compile together (a collective's first run, Gloo on CPU, waits only 30 s
+    # for the others); on CPU the compiled step must fit the host's free memory.
+    seconds, m = compile_step(built.train_step, state, built.feed)
+    agree("", cfg.host_timeout)
+    line, need = compiled_line(m) if m else ("", None)
+    log(f"step compiled in {seconds:.1f}s; {line}")
+    if need and jax.local_devices()[0].platform == "cpu":
+        fits_host(
+            need * jax.local_device_count(), "the step", "lower per_device_batch, or remat=full"
+        )
+    return seconds, need
+
+
+def fits_host(need, what, fix):
+    """On CPU the devices' memory is the host's. Past what the host has, XLA:CPU either waits
+    without a word or dies in an out-of-memory traceback: a run that cannot fit stops before it
+    allocates, saying what to lower."""
+    with (
+        open("/proc/meminfo")
+        if os.path.exists("/proc/meminfo")
+        else contextlib.nullcontext([]) as f
+    ):
+        avail = next(
+            (int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None
+        )
+    if avail is not None and need > avail:
+        raise ConfigError(
+            f"{what} needs {gb(need)} of host memory on CPU and {gb(avail)} is free: {fix}"
+        )
+
+
+def tpu_slice(cfg):
+    """compile_topology=v4-64: that slice's devices as libtpu describes them, on any machine (no TPU
+    needed)."""
+    topology, chips, hbm = TPU_SLICES[cfg.compile_topology]
+    if topology.startswith("tpu7x") and tuple(map(int, jax.__version__.split(".")[:2])) < (0, 12):
+        raise ConfigError(
+            f"compile_topology={cfg.compile_topology}: TPU7x needs the current JAX and libtpu "
+            "0.0.51 (Python 3.12: pip install -r requirements.txt -r tests/requirements.txt "
+            f"there); the libtpu of jax {jax.__version__} aborts compiling its programs"
+        )
+    for name, value in (
+        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+        ("TPU_WORKER_HOSTNAMES", "localhost"),
+        ("TPU_ACCELERATOR_TYPE", cfg.compile_topology.replace("v5e", "v5litepod")),
+    ):
+        # no chip to find: two checks may run at once, and libtpu says nothing
+        os.environ.setdefault(name, value)
     try:
-        files = 1 + sum(
-            1
-            for _ in itertools.takewhile(
-                lambda a: a.endswith((".yml", ".yaml")) and "=" not in a, argv[2:]
-            )
+        from jax.experimental import topologies
+
+        devices = topologies.get_topology_desc(
+            topology_name=topology,
+            platform="tpu",
+            chip_config_name=chips,
+            num_slices=cfg.num_slices,
+        ).devices
+    except Exception as e:  # noqa: BLE001 - no libtpu, an older one, or another process holding it
+        raise ConfigError(
+            f"compile_topology={cfg.compile_topology}: libtpu cannot describe the slice: "
+            f"{first_line(e, typed=False, limit=200)} (pip install -r tests/requirements.txt "
+            "brings libtpu)"
+        ) from None
+    log(
+        f"AOT compile for {cfg.num_slices} x {cfg.compile_topology}: {len(devices)} x "
+        f"{devices[0].device_kind}, {gb(hbm)} each"
+    )
+    return devices
+
+
+def fit_memory(cfg, task, devices):
+    """Compile the real train step of cfg for the slice's devices: (bytes per device or None where
+    the compiler refuses it as too large, the compiler's figures, the log line). Nothing runs, no
+    data is read."""
+    built = build(cfg, task, devices)
+    try:
+        with jax.set_mesh(built.mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
+            seconds, m = compile_step(built.train_step, built.layout.abstract, built.feed)
+    # the TPU compiler itself refuses a program over its HBM
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None, None, f"compiler: {first_line(e, typed=False, limit=300)}"
+    line, need = compiled_line(m)
+    return (
+        need,
+        {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "temp", "output", "alias")},
+        f"compiled in {seconds:.1f}s; {line}",
+    )
+
+
+def fit_check(cfg, task, devices):
+    """compile_topology=SLICE: does the step fit the slice's HBM? With what to change when it does
+    not."""
+    hbm = TPU_SLICES[cfg.compile_topology][2]
+    need, memory, line = fit_memory(cfg, task, devices)
+    fits = need is not None and need <= hbm
+    log(f"{line} of {gb(hbm)} HBM: {'fits' if fits else 'does not fit'}")
+    if not fits:
+        log(
+            "to fit: per_device_batch=auto finds the largest batch that does; or remat=full, more "
+            "fsdp, a larger slice"
         )
-        cfg = load_config(
-            argv[1 : 1 + files], argv[1 + files :]
-        )  # config files first (base.yml, then yours), then keys
-        data.quiet_libraries()
-        start_platforms()
-        init_distributed(cfg)
-        check_backends()
-        with (
-            preemption_signals() as caught
-        ):  # from here to the last save a signal ends the run in one line
-            return DOES_NOT_FIT if run(cfg, caught=caught).get("fits") is False else 0
-    except (
-        data.STORAGE_ERRORS
-    ) as e:  # a disk or bucket failing where no message above names the key: still one line
-        where = f" at {e.filename}" if getattr(e, "filename", None) else ""
-        print(f"error: storage failed{where}: {data.storage_reason(e)}; {KEPT}", file=sys.stderr)
-        return 74
-    except (
-        ConfigError,
-        data.DataError,
-        FloatingPointError,
-        data.WriteError,
-        Preempted,
-    ) as e:  # one line
-        print(
-            f"{'stopped' if isinstance(e, Preempted) else 'error'}: {e}",
-            file=sys.stderr,
-            flush=True,
+    return {"fits": fits, "bytes_per_device": need, "hbm_bytes": hbm, "memory": memory}
+
+
+def fit_search(cfg, task, devices):
+    """compile_topology=SLICE per_device_batch=auto: the largest per-device microbatch that fits in
+    90% of the HBM, grad_accum being the examples per device per update (split into grad_accum / b
+    microbatches of b), then the least recompute that still fits at that size. Bisection over the
+    divisors, one compile each, every result printed; ends with the command line to run."""
+    total, hbm = cfg.grad_accum, TPU_SLICES[cfg.compile_topology][2]
+
+    def fits(b, remat):
+        need = fit_memory(
+            cfg.model_copy(
+                update={"per_device_batch": b, "grad_accum": total // b, "remat": remat}
+            ),
+            task,
+            devices,
+        )[0]
+        ok = need is not None and need <= 0.9 * hbm
+        log(
+            f"  per_device_batch={b} grad_accum={total // b} remat={remat}: "
+            f"{gb(need) if need else 'over the HBM'} -> {'fits' if ok else 'no'}"
         )
-        # 3: the loss went non-finite; 74 (EX_IOERR): the run directory refused a write; 75 (EX_TEMPFAIL):
-        # preempted with a checkpoint, schedulers requeue on it
-        return {FloatingPointError: 3, data.WriteError: 74, Preempted: 75}.get(type(e), 2)
-    except (
-        jax.errors.JaxRuntimeError
-    ) as e:  # a host lost outside the loop (which answers it itself)
-        if jax.distributed.is_initialized():
-            stop_lost_host(e)
-        raise
+        return ok
+
+    sizes = [b for b in range(1, total + 1) if total % b == 0]
+    # sizes[:lo] fit with remat=full (the least memory); find the last that does
+    lo, hi = (
+        0,
+        len(sizes) - 1,
+    )
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if fits(sizes[mid], "full") else (lo, mid - 1)
+    if not lo:
+        log(
+            "nothing fits, even one example per device with remat=full: more fsdp, a smaller model "
+            "or a larger slice"
+        )
+        return {"fits": False}
+    b = sizes[lo - 1]
+    remat = next(r for r in ("none", "save_dots", "full") if r == "full" or fits(b, r))
+    found = [f"per_device_batch={b}", f"grad_accum={total // b}", f"remat={remat}"]
+    kept = [
+        a
+        for a in sys.argv[1:]
+        if a.partition("=")[0]
+        not in ("per_device_batch", "grad_accum", "remat", "compile_topology")
+    ]
+    log(
+        f"largest that fits: {' '.join(found)}\nrun on the slice: python train.py "
+        f"{' '.join(kept + found)}"
+    )
+    return {"fits": True, "per_device_batch": b, "grad_accum": total // b, "remat": remat}
+
+
+def fit_tpu(cfg, task, devices):
+    """compile_topology=SLICE: fit_search for per_device_batch=auto, else fit_check."""
+    return (fit_search if cfg.per_device_batch == "auto" else fit_check)(cfg, task, devices)
 
 
 if __name__ == "__main__":
-    sys.exit(
-        supervise(sys.argv)
-        if several_processes() and not os.environ.get(NATIVE_LOG)
-        else main(sys.argv)
-    )
+    sys.exit(command_line(sys.argv))
