@@ -234,7 +234,8 @@ def state_layout(cfg, task, mesh, tx, rows):
     their parameter's, the task's state the axes it declares; the rest replicates."""
 
     def init(rng, params=None):  # params: start from these (loaded) instead of a fresh init
-        params = model_lib.init(cfg, rng)[1] if params is None else params
+        if params is None:
+            _, params = model_lib.init(cfg, rng)
         return {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
@@ -242,7 +243,8 @@ def state_layout(cfg, task, mesh, tx, rows):
             **task.state(cfg, params, rows),
         }
 
-    shapes, params = jax.eval_shape(init, jax.random.key(cfg.seed)), model_lib.abstract(cfg)[1]
+    shapes = jax.eval_shape(init, jax.random.key(cfg.seed))
+    _, params = model_lib.abstract(cfg)  # the parameters' logical axes
     logical = {
         "step": PartitionSpec(),
         "params": params,
@@ -339,7 +341,7 @@ def build(cfg, task, devices):
     mesh = make_mesh(cfg, devices)
     feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
     tx, schedule = make_optimizer(cfg)
-    graph = model_lib.abstract(cfg)[0]
+    graph, _ = model_lib.abstract(cfg)
     layout = state_layout(cfg, task, mesh, tx, feed.rows)
     # The sharding is all stated here, at the jit: the state enters and leaves in its layout
     # (parameters and their optimizer moments split by their logical axes), the batch split over its
@@ -1049,19 +1051,26 @@ Names = Annotated[tuple[str, ...], BeforeValidator(_items)]
 AxisRule = tuple[str, str | tuple[str, ...] | None]
 
 
-# TPU slices the fit check compiles for: (libtpu topology, chip config, HBM per JAX device). A v2/v3
-# device is one core (half a chip); a TPU7x (Ironwood) device one of a chip's two dies (libtpu
-# 0.0.51: 8 x 94.7 GiB per 2x2x1).
+class Slice(NamedTuple):
+    """A TPU slice the fit check compiles for, as libtpu names it."""
+
+    topology: str
+    chips: str  # libtpu's chip config
+    hbm: int  # bytes per JAX device
+
+
+# A v2/v3 device is one core (half a chip); a TPU7x (Ironwood) device one of a chip's two dies
+# (libtpu 0.0.51: 8 x 94.7 GiB per 2x2x1).
 TPU_SLICES = {
-    "v2-8": ("v2:2x2", "default", 8 * GiB),
-    "v3-8": ("v3:2x2", "default", 16 * GiB),
-    "v4-8": ("v4:2x2x1", "megacore", 32 * GiB),
-    "v4-32": ("v4:2x2x4", "megacore", 32 * GiB),
-    "v4-64": ("v4:2x4x4", "megacore", 32 * GiB),
-    "v5e-8": ("v5e:2x4", "default", 16 * GiB),
-    "v5p-8": ("v5p:2x2x1", "megacore", 95 * GiB),
-    "v6e-8": ("v6e:2x4", "default", 32 * GiB),
-    "tpu7x-8": ("tpu7x:2x2x1", "default", 96 * GiB),
+    "v2-8": Slice("v2:2x2", "default", 8 * GiB),
+    "v3-8": Slice("v3:2x2", "default", 16 * GiB),
+    "v4-8": Slice("v4:2x2x1", "megacore", 32 * GiB),
+    "v4-32": Slice("v4:2x2x4", "megacore", 32 * GiB),
+    "v4-64": Slice("v4:2x4x4", "megacore", 32 * GiB),
+    "v5e-8": Slice("v5e:2x4", "default", 16 * GiB),
+    "v5p-8": Slice("v5p:2x2x1", "megacore", 95 * GiB),
+    "v6e-8": Slice("v6e:2x4", "default", 32 * GiB),
+    "tpu7x-8": Slice("tpu7x:2x2x1", "default", 96 * GiB),
 }
 
 
@@ -2407,7 +2416,7 @@ def fit_memory(cfg, task, devices):
 def fit_check(cfg, task, devices):
     """compile_topology=SLICE: does the step fit the slice's HBM? With what to change when it does
     not."""
-    hbm = TPU_SLICES[cfg.compile_topology][2]
+    hbm = TPU_SLICES[cfg.compile_topology].hbm
     need, memory, line = fit_memory(cfg, task, devices)
     fits = need is not None and need <= hbm
     log(f"{line} of {gb(hbm)} HBM: {'fits' if fits else 'does not fit'}")
@@ -2424,16 +2433,11 @@ def fit_search(cfg, task, devices):
     90% of the HBM, grad_accum being the examples per device per update (split into grad_accum / b
     microbatches of b), then the least recompute that still fits at that size. Bisection over the
     divisors, one compile each, every result printed; ends with the command line to run."""
-    total, hbm = cfg.grad_accum, TPU_SLICES[cfg.compile_topology][2]
+    total, hbm = cfg.grad_accum, TPU_SLICES[cfg.compile_topology].hbm
 
     def fits(b, remat):
-        need = fit_memory(
-            cfg.model_copy(
-                update={"per_device_batch": b, "grad_accum": total // b, "remat": remat}
-            ),
-            task,
-            devices,
-        )[0]
+        trial = {"per_device_batch": b, "grad_accum": total // b, "remat": remat}
+        need, _, _ = fit_memory(cfg.model_copy(update=trial), task, devices)
         ok = need is not None and need <= 0.9 * hbm
         log(
             f"  per_device_batch={b} grad_accum={total // b} remat={remat}: "
