@@ -66,8 +66,13 @@ class ConfigError(Exception):
 
 
 def log(msg):
+    """Process 0 prints. Output that went away (`| head` ended, a full device, a closed terminal)
+    costs no step: stdout goes to /dev/null from then on, and the rows stay in metrics.jsonl."""
     if jax.process_index() == 0:
-        print(msg, flush=True)
+        try:
+            print(msg, flush=True)
+        except OSError:  # BrokenPipeError, ENOSPC, EIO
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 # ==================================================================================================
@@ -2015,10 +2020,17 @@ def stop_nonfinite(e, mngr, cfg):
 RERUN = "checkpoints already committed are intact; rerun the command on every host to resume"
 
 
+def say(line):
+    """One line on stderr; a terminal that went away (SIGHUP) must not turn it into a traceback."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+
+
 def quit_now(line, code):
     """One line and exit now, not through JAX's shutdown (it would wait for a lost host)."""
-    print(line, file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    say(line)
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
     os._exit(code)
 
 
@@ -2043,12 +2055,13 @@ def stop_lost_host(e, seconds=3):
 
 @contextlib.contextmanager
 def preemption_signals():
-    """SIGTERM (preemption, schedulers) and SIGINT, from the start of the run to its last committed
-    save. Before the loop a signal ends the run at once; in the loop it is noted, not obeyed: the
-    loop finishes the step, checkpoints and exits, and a repeated signal during that save is noted
-    too. With several processes a signal reaching one host must stop them all at the same step:
-    JAX's preemption sync point listens for SIGTERM, so SIGINT is passed on to it as one (and
-    SIGUSR1, the supervisor's word that a SIGTERM came, only wakes)."""
+    """SIGTERM (preemption, schedulers), SIGINT and SIGHUP (the terminal closed), from the start of
+    the run to its last committed save. Before the loop a signal ends the run at once; in the loop
+    it is noted, not obeyed: the loop finishes the step, checkpoints and exits, and a repeated
+    signal during that save is noted too. With several processes a signal reaching one host must
+    stop them all at the same step: JAX's preemption sync point listens for SIGTERM, so SIGINT and
+    SIGHUP are passed on to it as one (and SIGUSR1, the supervisor's word that a SIGTERM came,
+    only wakes)."""
     caught = Signals()
 
     # before the loop nothing is new: it ends now, whatever it was in (no exception to unwind)
@@ -2062,10 +2075,11 @@ def preemption_signals():
         caught.names.append(signal.Signals(signum).name)
 
     to_sync_point = lambda signum, _: os.kill(os.getpid(), signal.SIGTERM)
+    several = {signal.SIGINT: to_sync_point, signal.SIGHUP: to_sync_point}
     wanted = (
-        {signal.SIGINT: to_sync_point, signal.SIGUSR1: lambda *_: None}
+        {**several, signal.SIGUSR1: lambda *_: None}
         if jax.process_count() > 1
-        else {signal.SIGTERM: note, signal.SIGINT: note}
+        else {signal.SIGTERM: note, signal.SIGINT: note, signal.SIGHUP: note}
     )
     old = {sig: signal.signal(sig, handler) for sig, handler in wanted.items()}
     try:
@@ -2173,16 +2187,14 @@ class OneLineErrors(contextlib.AbstractContextManager):
     def __exit__(self, kind, e, traceback):
         if isinstance(e, data.STORAGE_ERRORS):  # where no message names the key: still one line
             where = f" at {e.filename}" if getattr(e, "filename", None) else ""
-            print(
-                f"error: storage failed{where}: {data.storage_reason(e)}; {KEPT}", file=sys.stderr
-            )
+            say(f"error: storage failed{where}: {data.storage_reason(e)}; {KEPT}")
             self.code = 74
             return True
         if isinstance(
             e, (ConfigError, data.DataError, FloatingPointError, data.WriteError, Preempted)
         ):
             said = "stopped" if isinstance(e, Preempted) else "error"
-            print(f"{said}: {e}", file=sys.stderr, flush=True)
+            say(f"{said}: {e}")
             # 3: the loss went non-finite; 74 (EX_IOERR): the run directory refused a write; 75
             # (EX_TEMPFAIL): preempted with a checkpoint, schedulers requeue on it
             self.code = {FloatingPointError: 3, data.WriteError: 74, Preempted: 75}.get(type(e), 2)
@@ -2200,8 +2212,8 @@ def supervise(argv):
     """A process of a multi-host run trains in a child process. When a host is lost, or the hosts
     never all join, JAX's distributed runtime (C++) ends the others with an abort and a page of log;
     this parent turns such an end into one line naming the cause (exit 74), keeps C++ log lines off
-    the terminal (in a file it names), and passes SIGTERM and SIGINT on (SIGTERM with a SIGUSR1
-    beside it: the child's watchdog hears of it at once)."""
+    the terminal (in a file it names), and passes SIGTERM, SIGINT and SIGHUP on (SIGTERM with a
+    SIGUSR1 beside it: the child's watchdog hears of it at once)."""
     path = os.path.join(tempfile.gettempdir(), f"train-{os.getpid()}.log")
     # A kill -9 of this process ends the child too (Linux's PR_SET_PDEATHSIG, set in the child
     # before it runs Python: no thread of ours exists there yet).
@@ -2216,20 +2228,13 @@ def supervise(argv):
         for sig in (signum, signal.SIGUSR1) if signum == signal.SIGTERM else (signum,):
             child.send_signal(sig)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
     if (code := child.wait()) >= 0:
         return code
     # passed on before the child listened for it
-    if -code in (
-        signal.SIGTERM,
-        signal.SIGINT,
-        signal.SIGUSR1,
-    ):
-        print(
-            f"stopped: {signal.Signals(-code).name} before the first step: nothing new to save",
-            file=sys.stderr,
-        )
+    if -code in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        say(f"stopped: {signal.Signals(-code).name} before the first step: nothing new to save")
         return 75
     with open(path, errors="replace") as f:
         native = f.read()
@@ -2253,7 +2258,7 @@ def supervise(argv):
         ("PollForError" in native, f"lost process 0 of {count}, the coordinator at {address}"),
     ]
     cause = next((says for seen, says in causes if seen), f"ended by {signal.Signals(-code).name}")
-    print(f"error: {cause}; {RERUN} (JAX's log: {path})", file=sys.stderr, flush=True)
+    say(f"error: {cause}; {RERUN} (JAX's log: {path})")
     return 74
 
 

@@ -79,6 +79,12 @@ def run_until(cmd, out, step, sig, env=ENV):
     p = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
+    return signal_at(p, out, step, sig)
+
+
+def signal_at(p, out, step, sig):
+    """Wait until the trainer `p` has logged `step` (after its step-10 checkpoint), send `sig`; returns
+    (exit code, stdout, stderr)."""
     metrics, deadline = os.path.join(out, "default", "metrics.jsonl"), time.time() + 600
     first_ckpt = os.path.join(out, "default", "checkpoints", "10")  # appears only once complete
     while time.time() < deadline and p.poll() is None:
@@ -133,6 +139,37 @@ def test_interrupted_run_resumes_exactly(corpus, reference, tmp_path, sig):
     start = int(r.stdout.split("resuming from checkpoint ")[1].split()[0].rsplit("/", 1)[1])
     assert 10 <= start < 40
     assert run_losses(tmp_path) == reference  # bit-for-bit, steps before and after the resume point
+
+
+def test_a_closed_stdout_and_a_hung_up_terminal_cost_no_step(corpus, reference, tmp_path):
+    """`python train.py ... | head -2`, then the terminal closes (SIGHUP) at step 15: the run goes on
+    past its closed stdout, answers SIGHUP as it answers SIGTERM (a checkpoint, exit 75, one line, no
+    traceback), and the rerun resumes exactly."""
+    p = subprocess.Popen(
+        cli(corpus, tmp_path),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    head = [p.stdout.readline(), p.stdout.readline()]
+    p.stdout.close()  # as `head -2` does: every later print meets a broken pipe
+    p.stdout = None
+    code, _, err = signal_at(p, tmp_path, 15, signal.SIGHUP)
+    assert all(head) and code == 75 and "SIGHUP: saved checkpoint at step" in err, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    r = subprocess.run(
+        cli(corpus, tmp_path),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+        check=False,
+    )
+    assert r.returncode == 0 and "resuming from checkpoint" in r.stdout, r.stderr
+    assert run_losses(tmp_path) == reference
 
 
 def _truncate_biggest(step_dir):  # a finished checkpoint later cut short (disk full, bad copy)
