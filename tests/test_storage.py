@@ -73,6 +73,13 @@ def finish(p, timeout=300):
     return p.returncode, out, err
 
 
+def ended(procs):
+    """Every process's stderr tail, each stopped first: what a failed wait shows (not only the first's)."""
+    for p in procs:
+        p.kill()
+    return "\n".join(f"process {i}: {finish(p)[2][-3000:]}" for i, p in enumerate(procs))
+
+
 def wait_for(path, process, timeout=240):
     """Until `path` exists in the bucket (a checkpoint's commit marker); False if the process ended first."""
     deadline = time.time() + timeout
@@ -148,16 +155,16 @@ def test_two_hosts_sharing_only_a_bucket_have_one_owner_and_resume_exactly_after
     )
     procs = killed = pair(**gates)
     try:
-        assert wait_for(f"{bucket}/two/default/checkpoints/4/commit_success.txt", procs[0]), finish(
-            procs[0]
-        )[2][-3000:]
+        assert wait_for(f"{bucket}/two/default/checkpoints/4/commit_success.txt", procs[0]), ended(
+            procs
+        )
         code, _, err = finish(
             launch(args(tmp_path, *keys, f"output_dir={bucket}/two"), four, slow=False)
         )
         (tmp_path / "4").touch()
-        assert wait_for(f"{bucket}/two/default/checkpoints/8/commit_success.txt", procs[0]), finish(
-            procs[0]
-        )[2][-3000:]
+        assert wait_for(f"{bucket}/two/default/checkpoints/8/commit_success.txt", procs[0]), ended(
+            procs
+        )
         for p in procs:  # both wait at step 10 (gate 9): kill -9 while they hold the lock
             p.send_signal(signal.SIGKILL)
         assert [finish(p)[0] for p in procs] == [-signal.SIGKILL] * 2
