@@ -74,6 +74,13 @@ def run_losses(out, run="default"):
     return [r["loss"] for r in rows]
 
 
+def run_to_end(cmd):
+    """The trainer run to its end: its result (exit code, stdout, stderr)."""
+    return subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV, check=False
+    )
+
+
 def run_until(cmd, out, step, sig, env=ENV):
     """Start the trainer, wait until it has logged `step`, send `sig`; returns the process result."""
     p = subprocess.Popen(
@@ -103,15 +110,7 @@ def signal_at(p, out, step, sig):
 def reference(corpus, tmp_path_factory):
     """The uninterrupted run every interrupted one must reproduce exactly."""
     out = tmp_path_factory.mktemp("ref")
-    r = subprocess.run(
-        cli(corpus, out),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=ENV,
-        check=False,
-    )
+    r = run_to_end(cli(corpus, out))
     assert r.returncode == 0, r.stderr
     return run_losses(out)
 
@@ -126,15 +125,7 @@ def test_interrupted_run_resumes_exactly(corpus, reference, tmp_path, sig):
         assert code == 75 and "saved checkpoint at step" in err, err
         saved = int(err.split("saved checkpoint at step ")[1].split()[0])
         assert saved in [int(s) for s in os.listdir(tmp_path / "default" / "checkpoints")]
-    r = subprocess.run(
-        cli(corpus, tmp_path),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=ENV,
-        check=False,
-    )
+    r = run_to_end(cli(corpus, tmp_path))
     assert r.returncode == 0, r.stderr
     start = int(r.stdout.split("resuming from checkpoint ")[1].split()[0].rsplit("/", 1)[1])
     assert 10 <= start < 40
@@ -159,15 +150,7 @@ def test_a_closed_stdout_and_a_hung_up_terminal_cost_no_step(corpus, reference, 
     code, _, err = signal_at(p, tmp_path, 15, signal.SIGHUP)
     assert all(head) and code == 75 and "SIGHUP: saved checkpoint at step" in err, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
-    r = subprocess.run(
-        cli(corpus, tmp_path),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=ENV,
-        check=False,
-    )
+    r = run_to_end(cli(corpus, tmp_path))
     assert r.returncode == 0 and "resuming from checkpoint" in r.stdout, r.stderr
     assert run_losses(tmp_path) == reference
 
