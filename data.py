@@ -2374,12 +2374,15 @@ def prepare_training(cfg, run_dir, log, barrier=lambda: None):
 def resume_metrics(run_dir, step, log=print):
     """A run starting at `step`: its metrics.jsonl keeps the rows up to it (none from a fresh
     start), and a bucket's run drops the TensorBoard event files written past it (a local run's are
-    read up to the newest row)."""
+    read up to the newest row). Returns the newest step a run before had logged: the steps from
+    `step` to it are done again (goodput's badput 'redone')."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    write(path, "".join(kept_rows(path, step, log)) if step else "")
+    rows = kept_rows(path, math.inf, log) if step else []
+    write(path, "".join(r for r in rows if json.loads(r)["step"] <= step))
     for f in stored(run_dir).glob("events.out.tfevents.steps-*") if remote(run_dir) else ():
         if int(f.name.split("-")[1]) > step:
             f.unlink()
+    return max((json.loads(r)["step"] for r in rows), default=0)
 
 
 def kept_rows(path, step, log=print):
@@ -2562,9 +2565,10 @@ class MetricsWriter:
             [],
             None,
         )
+        self.redone_to = 0  # the newest step a run before this one logged
         if self.main:
             self.wandb = open_wandb(cfg, run_dir) if cfg.wandb_project else None
-            resume_metrics(run_dir, start_step, log)
+            self.redone_to = resume_metrics(run_dir, start_step, log)
             self.tb_dir = tempfile.mkdtemp(prefix="tensorboard-") if self.remote else run_dir
             self.tb = SummaryWriter(self.tb_dir)
 

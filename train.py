@@ -160,9 +160,9 @@ def sharding_table(layout, cfg, mesh, whole_only=False):
 
 @dataclasses.dataclass(frozen=True)
 class Feed:
-    """How host batches become global arrays: the microbatches per step (A, the config's
-    grad_accum), the rows of one microbatch across every process (B), and the shardings of train
-    batches [A, B, L] (the microbatch axis whole) and of eval batches [B, L]."""
+    """How host batches become global arrays: the microbatches per step (A: grad_accum; a
+    batch_ramp changes it per step), the rows of one microbatch across every process (B), and the
+    shardings of train batches [A, B, L] (the microbatch axis whole) and of eval batches [B, L]."""
 
     accum: int
     rows: int
@@ -696,23 +696,32 @@ class Signals:
 @dataclasses.dataclass
 class Job:
     """What the loop works with: the run directory and its checkpoints, the built step and the
-    evaluator, the signals it answers and the FLOPs its rates need; once training starts, the
-    metrics writer and the watchdog's beat (called for every step read back, eval batch and
-    checkpoint)."""
+    evaluator, the signals it answers, the clock of its goodput and the FLOPs its rates need; once
+    training starts, the metrics writer and the watchdog's beat (called for every step read back,
+    eval batch and checkpoint)."""
 
     dir: str
     mngr: Any
     built: Any
     evaluate: Callable
     caught: Signals
+    clock: Any  # a Goodput (Part 2)
     flops: dict = None
     writer: Any = None
     beat: Callable = lambda *_: None
 
 
-def next_batch(feed, it):
-    """The next grad_accum microbatches as one global [A, B, L] batch."""
-    mbs = [next(it) for _ in range(feed.accum)]
+def accum_at(cfg, step):
+    """The microbatches the update after `step` sums: grad_accum, or the count of the last
+    batch_ramp pair [step, count] reached. Only their count grows: memory and the learning-rate
+    schedule stay as they are."""
+    return next((count for at, count in reversed(cfg.batch_ramp) if step >= at), cfg.grad_accum)
+
+
+def next_batch(feed, it, accum, clock):
+    """The next `accum` microbatches as one global [A, B, L] batch; the wait for them is data's."""
+    with clock.timing("data"):
+        mbs = [next(it) for _ in range(accum)]
     return global_batch(
         {k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}, feed.step_sharding, feed.rows
     )
@@ -741,20 +750,30 @@ def profile(cfg, step, run_dir, drain):
 def train_loop(cfg, task, state, it, ds, job):
     """Dispatch a step, read the one before it, log, evaluate, checkpoint, until cfg.steps. Returns
     the last metrics row and the Meter (its timings); a signal (noted in job.caught) ends it with a
-    checkpoint and Preempted."""
+    checkpoint and Preempted. Steps up to job.writer.redone_to were done once before a stop that
+    lost them: their time is badput."""
     step, last, meter = int(state["step"]), {}, Meter(lambda: it.wait_seconds, job.beat)
+    accum = cfg.grad_accum
+    if job.writer.redone_to > step:
+        log(f"steps {step + 1}-{job.writer.redone_to} ran before the stop and are run again")
     while step < cfg.steps:
         profile(cfg, step, job.dir, meter.read)
+        if accum_at(cfg, step) != accum:
+            accum = accum_at(cfg, step)
+            log(f"batch ramp: from step {step + 1}, {accum} microbatches per update")
+        job.clock.now("redone" if step < job.writer.redone_to else "step")
         t0 = time.perf_counter()
-        state, out = job.built.train_step(state, next_batch(job.built.feed, it))
+        state, out = job.built.train_step(state, next_batch(job.built.feed, it, accum, job.clock))
         step += 1
         meter.pending.append((step, t0, out))
         meter.read(keep=1)
         if step % cfg.log_every == 0 or step == cfg.steps:
             last = meter.row(step, float(job.built.schedule(step - 1)), job.flops)
             if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                evaluated = job.evaluate(state, ds, cfg.eval_batches, beat=job.beat)
+                with job.clock.timing("eval"):
+                    evaluated = job.evaluate(state, ds, cfg.eval_batches, beat=job.beat)
                 last.update({f"eval_{k}": v for k, v in evaluated.items()})
+            last.update(job.clock.shares())
             log(short_line(last, cfg.steps, task.shown))
             job.writer.write(last)
             meter.new_window()  # after the eval: its time counts in no window
@@ -767,10 +786,11 @@ def train_loop(cfg, task, state, it, ds, job):
             or preempted
         ):
             meter.read()  # a checkpoint holds only checked steps
-            # before the save: a resume drops rows past the checkpoint, never misses one
-            job.writer.flush()
-            save_checkpoint(job.mngr, step, state, it)  # async: training goes on while it writes
-            job.writer.flush(saved=True)
+            with job.clock.timing("checkpoint"):
+                # before the save: a resume drops rows past the checkpoint, never misses one
+                job.writer.flush()
+                save_checkpoint(job.mngr, step, state, it)  # async: training goes on as it writes
+                job.writer.flush(saved=True)
             job.beat()
         if preempted:
             raise Preempted(
@@ -794,12 +814,14 @@ def train(cfg, task, state, it, ds, job):
     # before the compile: a W&B problem shows at once
     job.writer = data.MetricsWriter(cfg, job.dir, start, log)
     try:
-        t_xla, compiled = compile_ahead(cfg, job.built, state)
+        with job.clock.timing("compile"):
+            t_xla, compiled = compile_ahead(cfg, job.built, state)
         with guard(cfg, job, t_xla):  # Part 2: the watchdog, a lost host, a non-finite loss
             summary, meter = train_loop(cfg, task, state, it, ds, job)
     finally:
         it.close()
         job.writer.close()
+        job.clock.now("checkpoint")
         # still under the handlers: a repeated SIGTERM cannot cut the last save short
         wait_for_saves(job.mngr)
     mem = device_peak_memory_gb(jax.local_devices()[0])
@@ -810,8 +832,10 @@ def train(cfg, task, state, it, ds, job):
         + f", compiled step {gb(compiled or 0)}"
     )
     summary.update(benchmark(meter, job.flops, summary.get("tokens_per_step", 0.0), note))
-    done = ("step", "loss", "eval_loss", "tokens_per_sec", "mfu", "compile_seconds", "run_dir")
-    log("done: " + json.dumps({k: summary.get(k) for k in done}))
+    summary.update(job.clock.shares())
+    log(job.clock.line())
+    done = ("step", "loss", "eval_loss", "tokens_per_sec", "mfu", "goodput", "compile_seconds")
+    log("done: " + json.dumps({k: summary.get(k) for k in (*done, "run_dir")}))
     log(
         f"checkpoints: {job.mngr.directory}; metrics: {job.dir}/metrics.jsonl (tensorboard "
         f"--logdir {job.dir})"
@@ -895,6 +919,9 @@ def describe(cfg, devices, built):
         f"batch: {cfg.per_device_batch}/device x {len(devices)} devices x {cfg.grad_accum} accum = "
         f"{rows} examples = {rows * cfg.max_target_length} tokens per step"
     )
+    if cfg.batch_ramp:
+        ramp = ", ".join(f"{count} after step {at}" for at, count in cfg.batch_ramp)
+        batch += f"; batch_ramp: accum {ramp}"
     log(
         f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), "
         f"{jax.process_count()} process(es), {cfg.num_slices} slice(s); mesh "
@@ -908,9 +935,11 @@ def describe(cfg, devices, built):
     return batch
 
 
-def run(cfg, devices=None, caught=None):
+def run(cfg, devices=None, caught=None, t0=None):
     """Train, evaluate, export or generate per cfg; returns a summary dict. `devices` lets tests
-    pick a subset; `caught`: the signals main() listens for."""
+    pick a subset; `caught`: the signals main() listens for; t0: when the run began (goodput's
+    start-up counts from it; by default, now)."""
+    clock = Goodput(t0 or time.perf_counter())  # Part 2: where the wall time goes
     task = model_lib.TASKS[cfg.task]  # what is trained: the one place train.py asks
     # Part 2: checked, load_hf's keys, auto values, alike on every host
     cfg, devices = as_run(cfg, task, devices)
@@ -922,11 +951,10 @@ def run(cfg, devices=None, caught=None):
         cfg = cfg.model_copy(update={"steps": steps})
         log(f"epochs={cfg.epochs}: steps={steps}")
     built = build(cfg, task, devices)
-    # Part 2: the same data on every host, its vocabulary the model's, the state within host memory
-    preflight(cfg, ds, built.layout)
+    # Part 2: the same data on every host, its vocabulary the model's, the state within host memory;
+    # to train, the FLOPs per token and the device's peak (on CPU, measured outside the mesh)
+    flops = preflight(cfg, task, ds, built)
     batch = describe(cfg, devices, built)
-    # Part 2: the FLOPs per token and the device's peak (on CPU, measured outside the mesh)
-    flops = step_flops(cfg, task, devices) if cfg.mode == "train" else None
     with (
         run_directory(cfg) as run_dir,  # Part 2: one run at a time in it, shared by every host
         jax.set_mesh(built.mesh),
@@ -952,7 +980,7 @@ def run(cfg, devices=None, caught=None):
                 f"or run_name= a run with checkpoints (none in {run_dir}/checkpoints)"
             )
         evaluate = evaluator(cfg, task, built.eval_step, built.feed)
-        job = Job(run_dir, mngr, built, evaluate, caught or Signals(), flops)
+        job = Job(run_dir, mngr, built, evaluate, caught or Signals(), clock, flops)
         if cfg.mode == "train":
             it = ds.train_iter(built.feed.rows // jax.process_count(), state=data_state)
             return train(cfg, task, state, it, ds, job)
@@ -963,6 +991,7 @@ def run(cfg, devices=None, caught=None):
 def main(argv):
     """The command line: config files first (base.yml, then yours), then key=value pairs. Returns
     the exit code."""
+    t0 = time.perf_counter()
     if len(argv) < 2 or argv[1] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0])
         return 0 if len(argv) >= 2 else 2
@@ -974,7 +1003,7 @@ def main(argv):
         cfg = load_config(files, argv[1 + len(files) :])
         # Part 2: the platforms and hosts; from here a signal is answered
         with started(cfg) as caught:
-            summary = run(cfg, caught=caught)
+            summary = run(cfg, caught=caught, t0=t0)
         outcome.code = DOES_NOT_FIT if summary.get("fits") is False else 0
     return outcome.code
 
@@ -982,7 +1011,7 @@ def main(argv):
 # Part 2: what a pod needs beyond the trainer. A first reading of the trainer skips all of it;
 # each section names the failure it answers and the test that shows it. Part 1 reaches it through
 # 12 entry points, each with a one-line docstring: load_config, as_run, fit_tpu, preflight, agree,
-# step_flops, run_directory, restore_checkpoint, compile_ahead, guard, OneLineErrors, started.
+# Goodput, run_directory, restore_checkpoint, compile_ahead, guard, OneLineErrors, started.
 
 
 # ==================================================================================================
@@ -1014,6 +1043,18 @@ def _items(value):
         return [v.strip() for v in value.split(",")]
     # one value (YAML's 45) is a list of one
     return value if isinstance(value, (list, tuple)) else [value]
+
+
+def _ramp(value):
+    """batch_ramp as 2000:2,4000:4 on the command line, or [[2000, 2], [4000, 4]]; '' = none."""
+    pairs = [] if value in ("", None) else _items(value)
+    return [p.split(":") if isinstance(p, str) else p for p in pairs]
+
+
+def _rising(pairs):
+    if any(b[0] <= a[0] for a, b in itertools.pairwise(pairs)):
+        raise ValueError("give its steps in rising order, each once: 2000:2,4000:4")
+    return pairs
 
 
 def _mesh_sizes(sizes):
@@ -1159,6 +1200,10 @@ SCHEMA = [
         ),
     ),
     (Annotated[tuple[Off, Off], BeforeValidator(_items)], "profile_steps"),
+    (
+        Annotated[tuple[tuple[Off, Count], ...], BeforeValidator(_ramp), AfterValidator(_rising)],
+        "batch_ramp",
+    ),
     (Annotated[tuple[int, ...], BeforeValidator(_items), AfterValidator(_mesh_sizes)], "mesh"),
     (Literal["auto"] | Annotated[tuple[Count, ...], BeforeValidator(_items)], "dcn_mesh"),
     (Names, "mesh_axes"),
@@ -1428,6 +1473,13 @@ def run_rules(cfg):
             ),
         ),
         (cfg.load_params and cfg.load_hf, "load_params and load_hf are both set; keep one"),
+        (
+            cfg.epochs and cfg.batch_ramp,
+            (
+                f"epochs={cfg.epochs} counts steps at grad_accum={cfg.grad_accum} but batch_ramp "
+                "changes it: give steps= instead of epochs, or drop batch_ramp"
+            ),
+        ),
         (
             cfg.epochs and "steps" in cfg._given,
             (
@@ -1732,11 +1784,12 @@ def same_everywhere(values, fix, timeout_s):
             )
 
 
-def preflight(cfg, ds, layout):
-    """The data alike on every host and the model's, the state within host memory, or one line."""
-    # Before anything is allocated: a host reading other data would train apart; a vocabulary other
-    # than the model's would index past it; the steps epochs= made stay within the schema's bounds;
-    # on CPU the train state's shards on this host's devices must fit its free memory.
+def preflight(cfg, task, ds, built):
+    """Checks before the run (or one line); to train, the FLOPs its MFU needs (step_flops)."""
+    # The data alike on every host and the model's, the state within host memory. Before anything
+    # is allocated: a host reading other data would train apart; a vocabulary other than the
+    # model's would index past it; the steps epochs= made stay within the schema's bounds; on CPU
+    # the train state's shards on this host's devices must fit its free memory.
     same_everywhere({"data": ds.identity}, "give every host the same data", cfg.host_timeout)
     if ds.vocab_size != cfg.vocab_size:
         raise ConfigError(
@@ -1745,11 +1798,12 @@ def preflight(cfg, ds, layout):
         )
     if cfg.epochs:
         with_values(cfg, {"steps": cfg.steps})
-    arrays = jax.tree.leaves(layout.abstract)
+    arrays = jax.tree.leaves(built.layout.abstract)
     if next(iter(arrays[0].sharding.device_set)).platform == "cpu":
         shard = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
         need = sum(shard(x) * len(x.sharding.addressable_devices) for x in arrays)
         fits_host(need, "the train state", "train a smaller model")
+    return step_flops(cfg, task, list(built.mesh.devices.flat)) if cfg.mode == "train" else None
 
 
 PEAK_BF16_FLOPS = {  # per JAX device (a v2/v3 device is one core = half a chip)
@@ -2276,6 +2330,60 @@ def command_line(argv):
 
 
 # ==================================================================================================
+# Goodput (Part 2). Failure: a long run that cannot say where its hours went, what its preemptions,
+# restarts and checkpoints cost. Every second of a run belongs to one kind, measured by its own
+# clock; every metrics row, TensorBoard, W&B and the last lines give the shares. Shown by
+# tests/test_train.py::test_goodput_shares_are_measured_and_add_up and test_checkpoint.py's kill -9
+# and resume (the steps redone).
+# ==================================================================================================
+
+
+class Goodput:
+    """Where the run's wall time went: each second since t0 in one kind, the shares adding to 1."""
+
+    # Every second since `t0` (main() began) belongs to the kind set last: startup (platforms, data,
+    # restore), compile (the step, ahead of its first call), data (waiting for the next batch),
+    # checkpoint (a save's blocking part), eval, redone (steps done before a stop that lost them) or
+    # step (productive). A kind timed inside another pauses it.
+
+    def __init__(self, t0):
+        self.kind = "startup"
+        self.since = t0
+        self.spent = dict.fromkeys(("startup", "compile", "data", "checkpoint", "eval"), 0.0)
+        self.spent.update(redone=0.0, step=0.0)
+
+    def now(self, kind):
+        """From now on the time is `kind`'s; returns the kind it was."""
+        t = time.perf_counter()
+        self.spent[self.kind] += t - self.since
+        before = self.kind
+        self.kind = kind
+        self.since = t
+        return before
+
+    @contextlib.contextmanager
+    def timing(self, kind):
+        before = self.now(kind)
+        try:
+            yield
+        finally:
+            self.now(before)
+
+    def shares(self):
+        """goodput (the steps' share of the wall time), badput_KIND for the others, wall_seconds."""
+        self.now(self.kind)
+        wall = max(sum(self.spent.values()), 1e-9)
+        bad = {f"badput_{k}": v / wall for k, v in self.spent.items() if k != "step"}
+        return {"goodput": self.spent["step"] / wall, **bad, "wall_seconds": wall}
+
+    def line(self):
+        """The breakdown as the run's last lines print it."""
+        s = self.shares()
+        bad = ", ".join(f"{k[7:]} {v:.1%}" for k, v in s.items() if k.startswith("badput_"))
+        return f"goodput: {s['goodput']:.1%} of {s['wall_seconds']:.1f}s in steps; badput: {bad}"
+
+
+# ==================================================================================================
 # Memory (Part 2). Failures: a run past the host's memory (XLA:CPU waits without a word or dies in a
 # traceback), a preset that would not fit its TPU slice: stopped before anything is allocated, with
 # what to lower. Shown by
@@ -2327,12 +2435,20 @@ def compiled_line(m):
 
 def compile_ahead(cfg, built, state):
     """The step compiled before its first call: (seconds, bytes per device or None)."""
+    # Once for each microbatch count the run will still use (batch_ramp): none compiles mid-run.
     # Every host leaves the compile together (a collective's first run, Gloo on CPU, waits only 30 s
     # for the others); on CPU the compiled step must fit the host's free memory.
-    seconds, m = compile_step(built.train_step, state, built.feed)
+    start = int(state["step"])
+    counts = {accum_at(cfg, s) for s in [start, *(s for s, _ in cfg.batch_ramp if s > start)]}
+    seconds = 0.0
+    for accum in sorted(counts):
+        feed = dataclasses.replace(built.feed, accum=accum)
+        took, m = compile_step(built.train_step, state, feed)
+        seconds += took
     agree("", cfg.host_timeout)
     line, need = compiled_line(m) if m else ("", None)
-    log(f"step compiled in {seconds:.1f}s; {line}")
+    counted = f" for {len(counts)} microbatch counts" if len(counts) > 1 else ""
+    log(f"step compiled{counted} in {seconds:.1f}s; {line}")
     if need and jax.local_devices()[0].platform == "cpu":
         fits_host(
             need * jax.local_device_count(), "the step", "lower per_device_batch, or remat=full"

@@ -35,13 +35,15 @@ from conftest import (
 import train
 
 # The text run interrupted below: real code (the first 40 stdlib modules, documents spanning many rows), two
-# microbatches per step, a checkpoint every 10 steps, the data read ahead on the prefetch thread. The signal
-# goes at step 15: 25 steps before the end, so a fast machine cannot finish before it lands.
+# microbatches per step and three from step 6 on (batch_ramp: every resume is mid-ramp), a checkpoint every
+# 10 steps, the data read ahead on the prefetch thread. The signal goes at step 15: 25 steps before the end,
+# so a fast machine cannot finish before it lands.
 INTERRUPTED = [
     "vocab_size=512",
     "max_target_length=64",
     "per_device_batch=4",
     "grad_accum=2",
+    "batch_ramp=5:3",
     "eval_batches=1",
     "checkpoint_every=10",
     "steps=40",
@@ -130,6 +132,16 @@ def test_interrupted_run_resumes_exactly(corpus, reference, tmp_path, sig):
     start = int(r.stdout.split("resuming from checkpoint ")[1].split()[0].rsplit("/", 1)[1])
     assert 10 <= start < 40
     assert run_losses(tmp_path) == reference  # bit-for-bit, steps before and after the resume point
+    # goodput: the steps the stop lost are named, and their time is badput, not goodput
+    redone = re.search(rf"steps {start + 1}-(\d+) ran before the stop and are run again", r.stdout)
+    if sig == signal.SIGKILL:  # logged at step 15 or later, saved at 10
+        assert redone and int(redone[1]) >= 15, r.stdout
+        rows = metrics(tmp_path / "default")
+        assert rows[start - 1]["badput_redone"] == 0  # the killed run's own row
+        assert all(r["badput_redone"] > 0 for r in rows[start:]), rows[start:]
+        assert re.search(r"^goodput: .* redone [1-9]", r.stdout, re.MULTILINE), r.stdout
+    else:  # SIGTERM: the checkpoint is at the last step done, nothing is redone
+        assert not redone and metrics(tmp_path / "default")[-1]["badput_redone"] == 0
 
 
 def test_a_closed_stdout_and_a_hung_up_terminal_cost_no_step(corpus, reference, tmp_path):

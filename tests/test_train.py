@@ -19,6 +19,7 @@ from conftest import (
     init_model,
     losses,
     metrics,
+    read_checkpoint,
     sudoku_batch,
     train_state,
     train_step,
@@ -86,6 +87,36 @@ def test_grad_accumulation_is_exact(tmp_path):
     np.testing.assert_allclose(o1["loss"], o4["loss"], rtol=1e-5)
     np.testing.assert_allclose(o1["grad_norm"], o4["grad_norm"], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p4)
+
+
+def test_a_batch_ramp_equals_the_run_done_in_pieces_by_hand(tmp_path, capsys, caplog):
+    """batch_ramp=3:2: steps 1-3 sum one microbatch of 4 rows, steps 4-6 two. Every loss, gradient norm,
+    learning rate and parameter equals, bit for bit, a run of grad_accum=1 to step 3 resumed with
+    grad_accum=2 to step 6; the learning rate is the ramp-free schedule's (min_lr_ratio=1 keeps the cosine's
+    end, which moves with steps=, out of the pieces' comparison); the step compiles once per count, ahead."""
+    keys = ["per_device_batch=2", "min_lr_ratio=1", "checkpoint_every=0"]
+    devices = jax.devices()[:2]
+    with jax.log_compiles(True):
+        train.run(config(tmp_path, *keys, "steps=6", "batch_ramp=3:2", "run_name=ramp"), devices)
+    compiled = [r for r in caplog.records if "Compiling jit(train_step)" in r.getMessage()]
+    assert "batch ramp: from step 4, 2 microbatches per update" in capsys.readouterr().out
+    train.run(config(tmp_path, *keys, "steps=3", "run_name=hand"), devices)
+    train.run(config(tmp_path, *keys, "steps=6", "grad_accum=2", "run_name=hand"), devices)
+    ramped, by_hand = metrics(tmp_path / "ramp"), metrics(tmp_path / "hand")
+    for key in ("loss", "grad_norm", "learning_rate", "tokens_per_step"):
+        assert [r[key] for r in ramped] == [r[key] for r in by_hand], key
+    tokens = [r["tokens_per_step"] for r in ramped]
+    assert tokens[3:] == [2 * t for t in tokens[:3]]  # synthetic rows: every token counts
+    assert len(compiled) == 2, [r.getMessage()[:80] for r in compiled]
+    ramp, hand = read_checkpoint(tmp_path / "ramp", 6), read_checkpoint(tmp_path / "hand", 6)
+    same = jax.tree.map(np.array_equal, ramp["train_state"], hand["train_state"])
+    assert all(jax.tree.leaves(same))
+    assert train.load_config(BASE, ["batch_ramp=[[2000, 2], [4000, 4]]"]).batch_ramp == (
+        (2000, 2),
+        (4000, 4),
+    )
+    with pytest.raises(train.ConfigError, match="batch_ramp.*rising order"):
+        train.load_config(BASE, ["batch_ramp=4000:4,2000:2"])
 
 
 def test_clipping_clips(tmp_path):
@@ -598,13 +629,37 @@ def test_run_writes_config_metrics_and_tensorboard(tmp_path):
     assert train.load_config(os.path.join(s["run_dir"], "config.yml")).steps == 3
     events = EventAccumulator(s["run_dir"])
     events.Reload()
-    for key in ("loss", "grad_norm", "learning_rate", "eval_loss", "tokens_per_sec"):
+    for key in ("loss", "grad_norm", "learning_rate", "eval_loss", "tokens_per_sec", "goodput"):
         logged = [(r["step"], r[key]) for r in rows if key in r]
         got = [(e.step, e.value) for e in events.Scalars(key)]
         assert [s for s, _ in got] == [s for s, _ in logged], key
         np.testing.assert_allclose(
             [v for _, v in got], [v for _, v in logged], rtol=1e-6, err_msg=key
         )  # float32
+
+
+def test_goodput_shares_are_measured_and_add_up(tmp_path, capsys):
+    """Every row and the last lines split the wall time so far into the steps (goodput) and each badput;
+    the shares add up to 1, and the ones another clock also measures agree with it: eval with the eval's own
+    seconds, compile with the compile the log reports. A fresh run redoes no step."""
+    s = train.run(
+        config(tmp_path, "steps=6", "checkpoint_every=2", "eval_every=3", "eval_batches=1"),
+        jax.devices()[:1],
+    )
+    out = capsys.readouterr().out
+    kinds = ("startup", "compile", "data", "checkpoint", "eval", "redone")
+    for r in [*metrics(s["run_dir"]), s]:
+        shares = [r["goodput"]] + [r[f"badput_{k}"] for k in kinds]
+        assert all(0 <= x <= 1 for x in shares) and sum(shares) == pytest.approx(1, abs=1e-9), r
+    rows = metrics(s["run_dir"])
+    assert [r["wall_seconds"] for r in rows] == sorted(r["wall_seconds"] for r in rows)
+    evals = sum(r["eval_seconds"] for r in rows if "eval_seconds" in r)
+    assert rows[-1]["badput_eval"] * rows[-1]["wall_seconds"] == pytest.approx(evals, rel=0.1)
+    compiled = float(re.search(r"step compiled in ([\d.]+)s", out)[1])
+    assert s["badput_compile"] * s["wall_seconds"] == pytest.approx(compiled, abs=0.1)
+    assert s["badput_startup"] > 0 and s["badput_checkpoint"] > 0 and s["goodput"] > 0
+    assert s["badput_redone"] == 0
+    assert re.search(r"^goodput: [\d.]+% of [\d.]+s in steps; badput: startup", out, re.MULTILINE)
 
 
 def test_nonfinite_loss_stops_naming_the_step(tmp_path, capsys, monkeypatch):
