@@ -504,7 +504,8 @@ def restore_or_init(cfg, task, mngr, layout):
     data state or None, whether the state holds trained parameters). restore_checkpoint (Part 2)
     skips damaged steps and names a changed config."""
     if cfg.resume and mngr.all_steps():
-        restored = restore_checkpoint(mngr, layout.abstract, cfg, move_aside=True)
+        # a damaged step is moved aside by the run that trains, never by an eval beside it
+        restored = restore_checkpoint(mngr, layout.abstract, cfg, move_aside=cfg.mode == "train")
         if not restored:
             raise ConfigError(
                 f"no readable checkpoint in {mngr.directory} (steps "
@@ -959,7 +960,8 @@ def run(cfg, devices=None, caught=None, t0=None):
         run_directory(cfg) as run_dir,  # Part 2: one run at a time in it, shared by every host
         jax.set_mesh(built.mesh),
         nnx.logical_axis_rules(cfg.logical_axis_rules),
-        checkpoints(os.path.join(run_dir, "checkpoints"), cfg) as mngr,
+        # read-only outside mode=train: an eval of a run while it trains leaves its saves alone
+        checkpoints(os.path.join(run_dir, "checkpoints"), cfg, cfg.mode != "train") as mngr,
     ):
         state, data_state, trained = restore_or_init(cfg, task, mngr, built.layout)
         if cfg.mode == "train" and ds.tokenizer:

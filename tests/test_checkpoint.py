@@ -275,6 +275,18 @@ def test_shape_mismatch_and_load_params(tmp_path):
     )  # warmup's first step has lr 0: as loaded
 
 
+def test_an_eval_of_a_run_while_it_trains_leaves_its_save_in_flight_alone(tmp_path):
+    """mode=eval (or generate, export) on a run that is training opens its checkpoints read-only: the
+    save the trainer is writing (orbax's temporary step directory) stays, where it was deleted and the
+    trainer's next checkpoint failed ('Save failed: 5/5 params are missing .zarray')."""
+    train.run(config(tmp_path, "steps=2"), jax.devices()[:1])
+    ckpts = tmp_path / "default" / "checkpoints"
+    in_flight = ckpts / "3.orbax-checkpoint-tmp-1790000000000000"
+    shutil.copytree(ckpts / "2", in_flight)
+    train.run(config(tmp_path, "mode=eval", "eval_batches=1"), jax.devices()[:1])
+    assert in_flight.is_dir() and sorted(os.listdir(ckpts)) == ["2", in_flight.name]
+
+
 def test_eval_mode_and_resume_false(tmp_path):
     with pytest.raises(train.ConfigError, match="mode=eval needs trained parameters"):
         train.run(config(tmp_path, "mode=eval", "eval_batches=1"), jax.devices()[:1])
