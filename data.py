@@ -2545,8 +2545,15 @@ def quiet_libraries():
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     hook = sys.unraisablehook
     orbax_read = lambda u: "orbax" in getattr(getattr(u.object, "cr_code", None), "co_filename", "")
+    # a full disk: TensorBoard's writer thread and its exit cleanup fail again after our one line
+    board = lambda obj: "tensorboardX" in getattr(obj, "__module__", "")
+    full = lambda u: isinstance(u.exc_value, OSError) and board(u.object)
     sys.unraisablehook = lambda u: (
-        None if str(u.exc_value) == "Event loop is closed" or orbax_read(u) else hook(u)
+        None if str(u.exc_value) == "Event loop is closed" or orbax_read(u) or full(u) else hook(u)
+    )
+    thread_hook = threading.excepthook
+    threading.excepthook = lambda a: (
+        None if issubclass(a.exc_type, OSError) and board(a.thread) else thread_hook(a)
     )
 
 
@@ -2616,9 +2623,21 @@ class MetricsWriter:
             self.tb = SummaryWriter(self.tb_dir)
 
     def close(self):
-        if self.main:
+        """The last rows written, TensorBoard's file closed. A run already ending on an error
+        (a full disk) says that one: a write failing again here stays silent."""
+        if not self.main:
+            return
+        failing = sys.exc_info()[1] is not None
+        try:
             self.flush()
             self.tb.close()
+        except WriteError:
+            if not failing:
+                raise
+        except OSError as e:  # TensorBoard's event file
+            if not failing:
+                raise WriteError(f"{self.run_dir}: cannot write ({storage_reason(e)})") from None
+        finally:
             if self.remote:  # a bucket's local staging of event files
                 shutil.rmtree(self.tb_dir, ignore_errors=True)
             if self.wandb:

@@ -448,6 +448,43 @@ def test_a_refused_checkpoint_write_stops_in_one_line_and_keeps_the_rest(tmp_pat
     assert losses(tmp_path / "full") == losses(tmp_path / "ref")
 
 
+def test_a_disk_filling_under_a_running_run_is_one_line_naming_the_file(tmp_path):
+    """The disk fills mid-run (here: a file-size limit put on the running trainer after its first
+    checkpoint, below its metrics.jsonl's size), so the next metrics row is refused: exit 74 and one line
+    naming metrics.jsonl. Before: the line blamed no file ('storage failed: File too large'), and
+    TensorBoard's writer thread and exit cleanup added two tracebacks. The checkpoint stays; a rerun
+    resumes from it."""
+    import resource
+
+    cmd = lambda steps: [
+        sys.executable,
+        "train.py",
+        "base.yml",
+        *args(tmp_path, f"steps={steps}", "checkpoint_every=20", "log_every=10"),
+    ]
+    p = subprocess.Popen(
+        cmd(3000),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"},
+        preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN),  # EFBIG, not a kill
+    )
+    while not (tmp_path / "default" / "checkpoints" / "20").is_dir() and p.poll() is None:
+        time.sleep(0.01)
+    trainer = subprocess.run(
+        ["pgrep", "-P", str(p.pid)], capture_output=True, text=True, check=False
+    )
+    for pid in [p.pid, *map(int, trainer.stdout.split())]:  # the supervisor and the trainer
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (100, 100))
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 74 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: {tmp_path}/default/metrics.jsonl: cannot write (File too large)")
+    r = run_to_end(cmd(25))
+    assert r.returncode == 0 and "resuming from checkpoint" in r.stdout, r.stderr
+
+
 def test_a_changed_model_on_resume_is_named_not_damage(tmp_path):
     """Tying the embeddings under an existing run changes the parameter tree: the run stops naming the
     parameter and the key that changed, and the checkpoints stay as they were (none called damaged)."""
