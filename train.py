@@ -565,6 +565,11 @@ def host_rss_gb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def open_files():
+    """File descriptors this process holds (Linux; -1 elsewhere): flat over a long run."""
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1
+
+
 def device_peak_memory_gb(device):
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return stats.get("peak_bytes_in_use", 0) / 2**30 if stats else None
@@ -652,6 +657,7 @@ class Meter:
         m["tokens_per_step"] = float(out["tokens"])
         m["data_wait_fraction"] = (self.waited() - self.wait0) / dt
         m["host_rss_gb"] = host_rss_gb()
+        m["open_files"] = open_files()
         names = {k for e in self.extras for k in e}
         m.update({k: float(np.mean([e[k] for e in self.extras if k in e])) for k in names})
         if (mem := device_peak_memory_gb(jax.local_devices()[0])) is not None:
@@ -1096,6 +1102,15 @@ Decay = Annotated[float, Number, Field(ge=0, lt=1)]  # a moving-average decay: 1
 Names = Annotated[tuple[str, ...], BeforeValidator(_items)]
 
 
+def _no_nul(text):
+    if "\0" in text:  # no path, tokenizer or prompt holds one; the OS refuses it with a traceback
+        raise ValueError("holds a NUL character (\\0); remove it")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]
+
+
 AxisRule = tuple[str, str | tuple[str, ...] | None]
 
 
@@ -1193,7 +1208,7 @@ SCHEMA = [
         ),
     ),
     (
-        str,
+        Text,
         (
             "run_name output_dir compile_cache_dir load_params export_dir load_hf prompt "
             "dataset_path eval_path tfds_name data_dir train_split eval_split text_key "
@@ -1331,7 +1346,8 @@ def schema_error(err, path, raw):
     for name in names:  # the whole value of the key
         value = value.get(name) if isinstance(value, dict) else None
     # as typed, or as YAML wrote it
-    shown = value if isinstance(value, str) else json.dumps(value, default=str)
+    printable = isinstance(value, str) and value.isprintable()
+    shown = value if printable else json.dumps(value, default=str)
     if kind == "extra_forbidden":
         return unknown_key(key, path)
     if key == "logical_axis_rules":
@@ -1455,6 +1471,7 @@ def shape_rules(cfg):
 def run_rules(cfg):
     """(broken, message) for the run's keys: what it profiles, its batch, its start, its name."""
     first, last = cfg.profile_steps
+    run_dir = os.path.join(cfg.output_dir, cfg.run_name)
     return [
         (
             (first, last) != (0, 0) and not 1 <= first <= last <= cfg.steps,
@@ -1490,13 +1507,29 @@ def run_rules(cfg):
             ),
         ),
         (
-            not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in (".", ".."),
+            not cfg.run_name
+            or os.sep in cfg.run_name
+            or cfg.run_name in (".", "..")
+            or not cfg.run_name.isprintable(),
             (
-                f"run_name={cfg.run_name!r}: give a plain directory name (the run goes to "
-                "output_dir/run_name)"
+                f"run_name={cfg.run_name!r}: give a plain directory name, printable, no / (the run "
+                "goes to output_dir/run_name)"
+            ),
+        ),
+        (
+            cfg.export_dir and inside(cfg.export_dir, run_dir),
+            (
+                f"export_dir={cfg.export_dir}: inside the run's checkpoints, where an export would "
+                f"land in a saved step; give a directory outside {run_dir}/checkpoints"
             ),
         ),
     ]
+
+
+def inside(path, run_dir):
+    """Whether `path` is run_dir/checkpoints or under it (links and .. resolved; gs:// as text)."""
+    resolve = lambda p: os.path.realpath(p) if not data.remote(p) else p.rstrip("/")
+    return (resolve(path) + "/").startswith(resolve(f"{run_dir}/checkpoints") + "/")
 
 
 def with_values(cfg, values):
@@ -1805,6 +1838,8 @@ def preflight(cfg, task, ds, built):
         shard = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
         need = sum(shard(x) * len(x.sharding.addressable_devices) for x in arrays)
         fits_host(need, "the train state", "train a smaller model")
+    if cfg.mode == "generate" or cfg.eval_answers:
+        cache_fits(cfg, list(built.mesh.devices.flat))
     return step_flops(cfg, task, list(built.mesh.devices.flat)) if cfg.mode == "train" else None
 
 
@@ -2473,6 +2508,25 @@ def fits_host(need, what, fix):
     if avail is not None and need > avail:
         raise ConfigError(
             f"{what} needs {gb(need)} of host memory on CPU and {gb(avail)} is free: {fix}"
+        )
+
+
+def cache_fits(cfg, devices):
+    """mode=generate, eval_answers: the KV cache of the prompts and max_new_tokens fits, or one
+    line (a huge max_new_tokens allocated GiBs, then died)."""
+    rows = 1 if cfg.mode == "generate" else min(cfg.eval_answers, 16)  # model.lm_answers' batch
+    positions = cfg.max_target_length + cfg.max_new_tokens  # a longer prompt is skipped or warned
+    per_row = 2 * cfg.num_layers * cfg.num_kv_heads * model_lib.dims(cfg) * positions
+    # XLA's peak holds about 3 float32 caches (the scan's carry in and out, and the update), in
+    # bfloat16 too: measured on CPU, 37.2 GB for max_new_tokens=10^8 (d_model=64, num_layers=1)
+    need = 3 * rows * per_row * 4
+    what = f"max_new_tokens={cfg.max_new_tokens}: the KV cache of {positions:,} positions"
+    if devices[0].platform == "cpu":
+        fits_host(need, what, "lower max_new_tokens")
+    elif need > (limit := (devices[0].memory_stats() or {}).get("bytes_limit", math.inf)):
+        raise ConfigError(
+            f"{what} needs {gb(need)} and a {devices[0].device_kind} has {gb(limit)}: lower "
+            "max_new_tokens"
         )
 
 

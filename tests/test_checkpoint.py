@@ -469,7 +469,8 @@ def test_a_disk_filling_under_a_running_run_is_one_line_naming_the_file(tmp_path
         stderr=subprocess.PIPE,
         text=True,
         env={k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"},
-        preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN),  # EFBIG, not a kill
+        # EFBIG, not a kill; one call, async-signal-safe enough for the fork
+        preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN),  # noqa: PLW1509
     )
     while not (tmp_path / "default" / "checkpoints" / "20").is_dir() and p.poll() is None:
         time.sleep(0.01)

@@ -614,6 +614,35 @@ def test_override_types(tmp_path):
     assert cfg.scan_layers is False and cfg.logical_axis_rules == (("batch", "data"),)
 
 
+@pytest.mark.parametrize(
+    "keys, line",
+    [
+        (["run_name=a\nb"], r"run_name='a\\nb': give a plain directory name, printable, no /"),
+        (["run_name=../up"], r"run_name='../up': give a plain directory name"),
+        (
+            ["mode=export", "export_dir={tmp}/./default/../default/checkpoints/2/hf"],
+            r"export_dir=.*: inside the run's checkpoints, where an export would land in a saved",
+        ),
+        (
+            ["mode=eval", "eval_answers=1", "max_new_tokens=2000000000", "max_target_length=32"],
+            r"max_new_tokens=2000000000: the KV cache of 2,000,000,032 positions needs .* GiB of host",
+        ),
+    ],
+)
+def test_names_and_sizes_out_of_bounds_are_refused_before_anything_is_written(tmp_path, keys, line):
+    """A run_name that leaves output_dir or holds a newline, an export into the run's own checkpoints, a
+    generation whose KV cache cannot fit (before: ~37 GB allocated, then an out-of-memory traceback): one
+    line each, and nothing written anywhere; a NUL in any text key is refused by the schema."""
+    cfg = config(tmp_path / "out", *[k.replace("{tmp}", str(tmp_path / "out")) for k in keys])
+    with pytest.raises(train.ConfigError, match=line):
+        train.run(cfg, jax.devices()[:1])
+    assert not list(tmp_path.rglob("default")) and not list(tmp_path.rglob("*.yml"))  # no run dir
+    nul = tmp_path / "nul.yml"
+    nul.write_text('run_name: "a\\0b"\n')
+    with pytest.raises(train.ConfigError, match=r'run_name="a\\u0000b": holds a NUL character'):
+        train.load_config([BASE, str(nul)])
+
+
 def test_run_writes_config_metrics_and_tensorboard(tmp_path):
     """The resolved config reloads; every logged value is in metrics.jsonl and, read back by TensorBoard's
     own event reader, in the event file with its step."""
