@@ -1032,8 +1032,8 @@ def hf_config(cfg, source=None):
 
 def safetensors_header(path):
     """{tensor name: (file, dtype, shape, first byte)} from one safetensors file's header, read
-    alone (8 bytes of size, then JSON): sizes checked against the file, so a damaged or hostile
-    header is an error, not an allocation."""
+    alone (8 bytes of size, then JSON): every size is checked against the file's before anything
+    is read or allocated, so a damaged or hostile header is a ValueError naming the file."""
     with data.stored(path).open("rb") as f:
         size = f.seek(0, 2)
         f.seek(0)
@@ -1042,20 +1042,44 @@ def safetensors_header(path):
             raise ValueError(
                 f"{path}: not a safetensors file (its header claims {n:,} bytes of {size:,})"
             )
-        header = json.loads(f.read(n))
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        if t.get("dtype") not in SAFETENSORS_DTYPES:
+        try:
+            header = json.loads(f.read(n))
+        except RecursionError:  # json's parser recurses per level of nesting
             raise ValueError(
-                f"{path}: tensor {name} is {t.get('dtype')}; load_hf reads BF16, F16 and F32"
-            )
-        (first, last), dtype = t["data_offsets"], np.dtype(SAFETENSORS_DTYPES[t["dtype"]])
-        if last - first != math.prod(t["shape"]) * dtype.itemsize or 8 + n + last > size:
-            raise ValueError(f"{path}: tensor {name} runs past the file (damaged or cut short)")
-        out[name] = (path, dtype, tuple(t["shape"]), 8 + n + first)
-    return out
+                f"{path}: not a safetensors file (its header nests too deep)"
+            ) from None
+    if not isinstance(header, dict):
+        # A ValueError, as every other damage of the file: load_hf names them all one way.
+        why = f"{path}: not a safetensors file (its header is a JSON {type(header).__name__})"
+        raise ValueError(why)  # noqa: TRY004
+    return {
+        name: tensor_entry(path, name, t, 8 + n, size)
+        for name, t in header.items()
+        if name != "__metadata__"
+    }
+
+
+def tensor_entry(path, name, t, start, size):
+    """One tensor of a safetensors header (its bytes from `start` on) -> (file, dtype, shape, first
+    byte): a dtype load_hf reads, a shape of whole dims, and bytes that lie inside the file."""
+    if not isinstance(t, dict):
+        why = f"{path}: tensor {name} is described by no JSON object (damaged)"
+        raise ValueError(why)  # noqa: TRY004
+    if t.get("dtype") not in SAFETENSORS_DTYPES:
+        raise ValueError(
+            f"{path}: tensor {name} is {t.get('dtype')}; load_hf reads BF16, F16 and F32"
+        )
+    shape = t.get("shape")
+    span = t.get("data_offsets")
+    whole = lambda xs: isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)
+    if not whole(shape) or not whole(span) or len(span) != 2:
+        raise ValueError(f"{path}: tensor {name} has no valid shape and data_offsets (damaged)")
+    dtype = np.dtype(SAFETENSORS_DTYPES[t["dtype"]])
+    first = span[0]
+    last = span[1]
+    if last - first != math.prod(shape) * dtype.itemsize or start + last > size:
+        raise ValueError(f"{path}: tensor {name} runs past the file (damaged or cut short)")
+    return (path, dtype, tuple(shape), start + first)
 
 
 def hf_tensors(folder):
@@ -1112,7 +1136,8 @@ def load_hf(cfg, path, abstract_params):
         ) from None
     except (ValueError, KeyError, TypeError) as e:  # a damaged header or index
         raise data.DataError(
-            f"load_hf={path}: the checkpoint is damaged ({str(e)[:200]})"
+            f"load_hf={path}: the checkpoint is damaged ({str(e)[:200]}); copy or download it "
+            "again, or give load_hf= another checkpoint"
         ) from None
     # our params path -> its tensor, or one per layer of a scanned stack
     sources = collections.defaultdict(list)

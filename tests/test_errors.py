@@ -2,6 +2,7 @@
 with one line on stderr (file descriptor 2, so C++ libraries count too) and no traceback."""
 
 import gzip
+import json
 import re
 import subprocess
 import sys
@@ -507,3 +508,67 @@ def test_a_run_past_the_hosts_memory_stops_before_it_allocates(
         r"is free: (train a smaller model|lower per_device_batch, or remat=full)\n",
         err,
     ), err
+
+
+# ---- hostile Hugging Face checkpoints: one line naming the file, before anything is allocated -------------------
+def header_file(folder, header):
+    """model.safetensors in `folder` whose header is `header` (bytes, or JSON), then 16 zero bytes of data."""
+    folder.mkdir(exist_ok=True)
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(16))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "header, says",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "not a safetensors file (its header nests too deep)"),
+        ([1, 2], "not a safetensors file (its header is a JSON list)"),
+        ({"a": 3}, "tensor a is described by no JSON object (damaged)"),
+        (
+            {"a": {"dtype": "F32", "shape": [-4], "data_offsets": [16, 0]}},
+            "tensor a has no valid shape and data_offsets (damaged)",
+        ),
+        (  # a header that fits, its tensor claiming 40 GiB of a 16-byte file
+            {"a": {"dtype": "F32", "shape": [10 * 2**30], "data_offsets": [0, 40 * 2**30]}},
+            "tensor a runs past the file (damaged or cut short)",
+        ),
+    ],
+    ids=["nested", "list", "entry", "negative", "40GiB"],
+)
+def test_a_hostile_safetensors_header_is_one_line_naming_the_file(tmp_path, header, says):
+    """Before: a RecursionError, an AttributeError (a list, an entry not an object) as a traceback; the sizes
+    were already checked against the file's before a read or an allocation."""
+    folder = header_file(tmp_path / "hf", header)
+    cfg = config(tmp_path)
+    with pytest.raises(train.data.DataError) as e:
+        train.model_lib.load_hf(cfg, str(folder), None)  # fails on the headers, before the params
+    assert str(e.value) == (
+        f"load_hf={folder}: the checkpoint is damaged ({folder}/model.safetensors: {says}); copy or "
+        "download it again, or give load_hf= another checkpoint"
+    )
+
+
+def test_a_hostile_config_json_is_one_line_naming_it(tmp_path):
+    """config.json nested past json's parser: the file named (a DataError); vocab_size=10^12: the bound the
+    trainer itself checks (vocab_size is an int32 count), not an allocation."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    cfg = train.load_config(BASE, args(tmp_path, f"load_hf={folder}", preset=[]))
+    with pytest.raises(train.data.DataError, match=rf"^{folder}/config.json: not valid JSON \(max"):
+        train.checkpoint_keys(cfg)
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "vocab_size": 10**12,
+    }
+    (folder / "config.json").write_text(json.dumps(llama))
+    with pytest.raises(train.ConfigError) as e:
+        train.checkpoint_keys(cfg)
+    assert str(e.value) == (
+        f"load_hf={folder}: config.json gives vocab_size=1000000000000: must be <= {train.INT_MAX}"
+    )
