@@ -2350,14 +2350,17 @@ def make_run_dir(cfg, run_dir, log):
 
 def prepare_training(cfg, run_dir, log, barrier=lambda: None):
     """mode=train: resume=false moves an earlier run's checkpoints and metrics aside (renamed, never
-    deleted) so the new run starts clean; then (`barrier`: once every host is past that)
-    checkpoints/ is made and written once, now rather than at the first save."""
+    deleted) so the new run starts clean, as keep_damaged_config does a damaged config.yml; then
+    (`barrier`: once every host is past that) checkpoints/ is made and written once, now rather
+    than at the first save."""
     checkpoints = os.path.join(run_dir, "checkpoints")
     try:
         for name in ("checkpoints", "metrics.jsonl") if not cfg.resume and MAIN else ():
             if stored(os.path.join(run_dir, name)).exists():
                 moved = set_aside(os.path.join(run_dir, name), "replaced")
                 log(f"resume=false: moved the earlier {name} aside to {os.path.basename(moved)}")
+        if MAIN:
+            keep_damaged_config(run_dir, log)
         barrier()
         if stored(checkpoints).is_file():
             raise DataError(
@@ -2377,24 +2380,53 @@ def resume_metrics(run_dir, step, log=print):
     read up to the newest row). Returns the newest step a run before had logged: the steps from
     `step` to it are done again (goodput's badput 'redone')."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    rows = kept_rows(path, math.inf, log) if step else []
-    write(path, "".join(r for r in rows if json.loads(r)["step"] <= step))
+    rows = metrics_rows(path, log) if step else []
+    write(path, "".join(line for at, line in rows if at <= step))
     for f in stored(run_dir).glob("events.out.tfevents.steps-*") if remote(run_dir) else ():
         if int(f.name.split("-")[1]) > step:
             f.unlink()
-    return max((json.loads(r)["step"] for r in rows), default=0)
+    return max((at for at, _ in rows), default=0)
 
 
-def kept_rows(path, step, log=print):
-    """The rows of a metrics.jsonl up to `step`; a last row
-    written only in part (a kill mid-write) is dropped."""
+def metrics_rows(path, log=print):
+    """[(step, line)] of a metrics.jsonl. A last line that is no row is a write cut short (a kill,
+    a crash): dropped with a warning. A line no row before it is damage: the file is kept aside
+    (renamed, never deleted) and the run goes on with the rows it could read. The checkpoint, not
+    this log, is what a resume needs, so a damaged log stops nothing: a stop would fail every
+    restart a scheduler makes, and moving the file away by hand would lose its rows for good."""
     try:
-        lines = stored(path).read_text().splitlines(keepends=True)
+        lines = stored(path).read_bytes().splitlines(keepends=True)
     except FileNotFoundError:
         return []
-    if lines and not lines[-1].endswith("\n"):
-        log(f"WARNING: {path}: dropped its last line, written only in part: {lines.pop()[:60]!r}")
-    return [r for r in lines if json.loads(r)["step"] <= step]
+    rows = [metrics_row(line) for line in lines]
+    shown = lambda line: repr(line[:60].decode(errors="replace"))
+    if rows and rows[-1] is None:
+        log(f"WARNING: {path}: dropped its last line, written only in part: {shown(lines[-1])}")
+        rows.pop()
+    if None in rows:
+        bad = rows.index(None)
+        moved = set_aside(path, "damaged")
+        rows = [r for r in rows if r]
+        log(
+            f"WARNING: {path}: line {bad + 1} is not a metrics row ({shown(lines[bad])}); kept "
+            f"the file aside as {os.path.basename(moved)} and went on with its {len(rows)} "
+            "readable rows"
+        )
+    return rows
+
+
+def metrics_row(line):
+    """(step, the line as text) of one line of metrics.jsonl, or None: not whole (no newline), not
+    UTF-8, not JSON, or not an object with an integer step."""
+    try:
+        text = line.decode()
+        row = json.loads(text) if text.endswith("\n") else None
+    except (ValueError, RecursionError):  # json's errors and bytes not UTF-8 are ValueErrors
+        row = None
+    step = row.get("step") if isinstance(row, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None
+    return (step, text)
 
 
 def move_up(local_dir, pattern, run_dir, name=None):
@@ -2434,41 +2466,115 @@ def flat(values, prefix=""):
     return pairs
 
 
-def config_changes(run_dir, cfg):
-    """'key (old -> new)' for each key whose value differs from run_dir's config.yml."""
+def run_config(run_dir):
+    """run_dir's config.yml as {'section.key': value}: {} where there is none, a DataError naming it
+    where it is damaged (cut short, not text, nested past the parser, not the mapping a run
+    writes)."""
+    path = os.path.join(run_dir, "config.yml")
     try:
-        old = flat(yaml.safe_load(stored(os.path.join(run_dir, "config.yml")).read_text()))
-    # none, or not the mapping a run writes
-    except (*STORAGE_ERRORS, yaml.YAMLError, AttributeError):
+        values = yaml.safe_load(stored(path).read_text())
+    except FileNotFoundError:
+        return {}
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
+        raise DataError(f"{path}: damaged ({first_line(e, typed=False, limit=80)})") from None
+    if not isinstance(values, dict):
+        raise DataError(
+            f"{path}: damaged (it holds a YAML {type(values).__name__}, not the mapping a run "
+            "writes)"
+        )
+    return flat(values)
+
+
+def config_changes(run_dir, cfg):
+    """'key (old -> new)' for each key whose value differs from run_dir's config.yml (none where
+    it is missing, unreadable or damaged: nothing to compare with)."""
+    try:
+        old = run_config(run_dir)
+    except (*STORAGE_ERRORS, DataError):
         return []
     new = flat(cfg.model_dump(mode="json"))
     return [f"{k} ({old[k]} -> {new[k]})" for k in new if k in old and old[k] != new[k]]
 
 
+def keep_damaged_config(run_dir, log):
+    """A damaged config.yml (run_config) is renamed aside, never deleted, before the run writes its
+    own. It is the run's record of its config, not an input (the command line is), so the run goes
+    on: stopping would only make the user move by hand a file the run rewrites anyway."""
+    try:
+        run_config(run_dir)
+    except DataError as e:
+        moved = set_aside(os.path.join(run_dir, "config.yml"), "damaged")
+        log(
+            f"WARNING: {e}; kept it aside as {os.path.basename(moved)}, and this run writes its "
+            "config anew"
+        )
+
+
 def keep_tokenizer(ds, run_dir, resumed, cfg):
     """What a checkpoint's token ids mean is part of it: a run keeps its tokenizer as
     RUN_DIR/tokenizer.model, and a resume whose tokenizer differs (other files, vocab_size,
-    tokenizer_path) stops, naming what changed since the run's config.yml. A Hugging Face tokenizer
-    is kept as RUN_DIR/tokenizer.json with its special tokens and template beside it."""
+    tokenizer_path) stops, naming what changed since the run's config.yml; a kept file that is no
+    tokenizer at all stops as damaged, not as a change. A Hugging Face tokenizer is kept as
+    RUN_DIR/tokenizer.json with its special tokens and template beside it."""
     tok = ds.tokenizer
-    path, model = os.path.join(run_dir, tok.primary), tok.files[tok.primary]
+    path = os.path.join(run_dir, tok.primary)
+    model = tok.files[tok.primary]
     if not (resumed and stored(path).exists()):
         # A Hugging Face tokenizer keeps its special tokens and template beside it.
         kept = tok.files if tok.primary == "tokenizer.json" else {tok.primary: model}
         for name, content in kept.items():
             write(os.path.join(run_dir, name), content)
         return
-    if stored(path).read_bytes() != model:
-        changed = [c for c in config_changes(run_dir, cfg) if c.split()[0] in TOKENIZER_KEYS] or [
-            "the training text (its files changed, so the tokenizer trained on them did)"
-        ]
+    kept = stored(path).read_bytes()
+    if kept == model:
+        return
+    if why := tokenizer_damage(tok.primary, kept):
         raise DataError(
-            f"{path}: this run's tokenizer would change with {', '.join(changed)}: the "
-            "checkpoint's token ids would mean other text; undo the change, set tokenizer_path="
-            + path
-            + " to keep "
-            "its tokenizer, or start a new run_name (load_params= takes the weights)"
+            f"{path}: damaged ({why}); the checkpoint's token ids are this file's tokenizer: "
+            "restore it from a copy, or move it away to go on with the tokenizer this run has now "
+            "(the same one unless the training text, tokenizer_path, vocab_size or load_hf changed)"
         )
+    raise DataError(
+        f"{path}: this run's tokenizer would change with {tokenizer_change(run_dir, cfg)}: the "
+        f"checkpoint's token ids would mean other text; undo the change, set tokenizer_path={path} "
+        "to keep its tokenizer, or start a new run_name (load_params= takes the weights)"
+    )
+
+
+def tokenizer_damage(name, content):
+    """Why `content` is not a tokenizer file `name` (tokenizer.model or tokenizer.json), or ''."""
+    kind = "Hugging Face" if name == "tokenizer.json" else "sentencepiece"
+    try:
+        if name == "tokenizer.json":
+            import tokenizers
+
+            ok = bool(tokenizers.Tokenizer.from_str(content.decode()))
+        else:
+            import sentencepiece as spm
+
+            # an empty proto loads as a model of no pieces (that logs on stderr when asked its size)
+            ok = bool(content) and spm.SentencePieceProcessor(model_proto=content).get_piece_size()
+    except Exception:  # noqa: BLE001 - each library's own parse error; its text says no more
+        ok = False
+    return "" if ok else f"not a {kind} tokenizer"
+
+
+def tokenizer_change(run_dir, cfg):
+    """What changed the run's tokenizer, as the keys config_changes names; without a config.yml to
+    compare with (missing, or damaged and kept aside), that is said, not guessed."""
+    changed = [c for c in config_changes(run_dir, cfg) if c.split()[0] in TOKENIZER_KEYS]
+    try:
+        known = bool(changed or run_config(run_dir))
+    except DataError:
+        known = False
+    if not known:
+        return (
+            f"a change not named ({run_dir}/config.yml, the config to compare with, is missing "
+            "or was damaged)"
+        )
+    if changed:
+        return ", ".join(changed)
+    return "the training text (its files changed, so the tokenizer trained on them did)"
 
 
 # ---- metrics: metrics.jsonl, TensorBoard and W&B -------------------------------------------------

@@ -3,7 +3,9 @@ with one line on stderr (file descriptor 2, so C++ libraries count too) and no t
 
 import gzip
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+import yaml
 from conftest import (
     BASE,
     ENV,
@@ -19,6 +22,7 @@ from conftest import (
     TEXT,
     args,
     config,
+    metrics,
     start_trainer,
     trainer_results,
     write_corpus,
@@ -572,3 +576,148 @@ def test_a_hostile_config_json_is_one_line_naming_it(tmp_path):
     assert str(e.value) == (
         f"load_hf={folder}: config.json gives vocab_size=1000000000000: must be <= {train.INT_MAX}"
     )
+
+
+# ---- damaged files in a run directory, then the same command again: one line or a warning, nothing lost ------
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """A tiny text run at its step-2 checkpoint, its tokenizer kept beside it; each test resumes a copy."""
+    tmp = tmp_path_factory.mktemp("text-run")
+    write_corpus(tmp / "corpus", 6, "doc", 0)
+    train.run(config(tmp, "steps=2", *text_keys(tmp), preset=TEXT), jax.devices()[:1])
+    return tmp
+
+
+def text_keys(run):
+    return [f"dataset_path={run}/corpus/*.txt", f"cache_dir={run}/cache"]
+
+
+def resume_copy(text_run, tmp_path, monkeypatch, capsys, damage, *keys):
+    """text_run's run directory copied under tmp_path, `damage`d ({file name: bytes}), then the same command run
+    in this process on one device (steps=2: restored, nothing to train). Returns (exit code, stdout, stderr)."""
+    shutil.copytree(text_run / "default", tmp_path / "default")
+    for name, content in damage.items():
+        (tmp_path / "default" / name).write_bytes(content)
+    one = jax.devices()[:1]
+    monkeypatch.setattr(jax, "devices", lambda *_: one)
+    capsys.readouterr()
+    keys = args(tmp_path, "steps=2", *text_keys(text_run), *keys, preset=TEXT)
+    code = train.main(["train.py", BASE, *keys])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+DAMAGED_CONFIG = {
+    "cut": b"steps: 2\nlog_every: [1,\n",
+    "binary": b"\x00\xff\xfejunk\x00",
+    "list": b"- steps\n- 2\n",
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGED_CONFIG)
+def test_a_damaged_config_yml_is_kept_aside_and_the_run_goes_on(
+    text_run, tmp_path, monkeypatch, capsys, kind
+):
+    """config.yml is the run's record of its config, not an input: a damaged one is renamed aside with a warning
+    and written anew. Before: kept silently overwritten, and a resume that compared with it (a changed model or
+    tokenizer) ended in a UnicodeDecodeError or RecursionError traceback."""
+    run_dir = tmp_path / "default"
+    damaged = DAMAGED_CONFIG[kind]
+    shutil.copytree(text_run / "default", tmp_path / "copy")
+    (tmp_path / "copy" / "config.yml").write_bytes(damaged)
+    assert train.data.config_changes(str(tmp_path / "copy"), config(tmp_path, preset=TEXT)) == []
+    code, out, err = resume_copy(text_run, tmp_path, monkeypatch, capsys, {"config.yml": damaged})
+    assert code == 0 and err == "", err
+    aside = [f for f in os.listdir(run_dir) if f.startswith("config.yml.damaged-")]
+    assert len(aside) == 1 and (run_dir / aside[0]).read_bytes() == damaged
+    warning = next(line for line in out.splitlines() if line.startswith("WARNING"))
+    assert re.fullmatch(
+        rf"WARNING: {run_dir}/config.yml: damaged \(.+\); kept it aside as {aside[0]}, and this run "
+        "writes its config anew",
+        warning,
+    ), warning
+    assert "steps" in yaml.safe_load((run_dir / "config.yml").read_text())
+
+
+@pytest.mark.parametrize("kind", ["empty", "cut", "junk"])
+def test_a_damaged_kept_tokenizer_is_named_not_blamed_on_a_change(
+    text_run, tmp_path, monkeypatch, capsys, kind
+):
+    """Before: 'this run's tokenizer would change with the training text (its files changed ...)' and advice to set
+    tokenizer_path= to the damaged file; nothing had changed."""
+    model = (text_run / "default" / "tokenizer.model").read_bytes()
+    damaged = {"empty": b"", "cut": model[:1000], "junk": b"junk\n"}[kind]
+    code, _, err = resume_copy(
+        text_run, tmp_path, monkeypatch, capsys, {"tokenizer.model": damaged}
+    )
+    path = tmp_path / "default" / "tokenizer.model"
+    assert code == 2 and err == (
+        f"error: {path}: damaged (not a sentencepiece tokenizer); the checkpoint's token ids are "
+        "this file's tokenizer: restore it from a copy, or move it away to go on with the "
+        "tokenizer this run has now (the same one unless the training text, tokenizer_path, "
+        "vocab_size or load_hf changed)\n"
+    )
+    assert path.read_bytes() == damaged  # kept as it is
+
+
+ROWS = [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3, 4)]
+GOOD = "".join(json.dumps(r) + "\n" for r in ROWS)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"garbage{{\n",
+        b'{"loss": 1.0}\n',
+        b"[1, 2]\n",
+        b"\xff\xfe\x00\x01\n",
+        b"[" * 5000 + b"]" * 5000 + b"\n",
+        b'{"step": "3"}\n',
+    ],
+    ids=["junk", "no-step", "list", "not-utf8", "nested", "text-step"],
+)
+def test_metrics_jsonl_damaged_inside_is_kept_aside_and_the_run_goes_on(tmp_path, line):
+    """A line not a row before the last one: the file is kept aside whole and a new one holds the rows it could
+    read, up to the checkpoint (metrics are a log: a stop would fail every restart of a scheduler). Before: a
+    JSONDecodeError, KeyError, TypeError or UnicodeDecodeError traceback on every resume."""
+    path = tmp_path / "metrics.jsonl"
+    damaged = (
+        json.dumps(ROWS[0]).encode()
+        + b"\n"
+        + line
+        + "".join(json.dumps(r) + "\n" for r in ROWS[1:]).encode()
+    )
+    path.write_bytes(damaged)
+    said = []
+    assert train.data.resume_metrics(str(tmp_path), 3, said.append) == 4
+    aside = [f for f in os.listdir(tmp_path) if f.startswith("metrics.jsonl.damaged-")]
+    assert len(aside) == 1 and (tmp_path / aside[0]).read_bytes() == damaged
+    assert [json.loads(r)["step"] for r in path.read_text().splitlines()] == [1, 2, 3]
+    assert len(said) == 1 and said[0].startswith(f"WARNING: {path}: line 2 is not a metrics row (")
+    assert said[0].endswith(
+        f"kept the file aside as {aside[0]} and went on with its 4 readable rows"
+    )
+
+
+@pytest.mark.parametrize("tail", [b'{"step": 5, "lo', b"\x00" * 300, b"garbage\n"])
+def test_metrics_jsonl_with_a_damaged_last_line_drops_it_with_a_warning(tmp_path, tail):
+    """The last line only: a write cut short (a kill, a crash, a disk that zero-fills), dropped, nothing set aside."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(GOOD.encode() + tail)
+    said = []
+    assert train.data.resume_metrics(str(tmp_path), 4, said.append) == 4
+    assert os.listdir(tmp_path) == ["metrics.jsonl"] and path.read_text() == GOOD
+    assert len(said) == 1
+    assert said[0].startswith(f"WARNING: {path}: dropped its last line, written only in part: ")
+
+
+def test_a_resume_goes_on_past_a_damaged_metrics_jsonl(text_run, tmp_path, monkeypatch, capsys):
+    """The same through the command line, one more step trained: no traceback, every step logged once."""
+    rows = (text_run / "default" / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    damaged = rows[0] + b"\xff junk\n" + b"".join(rows[1:])
+    code, out, err = resume_copy(
+        text_run, tmp_path, monkeypatch, capsys, {"metrics.jsonl": damaged}, "steps=3"
+    )
+    assert code == 0 and err == "", err
+    assert "line 2 is not a metrics row" in out
+    assert [r["step"] for r in metrics(tmp_path / "default")] == [1, 2, 3]
