@@ -761,12 +761,19 @@ def _train_tokenizer(sentences, vocab_size, path):
 
 
 def _save(path, write):
-    """write(file) into a new file that then replaces `path`
-    atomically: a crash never leaves half a cache file."""
+    """write(file) into a new file that then replaces `path` atomically: a reader (another run on
+    the same cache_dir) or a crash never sees half a cache file."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            # on disk before the rename: a power loss must not leave `path` named but empty
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:  # a write that failed (a full disk) leaves no temporary file in the cache
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
 class Tokenizer(NamedTuple):
@@ -971,6 +978,7 @@ def _tokenizer(cfg, train_texts, identity, log=None):
     if not path:  # trained once into cache_dir
         path = os.path.join(cfg.cache_dir, f"tokenizer_{identity}_bpe{cfg.vocab_size}.model")
         with _locked(cfg.cache_dir):
+            _set_aside_damaged(path, log)
             if not os.path.exists(path):
                 with _announced(
                     log, f"training a {cfg.vocab_size}-piece BPE tokenizer on the training text"
@@ -982,6 +990,16 @@ def _tokenizer(cfg, train_texts, identity, log=None):
             "tokenizer.json, or '' to train one)"
         )
     return load_tokenizer(path, cfg)
+
+
+def _set_aside_damaged(path, log=None):
+    """A cached tokenizer that is no tokenizer (a disk that failed, a copy cut short) is renamed
+    aside, never deleted, and trained again: the cache holds what the run can remake, and the
+    error load_tokenizer would give names tokenizer_path, which the user did not set."""
+    file = pathlib.Path(path)
+    if file.exists() and (why := tokenizer_damage("tokenizer.model", file.read_bytes())):
+        moved = set_aside(path, "damaged")
+        (log or print)(f"WARNING: {path}: damaged ({why}); kept aside as {moved}, trained again")
 
 
 # ---- text: packing -------------------------------------------------------------------------------

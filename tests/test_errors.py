@@ -1,13 +1,16 @@
 """Bad input, as a user meets it: every case below runs through the command line and must exit non-zero
 with one line on stderr (file descriptor 2, so C++ libraries count too) and no traceback."""
 
+import glob
 import gzip
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -721,3 +724,69 @@ def test_a_resume_goes_on_past_a_damaged_metrics_jsonl(text_run, tmp_path, monke
     assert code == 0 and err == "", err
     assert "line 2 is not a metrics row" in out
     assert [r["step"] for r in metrics(tmp_path / "default")] == [1, 2, 3]
+
+
+# ---- runs sharing one cache_dir ------------------------------------------------------------------------------
+# A run's data preparation in a process of its own, started with the others: ready, then waiting for the go file
+# (argv: base.yml, its keys as JSON, the go file); prints the sha1 of the tokenizer it got.
+COLD_CACHE = """
+import hashlib, json, os, sys, time
+import train
+cfg = train.load_config(sys.argv[1], json.loads(sys.argv[2]))
+open(f"{sys.argv[3]}.{os.getpid()}", "w").close()
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.01)
+tokenizer = train.data.make_dataset(cfg).tokenizer
+print(hashlib.sha1(tokenizer.files["tokenizer.model"]).hexdigest())
+"""
+
+
+def test_runs_started_together_on_one_cold_cache_prepare_it_once(tmp_path):
+    """Runs at the same moment on one cold cache_dir (two here; three through the command line cost a minute): each
+    gets the same tokenizer, and the cache ends with one prepared dataset and one tokenizer, no temporary file (a
+    lock serialises the preparation; every cache file is written whole, then renamed into place)."""
+    write_corpus(tmp_path / "corpus", 6, "doc", 0)
+    keys = args(tmp_path, f"dataset_path={tmp_path}/corpus/*.txt", preset=TEXT)
+    go = tmp_path / "go"
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", COLD_CACHE, BASE, json.dumps(keys), str(go)],
+            cwd=ROOT,
+            env={**ENV, "JAX_NUM_CPU_DEVICES": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    deadline = time.time() + 120
+    while len(glob.glob(f"{go}.*")) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    go.touch()
+    done = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in done]
+    assert len({out for out, _ in done}) == 1
+    cache = tmp_path / "cache"
+    assert len(glob.glob(f"{cache}/tokenizer_*.model")) == 1
+    assert len(glob.glob(f"{cache}/text_files/files_*/1.0.0")) == 1
+    assert not [f for f in glob.glob(f"{cache}/**", recursive=True) if ".tmp" in f]
+
+
+def test_a_damaged_cached_tokenizer_is_kept_aside_and_trained_again(tmp_path, capsys):
+    """Before: 'tokenizer_path=CACHE/tokenizer_....model: not a sentencepiece model ...; give a .model file or a
+    tokenizer.json, or '' to train one', naming a key nobody set, on every run sharing the cache."""
+    write_corpus(tmp_path / "corpus", 6, "doc", 0)
+    cfg = config(tmp_path, f"dataset_path={tmp_path}/corpus/*.txt", preset=TEXT)
+    train.data.make_dataset(cfg)
+    (found,) = glob.glob(f"{tmp_path}/cache/tokenizer_*.model")
+    path = pathlib.Path(found)
+    model = path.read_bytes()
+    path.write_bytes(b"junk\n")
+    capsys.readouterr()
+    train.data.make_dataset(cfg, log=print)
+    (aside,) = glob.glob(f"{path}.damaged-*")
+    assert (
+        f"WARNING: {path}: damaged (not a sentencepiece tokenizer); kept aside as {aside}, trained "
+        "again\ntraining a 320-piece BPE tokenizer"
+    ) in capsys.readouterr().out
+    assert pathlib.Path(aside).read_bytes() == b"junk\n" and path.read_bytes() == model
