@@ -4,6 +4,8 @@ and what a run writes (config, metrics, TensorBoard events)."""
 import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import optax
 import pytest
 from conftest import (
     BASE,
+    ENV,
     ROOT,
     SUDOKU,
     args,
@@ -689,6 +692,29 @@ def test_goodput_shares_are_measured_and_add_up(tmp_path, capsys):
     assert s["badput_startup"] > 0 and s["badput_checkpoint"] > 0 and s["goodput"] > 0
     assert s["badput_redone"] == 0
     assert re.search(r"^goodput: [\d.]+% of [\d.]+s in steps; badput: startup", out, re.MULTILINE)
+
+
+def test_a_long_run_holds_its_file_descriptors_and_memory_flat(tmp_path):
+    """400 steps from the command line, a checkpoint every 10 (3 kept): the files open at each row stay
+    within a few of the first row's (a save in flight holds some), and from step 200 to 400 the host's peak
+    RSS grows by less than 1 MB a checkpoint: a copy of the train state kept per save would be 2.4 MB.
+    (By hand, 1,000 steps: 10-13 files, 0.584 -> 0.602 GiB from step 200, ~0.2 MB a save, inside orbax,
+    which alone keeps ~22 KB per save of a 2-array state: measured over 1,200 saves.)"""
+    keys = ["steps=400", "log_every=100", "checkpoint_every=10"]
+    r = subprocess.run(
+        [sys.executable, "train.py", "base.yml", *args(tmp_path, *keys)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = metrics(tmp_path / "default")
+    assert max(r["open_files"] for r in rows) <= rows[0]["open_files"] + 8, rows
+    assert (rows[-1]["host_rss_gb"] - rows[1]["host_rss_gb"]) * 1024 < 20, rows  # 20 saves
+    assert sorted(os.listdir(tmp_path / "default" / "checkpoints")) == ["380", "390", "400"]
 
 
 def test_nonfinite_loss_stops_naming_the_step(tmp_path, capsys, monkeypatch):
