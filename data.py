@@ -299,6 +299,10 @@ def _announced(log, what):
 # ---- synthetic tokens ----------------------------------------------------------------------------
 
 
+# The eval set of dataset=synthetic: eval_batches past it evaluate these (each eval set is one pass)
+SYNTHETIC_EVAL_BATCHES = 64
+
+
 class SyntheticData(_Data):
     """Uniform random tokens, row r of step s a pure function of (seed, s, r): no files. Its
     tokenizer is the one tokenizer_path or load_hf's checkpoint names, if any (for generation
@@ -325,9 +329,11 @@ class SyntheticData(_Data):
         )
 
     def eval_batches(self, local_rows, n):
+        """n fixed batches of random tokens, at most SYNTHETIC_EVAL_BATCHES (its eval set)."""
         rows = range(self.process_index * local_rows, (self.process_index + 1) * local_rows)
         return [
-            _stack([self._row(1, i, r) for r in rows], local_rows, self.length) for i in range(n)
+            _stack([self._row(1, i, r) for r in rows], local_rows, self.length)
+            for i in range(min(n, SYNTHETIC_EVAL_BATCHES))
         ]
 
 
@@ -1065,10 +1071,13 @@ class TextData(_Data):
             lambda i: self.encode(self.eval_texts[i])
         )
         rows = iter(_pack(docs.to_iter_dataset(_READ), self.length))
-        return [
-            _stack(list(itertools.islice(rows, local_rows)), local_rows, self.length)
-            for _ in range(n)
-        ]
+        batches = []
+        # one pass at most: a batch after the last row is made only as the first (padding)
+        while len(batches) < n and (
+            chunk := list(itertools.islice(rows, local_rows)) or not batches
+        ):
+            batches.append(_stack(chunk, local_rows, self.length))
+        return batches
 
 
 class StreamData(TextData):
@@ -1394,6 +1403,7 @@ class SFTData(_Data):
         """The held-out examples in order, one pass, packed
         as training packs; batches past them are padding."""
         rows = [self._row([self.eval_tokens[i] for i in r]) for r in self.eval_rows]
+        n = min(n, max(-(-len(rows) // local_rows), 1))  # one pass at most
         return [
             _stack(rows[b * local_rows : (b + 1) * local_rows], local_rows, self.length)
             for b in range(n)
@@ -1755,7 +1765,7 @@ class SudokuData(_Data):
         share of them, so the gathered answers come back in file order; rows past the end are
         padding (loss_mask 0)."""
         rows = local_rows * self.process_count
-        n = -(-len(self.eval_q) // rows) if n is None else n
+        n = min(-(-len(self.eval_q) // rows), n or math.inf)  # one pass at most
         starts = [i * rows + self.process_index * local_rows for i in range(n)]
         return [
             _sudoku_batch(

@@ -382,6 +382,12 @@ def evaluator(cfg, task, eval_step, feed):
             return {}
         t0 = time.perf_counter()
         batches, outs = ds.eval_batches(feed.rows // jax.process_count(), n_batches), []
+        # One pass at most (data.py); every host runs as many batches as the one holding most, the
+        # rest padding that weighs nothing.
+        n = max(agree(len(batches), cfg.host_timeout))
+        batches += [{**batches[0], "loss_mask": 0 * batches[0]["loss_mask"]}] * (n - len(batches))
+        if n_batches and n < n_batches:
+            log(f"eval_batches={n_batches}: the eval set fills {n}; evaluating those")
         for i, b in enumerate(batches):
             w, x = state[task.eval_weights], global_batch(b, feed.eval_sharding, feed.rows)
             # Compiled ahead, then every host goes on at once: a collective's first run (Gloo, on

@@ -646,6 +646,18 @@ def test_names_and_sizes_out_of_bounds_are_refused_before_anything_is_written(tm
         train.load_config([BASE, str(nul)])
 
 
+def test_eval_batches_past_the_eval_set_evaluate_one_pass(tmp_path, capsys):
+    """eval_batches=10^8 evaluates the eval set once and says so (before: 10^8 padding batches built up
+    front, 24 GB of host memory, then killed); the loss equals the one of exactly that many batches."""
+    train.run(config(tmp_path, "steps=1"), jax.devices()[:1])
+    huge = train.run(config(tmp_path, "mode=eval", "eval_batches=100000000"), jax.devices()[:1])
+    assert (
+        "eval_batches=100000000: the eval set fills 64; evaluating those" in capsys.readouterr().out
+    )
+    exact = train.run(config(tmp_path, "mode=eval", "eval_batches=64"), jax.devices()[:1])
+    assert huge["loss"] == exact["loss"]
+
+
 def test_run_writes_config_metrics_and_tensorboard(tmp_path):
     """The resolved config reloads; every logged value is in metrics.jsonl and, read back by TensorBoard's
     own event reader, in the event file with its step."""
