@@ -1575,7 +1575,10 @@ def checkpoint_keys(cfg):
     try:
         return with_values(cfg, keys)
     except ConfigError as e:  # a value of the wrong type or range in config.json
-        raise ConfigError(f"load_hf={cfg.load_hf}: config.json gives {e}") from None
+        raise ConfigError(
+            f"load_hf={cfg.load_hf}: config.json gives {e}: a model this trainer cannot hold, or a "
+            "damaged file; give load_hf= another checkpoint"
+        ) from None
 
 
 def cpu_has_bf16():

@@ -692,13 +692,13 @@ SIGNALLED = """
 import os, sys, time
 import train
 next_batch, wait_for_saves, taken = train.next_batch, train.wait_for_saves, []
-def gated(feed, it):
+def gated(feed, it, *rest):
     taken.append(feed)
     if len(taken) == 4:
         print('AT GATE', flush=True)
         while not os.path.exists(os.environ['GATE']):
             time.sleep(0.02)
-    return next_batch(feed, it)
+    return next_batch(feed, it, *rest)
 def announced(mngr):
     print('WAITING FOR THE SAVE', flush=True)
     time.sleep(1.0)  # a second signal lands here, while the last checkpoint is being written

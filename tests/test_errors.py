@@ -160,7 +160,7 @@ CASES = [
     ),
     (
         ["run_name="],
-        "error: run_name='': give a plain directory name (the run goes to output_dir/run_name)",
+        "error: run_name='': give a plain directory name, printable, no / (the run goes to output_dir/run_name)",
     ),
     (
         ["logical_axis_rules=[[batch]]"],
@@ -578,6 +578,7 @@ def test_a_hostile_config_json_is_one_line_naming_it(tmp_path):
         train.checkpoint_keys(cfg)
     assert str(e.value) == (
         f"load_hf={folder}: config.json gives vocab_size=1000000000000: must be <= {train.INT_MAX}"
+        ": a model this trainer cannot hold, or a damaged file; give load_hf= another checkpoint"
     )
 
 

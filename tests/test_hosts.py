@@ -358,11 +358,11 @@ HANGS_AT_STEP_4 = """
 import sys, time
 import train
 next_batch, taken = train.next_batch, []
-def hung(feed, it):
+def hung(feed, it, *rest):
     taken.append(1)
     while len(taken) > 3:  # a step that never comes back (its handler runs, the loop never sees the signal)
         time.sleep(1)
-    return next_batch(feed, it)
+    return next_batch(feed, it, *rest)
 train.next_batch = hung
 sys.exit(train.main(['train.py', *sys.argv[1:]]))
 """

@@ -32,13 +32,13 @@ SLOW = """
 import os, sys, time
 import train
 next_batch, taken = train.next_batch, []
-def slow(feed, it):
+def slow(feed, it, *rest):
     step = len(taken)
     taken.append(step)
     time.sleep(0.15)
     while str(step) in os.environ.get('GATES', '').split(',') and not os.path.exists(f"{os.environ['GATE_DIR']}/{step}"):
         time.sleep(0.05)
-    return next_batch(feed, it)
+    return next_batch(feed, it, *rest)
 train.next_batch = slow
 if os.environ.get('FAST_RETRIES'):  # gcsfs's retry waits 1+2+4+8+16 s (measured: ~35 s to the error); a tenth here
     import asyncio, types, gcsfs.retry
