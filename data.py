@@ -1486,14 +1486,15 @@ _ALL_DIGITS = 0b1111111110  # bit d set = digit d allowed
 
 
 def _search(grid, limit):
-    """Backtracking over bitmasks (one per unit), most-constrained cell first. Returns (first
-    solution, count <= limit)."""
-    g, used = list(grid), [0] * 27
+    """Backtracking over bitmasks (one per unit), most-constrained cell first (naked singles only,
+    no other deduction). Returns (first solution, count <= limit, guesses: the cells it branched at,
+    with two or more digits to try, before it stopped)."""
+    g, used, guesses = list(grid), [0] * 27, [0]
     for i, v in enumerate(g):
         if v:
             bit, (r, c, b) = 1 << v, _CELL_UNITS[i]
             if (used[r] | used[c] | used[b]) & bit:
-                return None, 0  # the givens already clash
+                return None, 0, 0  # the givens already clash
             used[r], used[c], used[b] = used[r] | bit, used[c] | bit, used[b] | bit
     empty = [i for i in range(81) if not g[i]]
 
@@ -1510,6 +1511,7 @@ def _search(grid, limit):
         if best < 0:
             yield list(g)
             return
+        guesses[0] += best_count > 1
         r, c, b = _CELL_UNITS[best]
         while best_mask:
             bit = best_mask & -best_mask
@@ -1521,43 +1523,62 @@ def _search(grid, limit):
             g[best] = 0
 
     found = list(itertools.islice(solutions(), limit))
-    return (found[0] if found else None), len(found)
+    return (found[0] if found else None), len(found), guesses[0]
 
 
 def solve(grid):
     """(solution as uint8[81] or None, number of solutions counted up to 2) for an 81-digit grid."""
-    solution, count = _search([int(v) for v in np.asarray(grid).reshape(81)], limit=2)
+    solution, count, _guesses = _search([int(v) for v in np.asarray(grid).reshape(81)], limit=2)
     return (None if solution is None else np.asarray(solution, np.uint8)), count
 
 
-def generate_sudoku(n, blanks, seed, stream="train", start=0):
+def search_guesses(grid):
+    """How hard a puzzle is for a plain search: the cells the backtracking above branches at (two
+    or more digits left, naked singles filled) while it finds the solution and proves it unique.
+    Generated minimal puzzles: median 30; the top95 list of hard puzzles: median 697."""
+    return _search([int(v) for v in np.asarray(grid).reshape(81)], limit=2)[2]
+
+
+def generate_sudoku(n, blanks, seed, stream="train", start=0, min_guesses=0):
     """(puzzles uint8[n, 81], solutions uint8[n, 81]), each puzzle with exactly one solution.
 
     Cells are blanked in random order while the solution stays unique, until `blanks` blanks or
     no cell can go (blanks=81 gives minimal puzzles); a list of blanks is taken in turn, puzzle i
-    with blanks[i % len(blanks)]. Puzzle i depends only on
-    (stream, seed, i) and its blanks; `start`: the first i.
+    with blanks[i % len(blanks)]. min_guesses: a minimal puzzle is drawn again until the plain
+    search needs that many guesses (search_guesses; 256 keeps about 1 in 16). Puzzle i depends
+    only on (stream, seed, i), its blanks and min_guesses; `start`: the first i.
     """
     q, a, blanks = np.zeros((n, 81), np.uint8), np.zeros((n, 81), np.uint8), np.atleast_1d(blanks)
     for i in range(start, start + n):
-        rng = random.Random(f"sudoku/{stream}/{seed}/{i}")
-        # The three diagonal boxes share no row or column,
-        # so any filling of them completes to a grid.
-        boxes = np.zeros((9, 9), np.int64)
-        for b in range(3):
-            boxes[3 * b : 3 * b + 3, 3 * b : 3 * b + 3] = np.reshape(
-                rng.sample(range(1, 10), 9), (3, 3)
-            )
-        a[i - start] = solution = _search(boxes.ravel().tolist(), limit=1)[0]
-        puzzle = list(solution)
-        for cell in rng.sample(range(81), 81):
-            if puzzle.count(0) == blanks[i % len(blanks)]:
+        hard = min_guesses if blanks[i % len(blanks)] == 81 else 0
+        for draw in itertools.count():
+            name = f"sudoku/{stream}/{seed}/{i}" + (f"/{draw}" if draw else "")
+            puzzle, solution = _dig(random.Random(name), blanks[i % len(blanks)])
+            if not hard or _search(puzzle, limit=2)[2] >= hard:
                 break
-            puzzle[cell] = 0
-            if _search(puzzle, limit=2)[1] > 1:
-                puzzle[cell] = solution[cell]  # that blank would allow a second solution
-        q[i - start] = puzzle
+        q[i - start], a[i - start] = puzzle, solution
     return q, a
+
+
+def _dig(rng, blanks):
+    """One random solved grid and a puzzle of it: cells blanked in rng's order while the solution
+    stays unique, until `blanks` blanks or no cell can go."""
+    # The three diagonal boxes share no row or column,
+    # so any filling of them completes to a grid.
+    boxes = np.zeros((9, 9), np.int64)
+    for b in range(3):
+        boxes[3 * b : 3 * b + 3, 3 * b : 3 * b + 3] = np.reshape(
+            rng.sample(range(1, 10), 9), (3, 3)
+        )
+    solution = _search(boxes.ravel().tolist(), limit=1)[0]
+    puzzle = list(solution)
+    for cell in rng.sample(range(81), 81):
+        if puzzle.count(0) == blanks:
+            break
+        puzzle[cell] = 0
+        if _search(puzzle, limit=2)[1] > 1:
+            puzzle[cell] = solution[cell]  # that blank would allow a second solution
+    return puzzle, solution
 
 
 def augment(q, a, rng):
@@ -1696,15 +1717,17 @@ def _puzzles(cfg, split, log=None):
     if getattr(cfg, key):
         return read_sudoku_csv(getattr(cfg, key), key)
     mix = "-".join(map(str, cfg.sudoku_blanks))  # 45, or 45-81 for a mix
+    hard = cfg.sudoku_min_guesses
     path = os.path.join(
         cfg.cache_dir,
         "sudoku",
-        f"{split}_seed{cfg.seed}_blanks{mix}_n{n}_v{_SUDOKU_GEN_VERSION}.npz",
+        f"{split}_seed{cfg.seed}_blanks{mix}{f'_guesses{hard}' if hard else ''}_n{n}"
+        f"_v{_SUDOKU_GEN_VERSION}.npz",
     )
     with _locked(cfg.cache_dir):
         if not os.path.exists(path):
             with _announced(log, f"generating {n} {split} puzzles with {mix} blanks"):
-                q, a = generate_sudoku(n, cfg.sudoku_blanks, cfg.seed, stream=split)
+                q, a = generate_sudoku(n, cfg.sudoku_blanks, cfg.seed, split, 0, hard)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             _save(path, lambda f: np.savez(f, q=q, a=a))
     with np.load(path) as f:
@@ -1740,7 +1763,8 @@ class SudokuData(_Data):
             if cfg.dataset_path
             else (
                 f"sudoku generated: {cfg.sudoku_train_puzzles} puzzles, {blanks} blanks, "
-                f"seed {cfg.seed}"
+                + (f">= {hard} guesses, " if (hard := cfg.sudoku_min_guesses) else "")
+                + f"seed {cfg.seed}"
             )
         )
         self._order = (
@@ -1864,6 +1888,13 @@ def main(argv):
         action="store_true",
         help="only puzzles naked and hidden singles cannot finish",
     )
+    make.add_argument(
+        "--min-guesses",
+        type=int,
+        default=0,
+        help="with --blanks 81: only puzzles a plain search needs this many guesses for "
+        "(256: hard, as public hard lists are)",
+    )
     args = parser.parse_args(argv)
     if args.command == "make-chat":
         return make_chat(args.out, args.count, args.seed)
@@ -1877,7 +1908,7 @@ def main(argv):
         # Own stream: a file made with seed S never repeats
         # the generated train set of a run with seed S.
         more_q, more_a = generate_sudoku(
-            args.count - len(q), args.blanks, args.seed, stream="file", start=tried
+            args.count - len(q), args.blanks, args.seed, "file", tried, args.min_guesses
         )
         keep, tried = (
             ~solved(by_singles(more_q)) if args.needs_search else slice(None),
@@ -1885,9 +1916,11 @@ def main(argv):
         )
         q, a = np.concatenate([q, more_q[keep]]), np.concatenate([a, more_a[keep]])
     write_sudoku_csv(args.out, q, a)
+    guesses = np.median([search_guesses(puzzle) for puzzle in q])
     print(
-        f"wrote {args.count} puzzles ({(q == 0).sum(1).mean():.1f} blanks on average) to "
-        f"{args.out} in {time.perf_counter() - start:.1f}s"
+        f"wrote {args.count} puzzles ({(q == 0).sum(1).mean():.1f} blanks on average, a plain "
+        f"search's median guesses {guesses:.0f}) to {args.out} in "
+        f"{time.perf_counter() - start:.1f}s"
     )
 
 

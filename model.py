@@ -1582,13 +1582,14 @@ def pick_answers(preds_SBJL, q_SBJ, rule):
     return take_along(preds_BML, pick_BS, 1).swapaxes(0, 1), jnp.sum(halt_BJ + 1, axis=1)
 
 
-def parallel_decode(cfg, graph, params, q_BL, steps, plain=False):
+def parallel_decode(cfg, graph, params, q_BL, steps, plain=False, real_B=None):
     """decoder=trm_parallel: J = parallel.trajectories runs of the TRM per puzzle (plain: one,
     decoder=trm), the first without noise and the others with parallel.noise on the latent;
     trm.eval_halt picks the answer (pick_answers). With parallel.extra_trajectories E, a puzzle
     whose answer fewer than parallel.sure_votes (step, trajectory) pairs with q > 0 give runs E
     noisy trajectories more and is picked again from all J + E (adaptive width: only those
-    puzzles pay for them). No Sudoku rule is used. The draws depend on the puzzle and the
+    puzzles pay for them); with parallel.budget, only the least sure of them that the batch's
+    mean passes per puzzle (rows real_B) can pay for. No Sudoku rule is used. The draws depend on the puzzle and the
     trajectory, not on the batch. Returns (answers after each step [S, B, L], forward passes per
     puzzle [B]: every trajectory's)."""
     (_B, L), (J, E) = (
@@ -1616,10 +1617,12 @@ def parallel_decode(cfg, graph, params, q_BL, steps, plain=False):
 
     preds_SBJL, q_SBJ = run(q_BL, keys_BK[:, :J], 1)
     answers_SBL, passes_B = pick_answers(preds_SBJL, q_SBJ, cfg.trm.eval_halt)
-    unsure_B = (
-        jnp.sum(jnp.all(preds_SBJL == answers_SBL[-1][:, None], -1) & (q_SBJ > 0), (0, 2))
-        < cfg.parallel.sure_votes
-    )
+    votes_B = jnp.sum(jnp.all(preds_SBJL == answers_SBL[-1][:, None], -1) & (q_SBJ > 0), (0, 2))
+    unsure_B = votes_B < cfg.parallel.sure_votes
+    if cfg.parallel.budget and E:
+        unsure_B = within_budget(
+            cfg.parallel.budget, votes_B, unsure_B, passes_B, real_B, E * steps
+        )
 
     def widen(puzzle):
         # One puzzle: only if unsure, E more trajectories, and its answer picked again from all.
@@ -1647,6 +1650,17 @@ def parallel_decode(cfg, graph, params, q_BL, steps, plain=False):
     return (
         jax.lax.map(widen, xs).swapaxes(0, 1) if E else answers_SBL
     ), passes_B + unsure_B * E * steps
+
+
+def within_budget(budget, votes_B, unsure_B, passes_B, real_B, cost):
+    """The unsure puzzles [B] that widen under a mean of `budget` forward passes per real puzzle:
+    the fewest votes first, each widening costing `cost` passes, while the batch's total stays
+    within budget x its real puzzles. Padding rows never widen."""
+    real_B = jnp.ones_like(unsure_B) if real_B is None else real_B
+    spare = budget * jnp.sum(real_B) - jnp.sum(jnp.where(real_B, passes_B, 0))
+    wants_B = unsure_B & real_B
+    rank_B = jnp.argsort(jnp.argsort(jnp.where(wants_B, votes_B, jnp.iinfo(jnp.int32).max)))
+    return wants_B & (rank_B < spare // cost)
 
 
 # ==================================================================================================
@@ -1923,6 +1937,99 @@ def expand(held, search):
     return g_BNL, (bm["cum"][..., None] + gain).reshape(B, -1), alive_BN, rest
 
 
+def depth_first_search(evaluate, q_BL, budget):
+    """tot.search=dfs: a complete backtracking search over legal moves, the policy choosing where it
+    branches and in which order (Tree of Thoughts' DFS form, every branch kept). evaluate as for
+    tree_search; budget: states evaluated per puzzle at most.
+
+    Every state is filled with what the rules force (fill_forced), then evaluated once. Its branch
+    cell is its surest blank (the highest legal log-prob); its children are that cell at each legal
+    digit, forced moves filled, dead ends dropped, in the policy's order. The search goes down the
+    first child, and back up to the next one when a state's children are all tried. Every legal digit
+    of the branch cell is tried, and fill_forced and dead_end only remove grids no solution passes
+    through, so a puzzle with a solution is solved before the budget runs out or never: the search
+    stops at a state whose policy answer obeys the rules, or with every branch tried (no solution).
+    The stack holds one state per level, at most 82. Returns (grids [B, L]: the solution, else the
+    policy's answer at the last state evaluated; states evaluated per puzzle [B])."""
+    B, L = q_BL.shape
+    root_BL = fill_forced(q_BL)
+    logp_BLC = evaluate(root_BL)[0]
+    cell_B, order_B9, count_B = branch(root_BL, logp_BLC)
+    answer_BL = fill_argmax(root_BL, logp_BLC)
+    level = lambda x: jnp.zeros((B, L + 1, *x.shape[1:]), x.dtype).at[:, 0].set(x)
+    c = {
+        "grid": level(root_BL),
+        "cell": level(cell_B),
+        "order": level(order_B9),
+        "count": level(count_B),
+        "tried": jnp.zeros((B, L + 1), jnp.int32),
+        "top": jnp.zeros(B, jnp.int32),
+        "stop": solved(answer_BL) | dead_end(root_BL) | (budget <= 1),
+        "answer": answer_BL,
+        "evals": jnp.ones(B, jnp.int32),
+    }
+    c = shrinking_loop(lambda c: depth_first_step(evaluate, budget, c), c)
+    return c["answer"], c["evals"]
+
+
+def branch(g_BL, logp_BLC):
+    """Where states [B, L] branch: the surest blank cell [B], its digits 0..8 in the policy's order,
+    live children first [B, 9], and the number of live children [B] (a legal digit whose grid, forced
+    moves filled, is no dead end)."""
+    lp_BLC = jnp.where(legal_digits(g_BL), logp_BLC, -jnp.inf)
+    cell_B = jnp.argmax(jnp.max(lp_BLC, axis=-1), axis=-1)
+    lp_B9 = take_along(lp_BLC, cell_B[:, None], 1)[:, 0]
+    kids_B9L = jnp.where(
+        jnp.arange(g_BL.shape[1]) == cell_B[:, None, None],
+        jnp.arange(1, 10)[:, None],
+        g_BL[:, None],
+    )
+    live_B9 = (lp_B9 > -jnp.inf) & ~dead_end(
+        fill_forced(kids_B9L.reshape(-1, g_BL.shape[1]))
+    ).reshape(-1, 9)
+    order_B9 = jnp.argsort(-jnp.where(live_B9, lp_B9, -jnp.inf), axis=-1, stable=True)
+    return cell_B, order_B9.astype(jnp.int32), jnp.sum(live_B9, axis=-1, dtype=jnp.int32)
+
+
+def depth_first_step(evaluate, budget, c):
+    """One step of depth_first_search for every puzzle of the carry c: the top state's next child
+    is evaluated and pushed (or, being a solution, ends the search); a state whose children are all
+    tried is popped."""
+    rows = jnp.arange(c["top"].shape[0])  # B shrinks as finished puzzles leave (shrinking_loop)
+    at_top = lambda x: x[rows, c["top"]]
+    live_B, go_B = ~c["stop"], at_top(c["tried"]) < at_top(c["count"])
+    digit_B = at_top(c["order"])[rows, jnp.minimum(at_top(c["tried"]), 8)] + 1
+    move_BL = jnp.arange(c["grid"].shape[-1]) == at_top(c["cell"])[:, None]
+    child_BL = fill_forced(jnp.where(move_BL, digit_B[:, None], at_top(c["grid"])))
+    logp_BLC = evaluate(child_BL)[0]
+    answer_BL = fill_argmax(child_BL, logp_BLC)
+    tries_B = live_B & go_B
+    found_B = tries_B & solved(answer_BL)
+    push_B = tries_B & ~found_B
+    cell_B, order_B9, count_B = branch(child_BL, logp_BLC)
+    up = jnp.minimum(c["top"] + 1, c["grid"].shape[1] - 1)
+    put = lambda x, new: x.at[rows, up].set(
+        jnp.where(push_B.reshape(-1, *[1] * (x.ndim - 2)), new, x[rows, up])
+    )
+    evals_B = c["evals"] + tries_B
+    top_B = c["top"] + push_B - (live_B & ~go_B)
+    return {
+        "grid": put(c["grid"], child_BL),
+        "cell": put(c["cell"], cell_B),
+        "order": put(c["order"], order_B9),
+        "count": put(c["count"], count_B),
+        "tried": c["tried"]
+        .at[rows, c["top"]]
+        .add(tries_B)
+        .at[rows, up]
+        .set(jnp.where(push_B, 0, c["tried"][rows, up])),
+        "top": top_B,
+        "stop": c["stop"] | found_B | (top_B < 0) | (evals_B >= budget),
+        "answer": jnp.where(tries_B[:, None], answer_BL, c["answer"]),
+        "evals": evals_B,
+    }
+
+
 # ==================================================================================================
 # The Sudoku task: the TRM's train state and metrics, decoding with cfg.decoder, host-side scoring.
 # ==================================================================================================
@@ -1952,16 +2059,27 @@ def sudoku_decode(cfg, graph, params, batch):
     q_BL = batch["inputs"] - 1
     if cfg.decoder.startswith("trm"):  # trm: the plain TRM, one trajectory without noise
         preds_SBL, passes_B = parallel_decode(
-            cfg, graph, params, q_BL, cfg.trm.eval_steps or cfg.trm.N_sup, cfg.decoder == "trm"
+            cfg,
+            graph,
+            params,
+            q_BL,
+            cfg.trm.eval_steps or cfg.trm.N_sup,
+            cfg.decoder == "trm",
+            batch["segment_ids"][:, 0] > 0 if "segment_ids" in batch else None,
         )
-    else:  # a search: each state it evaluates runs this many supervision steps
-        steps = max(cfg.tot.policy_steps, cfg.tot.value_step)
+    else:  # a search: each state it evaluates runs this many supervision steps (dfs: the policy's)
+        dfs = cfg.decoder == "tot" and cfg.tot.search == "dfs" and cfg.tot.rule_checks
+        steps = cfg.tot.policy_steps if dfs else max(cfg.tot.policy_steps, cfg.tot.value_step)
 
         def evaluate(g_NL):  # -> digit log-probs, log value, halting logit after the last step
             run = trm_steps(cfg, graph, params, g_NL, steps)
             return run.logp_NLC, run.log_value_N, run.halt_SN[-1]
 
-        grids_BL, evals_B = tree_search(evaluate, q_BL, sudoku_search(cfg, cfg.decoder))
+        grids_BL, evals_B = (
+            depth_first_search(evaluate, q_BL, cfg.max_thoughts)
+            if dfs
+            else tree_search(evaluate, q_BL, sudoku_search(cfg, cfg.decoder))
+        )
         preds_SBL, passes_B = grids_BL[None] + 1, evals_B * steps
     partial_BL, label_B = puzzle_partial_states(
         jax.random.key(cfg.seed), q_BL, batch["targets"] - 1
@@ -2029,6 +2147,7 @@ def sudoku_eval_result(cfg, outs, batches, ds, save_to=None):
         "num_puzzles": int(total["puzzles"]),
         "decoder": cfg.decoder,
         "forward_passes": float(np.mean(cat("passes_B"))),
+        "forward_passes_max": int(np.max(cat("passes_B"), initial=0)),
         "value_auroc": auroc(cat("log_value_B"), cat("label_B").astype(bool)),
     }
     if len(exact_S) > 1:  # does recursion help? accuracy after each supervision step
@@ -2071,6 +2190,13 @@ def sudoku_check(cfg):
         return (
             f"{'mode=export' if cfg.mode == 'export' else 'load_hf'} is for task=lm "
             "(a TRM solver has no HF form)"
+        )
+    width = cfg.parallel.trajectories * (cfg.trm.eval_steps or cfg.trm.N_sup)
+    if cfg.decoder == "trm_parallel" and 0 < cfg.parallel.budget < width:
+        return (
+            f"parallel.budget={cfg.parallel.budget}: below the {width} forward passes every "
+            "puzzle runs (parallel.trajectories x trm.eval_steps or trm.N_sup); raise it or "
+            "run fewer trajectories"
         )
     if cfg.mode == "generate" and data.parse_grid(cfg.prompt) is None:
         return (
@@ -2118,7 +2244,13 @@ SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
             "tot.policy_steps tot.value_step"
         ),
     ),
-    ("off", "trm.eval_steps parallel.extra_trajectories tot.start_step tot.frontier"),
+    (
+        "off",
+        (
+            "trm.eval_steps parallel.extra_trajectories parallel.budget tot.start_step "
+            "tot.frontier sudoku_min_guesses"
+        ),
+    ),
     (
         "nonneg",
         "trm.halt_loss_weight trm.train_noise parallel.noise tot.loss_weight tot.logp_weight",
@@ -2130,6 +2262,7 @@ SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
     (("int", 1, 9), "thoughts_per_step"),
     (("int", 1, 81), "thought_cells"),
     (("trm", "trm_parallel", "greedy", "beam_logp", "tot"), "decoder"),
+    (("dfs", "beam"), "tot.search"),
     (("attention", "mlp"), "trm.mixer"),
     (("first", "best", "last", "vote"), "trm.eval_halt"),
 )

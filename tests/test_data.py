@@ -671,6 +671,55 @@ def test_make_sudoku_needs_search_keeps_the_puzzles_singles_cannot_finish(tmp_pa
     )
 
 
+def test_min_guesses_draws_minimal_puzzles_as_hard_as_asked(tmp_path):
+    """generate_sudoku(min_guesses=K) and make-sudoku --min-guesses K: every minimal puzzle needs at
+    least K guesses of the plain search (counted independently below), puzzles already that hard are
+    the ones min_guesses=0 makes, 45-blank puzzles are untouched; each keeps one solution."""
+
+    def guesses(grid):  # a plain recursive count: branch cells while proving the solution unique
+        count, found = [0], []
+
+        def visit(g):
+            legal = data.legal_digits(g)
+            blank = np.flatnonzero(g == 0)
+            if not len(blank):
+                found.append(g)
+                return len(found) >= 2
+            cell = blank[np.argmin(legal[blank].sum(-1))]  # fewest digits left, first in order
+            count[0] += int(legal[cell].sum() > 1)
+            return any(
+                visit(np.where(np.arange(81) == cell, d + 1, g))
+                for d in np.flatnonzero(legal[cell])
+            )
+
+        visit(np.asarray(grid, np.int64))
+        return count[0]
+
+    plain, _ = data.generate_sudoku(6, (45, 81), seed=3)
+    hard, hard_a = data.generate_sudoku(6, (45, 81), seed=3, min_guesses=100)
+    counts = [guesses(p) for p in hard[1::2]]
+    assert min(counts) >= 100 and counts == [data.search_guesses(p) for p in hard[1::2]]
+    assert np.array_equal(hard[::2], plain[::2])  # 45 blanks: as before
+    for p, was in zip(hard[1::2], plain[1::2]):  # a plain puzzle already as hard is kept
+        assert np.array_equal(p, was) == (data.search_guesses(was) >= 100)
+    assert all(data.solve(p)[1] == 1 for p in hard) and (data.solve(hard[1])[0] == hard_a[1]).all()
+    data.main(
+        [
+            "make-sudoku",
+            str(tmp_path / "h.csv"),
+            "--count",
+            "3",
+            "--blanks",
+            "81",
+            "--min-guesses",
+            "200",
+        ]
+    )
+    assert (
+        min(data.search_guesses(p) for p in data.read_sudoku_csv(str(tmp_path / "h.csv"))[0]) >= 200
+    )
+
+
 def test_a_list_of_blanks_is_taken_in_turn(tmp_path):
     """sudoku_blanks=45,81: puzzle i has blanks[i % 2], the same puzzle the single value would make there."""
     q, _a = data.generate_sudoku(4, (30, 81), seed=7)
@@ -693,8 +742,8 @@ def test_a_list_of_blanks_is_taken_in_turn(tmp_path):
 def test_sudoku_dataset_train_eval_disjoint(tmp_path, monkeypatch):
     real = data.generate_sudoku
 
-    def overlapping(n, blanks, seed, stream="train"):  # eval stream repeats three train grids
-        q, a = real(n, blanks, seed, stream)
+    def overlapping(n, blanks, seed, stream="train", start=0, min_guesses=0):
+        q, a = real(n, blanks, seed, stream)  # the eval stream repeats three train grids
         if stream == "eval":
             tq, ta = real(3, blanks, seed, "train")
             q, a = np.concatenate([tq, q]), np.concatenate([ta, a])

@@ -184,6 +184,13 @@ CASES = [
         ),
     ),
     (
+        ["task=sudoku", "decoder=trm_parallel", "parallel.budget=100"],
+        (
+            "error: parallel.budget=100: below the 512 forward passes every puzzle runs "
+            "(parallel.trajectories x trm.eval_steps or trm.N_sup); raise it or run fewer trajectories"
+        ),
+    ),
+    (
         ["task=sudoku", "mode=generate", "prompt=123"],
         (
             "error: prompt='123': give the puzzle as 81 characters, digits "

@@ -307,6 +307,76 @@ def test_greedy_is_the_width_one_search_and_compiles_once():
     assert search._cache_size() == 1
 
 
+def plain_dfs(evaluate, q_L, budget):
+    """Independent of model.py's search: recursive backtracking, each state filled by singles
+    (data.by_singles) and evaluated once, branching at its surest legal cell over the legal digits in
+    the policy's order, a dead end skipped. -> (solution or the last state's policy answer, states)."""
+    evals, last = [0], [None]
+
+    def visit(g):  # a solution, or None once every branch under g is tried or the budget is spent
+        evals[0] += 1
+        logp = np.asarray(evaluate(jnp.asarray(g)[None])[0][0])
+        last[0] = np.where(g == 0, logp.argmax(-1) + 1, g)
+        if data.solved(last[0][None])[0] or evals[0] >= budget:
+            return last[0]
+        legal = np.where(data.legal_digits(g), logp, -np.inf)
+        cell = int(legal.max(-1).argmax())
+        for digit in np.argsort(-legal[cell], kind="stable"):
+            kid = data.by_singles(np.where(np.arange(81) == cell, digit + 1, g)[None])[0]
+            if np.isinf(legal[cell, digit]) or data.dead_end(kid[None])[0]:
+                continue
+            if (found := visit(kid)) is not None:
+                return found
+        return None
+
+    root = data.by_singles(np.asarray(q_L)[None])[0]
+    if data.dead_end(root[None])[0]:
+        evals[0] += 1
+        return np.where(
+            root == 0, np.asarray(evaluate(jnp.asarray(root)[None])[0][0]).argmax(-1) + 1, root
+        ), 1
+    visit(root)
+    return last[0], evals[0]
+
+
+def test_depth_first_search_is_complete_and_matches_plain_python():
+    """tot.search=dfs: with a policy that knows nothing (hashed scores) it solves every puzzle, hard ones
+    (>= 100 guesses of a plain search) too, state for state as a plain-Python backtracking search does,
+    whether the puzzles share a batch that shrinks or not; a puzzle with no solution ends with every branch
+    tried, unsolved; the budget stops a search where it stands."""
+    q, a = (
+        jnp.asarray(np.concatenate(x), jnp.int32)
+        for x in zip(
+            data.generate_sudoku(11, 45, 1, stream="dfs"),
+            data.generate_sudoku(4, 81, 1, stream="dfs", min_guesses=100),
+        )
+    )
+    # a legal given that is wrong: no solution, found out only some states down
+    broken = next(
+        g
+        for k in range(11, 15)
+        for cell in np.flatnonzero(q[k] == 0)
+        for d in range(1, 10)
+        if d != a[k, cell] and data.legal_digits(np.asarray(q[k]))[cell, d - 1]
+        for g in [np.where(np.arange(81) == cell, d, np.asarray(q[k]))]
+        if not data.dead_end(data.by_singles(g[None]))[0] and plain_dfs(hashed_policy, g, 99)[1] > 2
+    )
+    q = jnp.concatenate([q, jnp.asarray(broken)[None]])
+    dfs = jax.jit(
+        lambda q, budget: model_lib.depth_first_search(hashed_policy, q, budget), static_argnums=1
+    )
+    grids, evals = (np.asarray(x) for x in dfs(q, 10_000))
+    want = [plain_dfs(hashed_policy, q_L, 10_000) for q_L in q]
+    np.testing.assert_array_equal(evals, [e for _, e in want])
+    np.testing.assert_array_equal(grids, np.stack([g for g, _ in want]))
+    np.testing.assert_array_equal(grids[:15], a)
+    assert not data.solved(grids[15:]).any() and evals[11:15].max() > 2 and evals[15] > 2
+    for i in range(0, 16, 4):  # batches of 4 never shrink
+        np.testing.assert_array_equal(dfs(q[i : i + 4], 10_000)[1], evals[i : i + 4])
+    short = np.asarray(dfs(q[11:15], 2)[1])
+    assert (short <= 2).all() and (short == np.minimum(evals[11:15], 2)).all()
+
+
 def test_partial_states_labels_and_where_the_value_is_read(tmp_path):
     q, a = data.generate_sudoku(64, 45, 0, stream="partial")
     q, a = jnp.asarray(q, jnp.int32), jnp.asarray(a, jnp.int32)

@@ -227,6 +227,29 @@ def test_adaptive_width_pays_only_for_unsure_puzzles(tmp_path):
     np.testing.assert_array_equal(adaptive(q[1:3])[0], got[:, 1:3])
 
 
+def test_the_budget_caps_the_mean_passes_and_widens_the_least_sure_first(tmp_path):
+    """parallel.budget: the unsure puzzles widen fewest votes first, as many as the batch's mean passes
+    per real puzzle can pay for; a sure puzzle and a padding row never do; through parallel_decode every
+    puzzle unsure, the mean stays within the budget."""
+    votes, unsure = jnp.array([5, 1, 3, 9, 0]), jnp.array([True, True, True, False, True])
+    real, passes = jnp.array([True, True, True, True, False]), jnp.full(5, 10)
+    widen = lambda budget: np.asarray(
+        model_lib.within_budget(budget, votes, unsure, passes, real, 10)
+    ).tolist()
+    assert widen(15) == [False, True, True, False, False]  # (15 - 10) x 4 real = 2 widenings
+    assert widen(13) == [False, True, False, False, False]  # 12 spare: one
+    assert widen(40) == [True, True, True, False, False] and widen(10) == [False] * 5
+    b = sudoku_batch(4)
+    cfg = cfg_for(tmp_path, "trm.N_sup=3")
+    m, params, _ = init_trm(cfg, b)
+    o = ("parallel.trajectories=2", "parallel.extra_trajectories=4", "parallel.sure_votes=99")
+    capped = cfg_for(tmp_path, "trm.N_sup=3", *o, "parallel.budget=12")
+    _, passes = jax.jit(lambda q: model_lib.parallel_decode(capped, m, params, q, 3))(
+        b["inputs"] - 1
+    )
+    assert sorted(np.asarray(passes).tolist()) == [6, 6, 18, 18]  # 4 x 12 = 48 passes: 24 + 2 x 12
+
+
 def test_scoring_overwrites_givens_and_checks_rules():
     q, a = data.generate_sudoku(3, 45, 0, stream="score")
     b = data._sudoku_batch(q, a, 4)  # row 3 is padding and must be skipped
