@@ -36,8 +36,8 @@ What is here, in order:
     SFT            SFTData: rows of messages, or prompt and completion, the loss on the answers only
                    (sft_rows, chat_renderer, chat_spans, sft_example)
     Sudoku         the rules (UNITS, PEERS, MEMBERS, digits_seen, legal_digits, dead_end, solved,
-                   by_singles), solver and generator (solve, generate_sudoku, augment), CSV files
-                   (read_sudoku_csv, write_sudoku_csv, parse_grid), SudokuData
+                   by_singles), solver and generator (solve, search_guesses, generate_sudoku,
+                   augment), CSV files (read_sudoku_csv, write_sudoku_csv, parse_grid), SudokuData
     entry points   make_dataset, which picks the pipeline; make_chat and main, the commands
                    `python data.py make-chat | make-sudoku`
   Storage          paths local or gs:// (stored, remote, STORAGE_ERRORS), Hugging Face checkpoint

@@ -13,8 +13,9 @@ Its sections, in reading order (an LM reader can stop after the Task interface):
                  follows an update, evaluation and generation; LM is the language model's.
   TRM            Tiny Recursive Model: the trunk recursed over an answer state and a latent, with
                  deep supervision and a halting head (trm_loss is its training step's loss).
-  ToT            a value head on the TRM's answer state and a step-level beam search over thoughts
-                 (tree_search), plus greedy decoding and the Sudoku scoring they are measured with.
+  ToT            a value head on the TRM's answer state, a step-level beam search over thoughts
+                 (tree_search) and a complete depth-first one over legal moves (depth_first_search),
+                 plus greedy decoding and the Sudoku scoring they are measured with.
   Sudoku task    the TRM's Task (SUDOKU). TASKS holds the language model ('lm') and the Sudoku
                  solver ('sudoku'); the puzzle sections can be skipped by an LM reader.
 
@@ -1587,10 +1588,10 @@ def parallel_decode(cfg, graph, params, q_BL, steps, plain=False, real_B=None):
     decoder=trm), the first without noise and the others with parallel.noise on the latent;
     trm.eval_halt picks the answer (pick_answers). With parallel.extra_trajectories E, a puzzle
     whose answer fewer than parallel.sure_votes (step, trajectory) pairs with q > 0 give runs E
-    noisy trajectories more and is picked again from all J + E (adaptive width: only those
-    puzzles pay for them); with parallel.budget, only the least sure of them that the batch's
-    mean passes per puzzle (rows real_B) can pay for. No Sudoku rule is used. The draws depend on the puzzle and the
-    trajectory, not on the batch. Returns (answers after each step [S, B, L], forward passes per
+    noisy trajectories more and is picked again from all J + E (adaptive width: only those puzzles
+    pay for them); with parallel.budget, only the least sure of them that the batch's mean passes
+    per puzzle (rows real_B) can pay for. No Sudoku rule is used. The draws depend on the puzzle and
+    the trajectory, not on the batch. Returns (answers after each step [S, B, L], forward passes per
     puzzle [B]: every trajectory's)."""
     (_B, L), (J, E) = (
         q_BL.shape,
@@ -1945,12 +1946,12 @@ def depth_first_search(evaluate, q_BL, budget):
     Every state is filled with what the rules force (fill_forced), then evaluated once. Its branch
     cell is its surest blank (the highest legal log-prob); its children are that cell at each legal
     digit, forced moves filled, dead ends dropped, in the policy's order. The search goes down the
-    first child, and back up to the next one when a state's children are all tried. Every legal digit
-    of the branch cell is tried, and fill_forced and dead_end only remove grids no solution passes
-    through, so a puzzle with a solution is solved before the budget runs out or never: the search
-    stops at a state whose policy answer obeys the rules, or with every branch tried (no solution).
-    The stack holds one state per level, at most 82. Returns (grids [B, L]: the solution, else the
-    policy's answer at the last state evaluated; states evaluated per puzzle [B])."""
+    first child, and back up to the next one when a state's children are all tried. Every legal
+    digit of the branch cell is tried, and fill_forced and dead_end only remove grids no solution
+    passes through, so every puzzle that has a solution is solved unless the budget runs out first.
+    The search stops at a state whose policy answer obeys the rules, or with every branch tried (no
+    solution). The stack holds one state per level, at most 82. Returns (grids [B, L]: the solution,
+    else the policy's answer at the last state evaluated; states evaluated per puzzle [B])."""
     B, L = q_BL.shape
     root_BL = fill_forced(q_BL)
     logp_BLC = evaluate(root_BL)[0]
@@ -1974,8 +1975,8 @@ def depth_first_search(evaluate, q_BL, budget):
 
 def branch(g_BL, logp_BLC):
     """Where states [B, L] branch: the surest blank cell [B], its digits 0..8 in the policy's order,
-    live children first [B, 9], and the number of live children [B] (a legal digit whose grid, forced
-    moves filled, is no dead end)."""
+    live children first [B, 9], and the number of live children [B] (a legal digit whose grid,
+    forced moves filled, is no dead end)."""
     lp_BLC = jnp.where(legal_digits(g_BL), logp_BLC, -jnp.inf)
     cell_B = jnp.argmax(jnp.max(lp_BLC, axis=-1), axis=-1)
     lp_B9 = take_along(lp_BLC, cell_B[:, None], 1)[:, 0]
