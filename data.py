@@ -90,7 +90,10 @@ from tensorboardX import SummaryWriter
 
 # Special ids of the tokenizers trained here. A tokenizer given by tokenizer_path keeps its own ids
 # (its eos is required; without a bos, eos also starts documents).
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+PAD_ID = 0
+UNK_ID = 1
+BOS_ID = 2
+EOS_ID = 3
 
 SUDOKU_LEN = 81
 SUDOKU_VOCAB = 11  # TRM tokens: pad 0, blank 1, digits 1..9 -> 2..10 (token = digit + 1)
@@ -197,7 +200,10 @@ class _StreamBatches(Batches):
     checkpoint's data state."""
 
     def __init__(self, batches, prefetch, host, rows, rows_state, source):
-        self.source, self.host, self.rows, self.wait_seconds = source, list(host), rows, 0.0
+        self.source = source
+        self.host = list(host)
+        self.rows = rows
+        self.wait_seconds = 0.0
         self._it = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
         if rows_state:
             state = {
@@ -229,12 +235,12 @@ class _Data:
     tokenizer = None
 
     def __init__(self, cfg, process_index, process_count, log=None):
-        self.cfg, self.process_index, self.process_count = cfg, process_index, process_count
-        self.vocab_size, self.length, self.log = (
-            cfg.vocab_size,
-            cfg.max_target_length,
-            log or (lambda msg: None),
-        )
+        self.cfg = cfg
+        self.process_index = process_index
+        self.process_count = process_count
+        self.vocab_size = cfg.vocab_size
+        self.length = cfg.max_target_length
+        self.log = log or (lambda msg: None)
 
     def _lane(self, row, rows):
         return self._order[row::rows].to_iter_dataset(_READ)
@@ -666,7 +672,9 @@ class _Stream(grain.IterDataset):
 class _StreamIterator(grain.DatasetIterator):
     def __init__(self, ds):
         super().__init__()
-        self.ds, self.epoch, self.it = ds, 0, _records(ds.cfg, "hf_split", ds.stream)
+        self.ds = ds
+        self.epoch = 0
+        self.it = _records(ds.cfg, "hf_split", ds.stream)
 
     def __next__(self):
         for _ in range(2):  # the end of an epoch: the next one
@@ -1190,7 +1198,9 @@ def chat_spans(messages, render, first, where):
             f"{where}: no assistant turn to learn from (roles: {[m['role'] for m in messages]})"
         )
     try:
-        whole, spans, at = render(messages, False), [], 0
+        whole = render(messages, False)
+        spans = []
+        at = 0
         for i in answers:
             before, through = render(messages[:i], True), render(messages[: i + 1], False)
             if not (through.startswith(before) and whole.startswith(through) and len(before) >= at):
@@ -1247,8 +1257,13 @@ class _Plan:
     weighs nothing in the loss."""
 
     def __init__(self, ids, lengths, length, packing):
-        self.ids, self.lengths, self.length, self.packing = ids, lengths, length, packing
-        self.rows, self.open, self.used = [], [], 0
+        self.ids = ids
+        self.lengths = lengths
+        self.length = length
+        self.packing = packing
+        self.rows = []
+        self.open = []
+        self.used = 0
 
     def __getitem__(self, k):
         while len(self.rows) <= k and self._one_more():
@@ -1324,7 +1339,9 @@ class SFTData(_Data):
     def _encoded(self, split, rows, key):
         """Every example of a split tokenized ([(ids, answer mask)]), and the indices of those that
         fit a row. `rows`: their numbers in the files (errors name them)."""
-        cfg, tok, where = self.cfg, self.tokenizer, f"{key}={getattr(self.cfg, key)}"
+        cfg = self.cfg
+        tok = self.tokenizer
+        where = f"{key}={getattr(self.cfg, key)}"
         start = time.perf_counter()
         out = [
             sft_example(split[i], tok, self.render, cfg, f"{where}: row {rows[i]}")
@@ -1489,7 +1506,9 @@ def _search(grid, limit):
     """Backtracking over bitmasks (one per unit), most-constrained cell first (naked singles only,
     no other deduction). Returns (first solution, count <= limit, guesses: the cells it branched at,
     with two or more digits to try, before it stopped)."""
-    g, used, guesses = list(grid), [0] * 27, [0]
+    g = list(grid)
+    used = [0] * 27
+    guesses = [0]
     for i, v in enumerate(g):
         if v:
             bit, (r, c, b) = 1 << v, _CELL_UNITS[i]
@@ -1499,13 +1518,17 @@ def _search(grid, limit):
     empty = [i for i in range(81) if not g[i]]
 
     def solutions():  # in search order, found as they are read: reading stops after `limit`
-        best, best_count, best_mask = -1, 10, 0
+        best = -1
+        best_count = 10
+        best_mask = 0
         for i in empty:
             if not g[i]:
                 r, c, b = _CELL_UNITS[i]
                 mask = _ALL_DIGITS & ~(used[r] | used[c] | used[b])
                 if (count := mask.bit_count()) < best_count:
-                    best, best_count, best_mask = i, count, mask
+                    best = i
+                    best_count = count
+                    best_mask = mask
                     if count <= 1:
                         break
         if best < 0:
@@ -1548,7 +1571,9 @@ def generate_sudoku(n, blanks, seed, stream="train", start=0, min_guesses=0):
     search needs that many guesses (search_guesses; 256 keeps about 1 in 16). Puzzle i depends
     only on (stream, seed, i), its blanks and min_guesses; `start`: the first i.
     """
-    q, a, blanks = np.zeros((n, 81), np.uint8), np.zeros((n, 81), np.uint8), np.atleast_1d(blanks)
+    q = np.zeros((n, 81), np.uint8)
+    a = np.zeros((n, 81), np.uint8)
+    blanks = np.atleast_1d(blanks)
     for i in range(start, start + n):
         hard = min_guesses if blanks[i % len(blanks)] == 81 else 0
         for draw in itertools.count():
@@ -1649,7 +1674,10 @@ def _csv_grids(path, reader):
     checked. A header names its columns with one of the spellings in use; without one, columns are
     read by position as the TRM reference does: the public layout source,question,answer,rating (or
     a bare puzzle,solution pair)."""
-    puzzles, solutions, lines, first = [], [], [], next(reader, [])
+    puzzles = []
+    solutions = []
+    lines = []
+    first = next(reader, [])
     names = [c.strip().lower() for c in first]
     named = [
         (names.index(q), names.index(a))
@@ -1898,12 +1926,10 @@ def main(argv):
     args = parser.parse_args(argv)
     if args.command == "make-chat":
         return make_chat(args.out, args.count, args.seed)
-    start, tried, q, a = (
-        time.perf_counter(),
-        0,
-        np.zeros((0, 81), np.uint8),
-        np.zeros((0, 81), np.uint8),
-    )
+    start = time.perf_counter()
+    tried = 0
+    q = np.zeros((0, 81), np.uint8)
+    a = np.zeros((0, 81), np.uint8)
     while len(q) < args.count:  # the stream's puzzles in order, each kept or not by itself
         # Own stream: a file made with seed S never repeats
         # the generated train set of a run with seed S.
@@ -2147,7 +2173,10 @@ class BucketLease:
     LEASE_SECONDS = 60
 
     def __init__(self, path, log=print):
-        self.path, self.host, self.lost, self.log = path, socket.gethostname(), None, log
+        self.path = path
+        self.host = socket.gethostname()
+        self.lost = None
+        self.log = log
         self.holder, self.stop = holder_line(), threading.Event()
 
     def acquire(self):
@@ -2731,14 +2760,12 @@ class MetricsWriter:
     checkpoint; W&B cannot: it gets rows once saved."""
 
     def __init__(self, cfg, run_dir, start_step, log=print):
-        self.main, self.remote, self.run_dir, self.rows, self.unsent, self.wandb = (
-            MAIN,
-            remote(run_dir),
-            run_dir,
-            [],
-            [],
-            None,
-        )
+        self.main = MAIN
+        self.remote = remote(run_dir)
+        self.run_dir = run_dir
+        self.rows = []
+        self.unsent = []
+        self.wandb = None
         self.redone_to = 0  # the newest step a run before this one logged
         if self.main:
             self.wandb = open_wandb(cfg, run_dir) if cfg.wandb_project else None
@@ -2750,10 +2777,7 @@ class MetricsWriter:
         if not self.main:
             return
         # a NaN (a metric not measured) would make TensorBoard warn on stderr
-        for (
-            k,
-            v,
-        ) in m.items():
+        for k, v in m.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                 self.tb.add_scalar(k, v, m["step"])
         self.rows.append(m)

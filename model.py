@@ -283,13 +283,11 @@ class Attention(nnx.Module):
     q, k and v projections) and qk_norm (Qwen3: an RMSNorm over each head's q and k before RoPE)."""
 
     def __init__(self, cfg, rngs):
-        D, H, G, K, wdt = (
-            cfg.d_model,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            dims(cfg),
-            jnp.dtype(cfg.weight_dtype),
-        )
+        D = cfg.d_model
+        H = cfg.num_heads
+        G = cfg.num_kv_heads
+        K = dims(cfg)
+        wdt = jnp.dtype(cfg.weight_dtype)
         self.cfg = cfg
         self.wq = param(rngs, (D, H, K), ("embed", "heads", "head_dim"), D**-0.5, wdt)
         self.wk = param(rngs, (D, G, K), ("embed", "kv_heads", "head_dim"), D**-0.5, wdt)
@@ -383,7 +381,9 @@ class Block(nnx.Module):
     paper found best on Sudoku."""
 
     def __init__(self, cfg, rngs, causal=True, mixer="attention", length=None):
-        self.causal, self.attn_norm, self.mlp_norm = causal, RMSNorm(cfg), RMSNorm(cfg)
+        self.causal = causal
+        self.attn_norm = RMSNorm(cfg)
+        self.mlp_norm = RMSNorm(cfg)
         if mixer == "mlp":  # hidden width L x mlp_dim / d_model: the channel MLP's expansion
             self.token_mlp = SwiGLU(
                 cfg, length, length * cfg.mlp_dim // cfg.d_model, "length", rngs
@@ -453,7 +453,9 @@ class Transformer(nnx.Module):
     (tiled_cross_entropy)."""
 
     def __init__(self, cfg, rngs):
-        D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
+        D = cfg.d_model
+        V = cfg.vocab_size
+        wdt = jnp.dtype(cfg.weight_dtype)
         self.cfg = cfg
         self.embed = param(rngs, (V, D), ("vocab", "embed"), 1.0, wdt)
         self.trunk, self.final_norm = Trunk(cfg, rngs), RMSNorm(cfg)
@@ -545,7 +547,11 @@ def abstract(cfg):
 def layer_flops(cfg, L, causal):
     """Forward FLOPs per token of one block: the projections, the MLP, and the attention scores and
     values over L keys (halved when causal: the mask keeps half the square)."""
-    D, F, H, G, K = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, dims(cfg)
+    D = cfg.d_model
+    F = cfg.mlp_dim
+    H = cfg.num_heads
+    G = cfg.num_kv_heads
+    K = dims(cfg)
     return (
         2 * D * (H + 2 * G) * K
         + 2 * H * K * D
@@ -1191,10 +1197,7 @@ def save_hf(cfg, params, out_dir, tokenizer=None, source=None):
         tensors[name] = np.ascontiguousarray(w.reshape(-1) if name.endswith("bias") else w)
     files, size = [[]], 0
     # in order, a new shard when the next tensor would pass SHARD_BYTES
-    for (
-        name,
-        w,
-    ) in tensors.items():
+    for name, w in tensors.items():
         if files[-1] and size + w.nbytes > SHARD_BYTES:
             files, size = files + [[]], 0
         files[-1].append(name)
@@ -1311,7 +1314,9 @@ class TRM(nnx.Module):
     trm.train_noise in training)."""
 
     def __init__(self, cfg, rngs):
-        D, V, wdt = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.weight_dtype)
+        D = cfg.d_model
+        V = cfg.vocab_size
+        wdt = jnp.dtype(cfg.weight_dtype)
         vector = lambda std: param(rngs, (D,), ("embed",), std, wdt)  # a [D] parameter
         self.cfg = cfg
         self.embed = param(rngs, (V, D), ("vocab", "embed"), 1.0, wdt)
@@ -1414,7 +1419,9 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     right), plus the ToT value head's BCE on partial grids from tot.start_step on.
     trm.train_noise > 0 perturbs the latent z as decoder=trm_parallel does (each row and update
     its own draw, from `key`)."""
-    t, fresh_B, B = cfg.trm, carry["halted"], carry["halted"].shape[0]
+    t = cfg.trm
+    fresh_B = carry["halted"]
+    B = carry["halted"].shape[0]
     # A halted slot takes this step's fresh puzzle; the others keep theirs.
     inputs_BL, targets_BL = (
         jnp.where(fresh_B[:, None], mb[k], carry[k]) for k in ("inputs", "targets")
@@ -1504,11 +1511,9 @@ def trm_steps(cfg, graph, params, grids_NL, steps, noise=None):
     N, L = grids_NL.shape
     rows = lambda x: jnp.broadcast_to(x, (N, L)).astype(jnp.int32)
     # padding rows: -1
-    tokens, pos, seg = (
-        rows(grids_NL + 1),
-        rows(jnp.arange(L)),
-        rows(grids_NL >= 0),
-    )
+    tokens = rows(grids_NL + 1)
+    pos = rows(jnp.arange(L))
+    seg = rows(grids_NL >= 0)
     v = min(cfg.tot.value_step, steps)
 
     # supervision step i, the model's parameters p; carry: y, z and the step's logits

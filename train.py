@@ -765,7 +765,9 @@ def train_loop(cfg, task, state, it, ds, job):
     the last metrics row and the Meter (its timings); a signal (noted in job.caught) ends it with a
     checkpoint and Preempted. Steps up to job.writer.redone_to were done once before a stop that
     lost them: their time is badput."""
-    step, last, meter = int(state["step"]), {}, Meter(lambda: it.wait_seconds, job.beat)
+    step = int(state["step"])
+    last = {}
+    meter = Meter(lambda: it.wait_seconds, job.beat)
     accum = cfg.grad_accum
     if job.writer.redone_to > step:
         log(f"steps {step + 1}-{job.writer.redone_to} ran before the stop and are run again")
@@ -1346,7 +1348,9 @@ def schema_error(err, path, raw):
     """pydantic's first complaint as our one line: the key, its value as typed, what it must be."""
     parts = {k for key in KEYS for k in key.split(".")}
     names = [p for p in err["loc"] if isinstance(p, str) and p in parts]
-    key, kind, ctx = ".".join(names), err["type"], err.get("ctx", {})
+    key = ".".join(names)
+    kind = err["type"]
+    ctx = err.get("ctx", {})
     in_list = len(names) < len(err["loc"])  # err['input'] is only the bad item of a list
     value = raw
     for name in names:  # the whole value of the key
@@ -1384,7 +1388,9 @@ def schema_error(err, path, raw):
 def load_config(paths, overrides=()):
     """YAML files (base.yml, then yours; later keys win) + key=value pairs -> a checked Config."""
     # Each file and pair is checked by the one schema; a mistake is a ConfigError naming the key.
-    raw, paths, given = {}, [paths] if isinstance(paths, str) else paths, set()
+    raw = {}
+    paths = [paths] if isinstance(paths, str) else paths
+    given = set()
     for i, path in enumerate(paths):
         values = read_yaml(path)
         merge(raw, values, path, "")
@@ -1595,11 +1601,9 @@ def resolve(cfg, task, platform, device_kind=""):
     Mosaic refuses its bf16 matmuls; cuDNN's on GPU; einsum on CPU), vocab_tile=auto (4096 on TPU,
     off elsewhere), and the values the task decides (the puzzle vocabulary and length). Computed
     once; config.yml records the result."""
-    fixed, old_tpu, chip = (
-        task.fixed(cfg),
-        device_kind.startswith(("TPU v2", "TPU v3")),
-        device_kind or platform,
-    )
+    fixed = task.fixed(cfg)
+    old_tpu = device_kind.startswith(("TPU v2", "TPU v3"))
+    chip = device_kind or platform
     if cfg.dtype == "auto":
         bf16 = platform != "cpu" or cpu_has_bf16()
         fixed["dtype"] = "bfloat16" if bf16 else "float32"
@@ -1880,11 +1884,9 @@ def device_peak_flops(dtype, device):
     for name, flops in PEAK_BF16_FLOPS.items():
         if name in device.device_kind:
             return flops, f"{device.device_kind} spec sheet"
-    dt, f, best = (
-        jnp.dtype(dtype),
-        jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32)),
-        0.0,
-    )
+    dt = jnp.dtype(dtype)
+    f = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32))
+    best = 0.0
     for n in (512, 1024):
         a = jax.device_put(jnp.ones((n, n), dt), device)
         f(a).block_until_ready()
@@ -2211,7 +2213,10 @@ class Watchdog(threading.Thread):
         os.set_blocking(self.write_end, False)
         self.old_wakeup = signal.set_wakeup_fd(self.write_end, warn_on_full_buffer=False)
         self.fixed, self.compile_seconds = cfg.stall_seconds, compile_seconds
-        self.step, self.at, self.typical, self.signalled = 0, time.monotonic(), 0.0, None
+        self.step = 0
+        self.at = time.monotonic()
+        self.typical = 0.0
+        self.signalled = None
 
     def beat(self, step=None, seconds=None):
         self.at, self.step = time.monotonic(), self.step if step is None else step
