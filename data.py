@@ -53,6 +53,7 @@ import collections.abc
 import contextlib
 import csv
 import fcntl
+import fnmatch
 import functools
 import glob
 import hashlib
@@ -67,6 +68,7 @@ import pathlib
 import random
 import re
 import shutil
+import signal
 import socket
 import sys
 import sysconfig
@@ -234,6 +236,8 @@ class _Data:
 
     tokenizer = None
 
+    whole_eval = False  # an eval reads eval_batches batches (SFTData: all of them, unless set)
+
     def __init__(self, cfg, process_index, process_count, log=None):
         self.cfg = cfg
         self.process_index = process_index
@@ -378,14 +382,27 @@ def expand(pattern):
     return sorted(str(p) for p in epath.Path(head).glob(pattern[len(head) + 1 :]) if p.is_file())
 
 
-def _stat(path):
-    """(size, modification time) of a local file or a bucket's
-    object: part of what names a prepared dataset."""
-    if "://" not in path:
-        st = os.stat(path)
-        return st.st_size, st.st_mtime_ns
-    st = epath.Path(path).stat()
-    return st.length, st.mtime
+def _fingerprint(path):
+    """What names a file's content, not where or when it was written (a copy to another host or
+    bucket is the same data): its bytes' SHA-1 on a disk, its size and CRC32C in a bucket (GCS keeps
+    both)."""
+    if remote(path):
+        info = gcs().info(path)
+        return f"{info.get('size')}:{info.get('crc32c') or info.get('md5Hash')}"
+    digest = hashlib.sha1()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _relative(files):
+    """Each file's path below the deepest directory holding them all (local or gs://): the same
+    wherever the whole tree is copied."""
+    parts = [f.split("/") for f in files]
+    common = next((k for k in range(min(map(len, parts))) if len({p[k] for p in parts}) > 1), None)
+    common = min(map(len, parts)) - 1 if common is None else common
+    return ["/".join(p[common:]) for p in parts]
 
 
 def _glob(pattern, key):
@@ -458,9 +475,12 @@ def _file_sources(cfg, log=None):
     import tensorflow_datasets as tfds
 
     train_files, eval_files = _split_files(cfg)
-    # The prepared dataset is named by its files (and sizes, mtimes): another glob, another dataset.
+    # The prepared dataset is named by its files' contents and their paths below their common
+    # directory (its records' keys, which order them): the same files copied elsewhere are the same
+    # dataset, a resume on them exact; other files, another dataset.
+    key = dict(zip(train_files + eval_files, _relative(train_files + eval_files)))
     listing = "".join(
-        "{}\t{}\t{}\t{}\n".format(split, f if "://" in f else os.path.abspath(f), *_stat(f))
+        f"{split}\t{key[f]}\t{_fingerprint(f)}\n"
         for split, files in (("train", train_files), ("eval", eval_files))
         for f in files
     )
@@ -483,12 +503,12 @@ def _file_sources(cfg, log=None):
 
         def _generate_examples(self, files):
             return (
-                (path, {"text": epath.Path(path).read_bytes().decode("utf-8", "replace")})
+                (key[path], {"text": epath.Path(path).read_bytes().decode("utf-8", "replace")})
                 for path in files
             )
 
     # the builder reads what is prepared when made: after another process built it
-    with _locked(cfg.cache_dir):
+    with _locked(cfg.cache_dir), _scratch_tempdir():
         builder = TextFiles(
             config=tfds.core.BuilderConfig(name=name),
             data_dir=cfg.cache_dir,
@@ -512,6 +532,20 @@ def _file_sources(cfg, log=None):
                 )
     source = builder.as_data_source()
     return _texts(source["train"], "text"), _texts(source["eval"], "text"), name
+
+
+@contextlib.contextmanager
+def _scratch_tempdir():
+    """tempfile's directory for the block: a new one, removed after it. A tfds builder of a dataset
+    not yet prepared makes an empty tmp*tfds directory there each time it is made (looking for its
+    metadata in Google's bucket), and leaves it."""
+    old = tempfile.tempdir
+    with tempfile.TemporaryDirectory() as scratch:
+        tempfile.tempdir = scratch
+        try:
+            yield
+        finally:
+            tempfile.tempdir = old
 
 
 def _tfds_sources(cfg):
@@ -563,11 +597,33 @@ def _tfds_sources(cfg):
 # ---- text: Hugging Face datasets -----------------------------------------------------------------
 
 
+def _files_key(cfg, key):
+    """The key naming the files of split cfg.<key>: hf_eval_files for the held-out split when set
+    (its own files), else hf_data_files."""
+    return "hf_eval_files" if key == "hf_eval_split" and cfg.hf_eval_files else "hf_data_files"
+
+
+def split_name(cfg, key):
+    """How messages name split cfg.<key>: hf_split=train, hf_eval_files=held.jsonl, ..."""
+    files_key = _files_key(cfg, key)
+    return (
+        f"{files_key}={cfg.hf_eval_files}"
+        if files_key == "hf_eval_files"
+        else f"{key}={getattr(cfg, key)}"
+    )
+
+
+def held_out(cfg):
+    """Whether dataset=hf's eval rows come from a split or files of their own."""
+    return bool(cfg.hf_eval_split or cfg.hf_eval_files)
+
+
 def _hf_split(cfg, key):
     """The split cfg.<key> of dataset=hf (datasets.load_dataset: a hub name, or a builder such
-    as json / parquet / text with hf_data_files), prepared into cache_dir/hf. What the hub or
-    the files refuse is one DataError naming the key; without network or with HF_HUB_OFFLINE=1
-    only what is cached loads."""
+    as json / parquet / text with hf_data_files; the held-out one from hf_eval_files where set),
+    prepared into cache_dir/hf. What the hub or the files refuse is one DataError naming the key
+    (the file and line where it can); without network or with HF_HUB_OFFLINE=1 only what is
+    cached loads."""
     if not cfg.hf_path:
         raise DataError(
             "dataset=hf needs hf_path: a hub dataset (roneneldan/TinyStories), or a builder (json, "
@@ -586,14 +642,15 @@ def _hf_split(cfg, key):
         "huggingface_hub",
     ):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    files = [f.strip() for f in cfg.hf_data_files.split(",")] if cfg.hf_data_files else None
+    files_key = _files_key(cfg, key)
+    files = _listed(getattr(cfg, files_key)) or None
     try:
         with _locked(cfg.cache_dir):
             return datasets.load_dataset(
                 cfg.hf_path,
                 cfg.hf_name or None,
                 data_files=files,
-                split=getattr(cfg, key),
+                split="train" if files_key == "hf_eval_files" else getattr(cfg, key),
                 streaming=cfg.hf_streaming,
                 cache_dir=os.path.join(cfg.cache_dir, "hf"),
             )
@@ -601,8 +658,14 @@ def _hf_split(cfg, key):
         raise _hf_error(cfg, e, key) from None
 
 
+def _listed(files):
+    """A comma-separated list of files or globs as a list."""
+    return [f.strip() for f in files.split(",") if f.strip()]
+
+
 def _hf_error(cfg, e, key):
-    """What the hub or the files refuse, loading or streaming: a DataError naming the key."""
+    """What the hub or the files refuse, loading or streaming: a DataError naming the key, and
+    for JSON files the file, line and what is wrong (datasets says only "An error occurred")."""
     text = first_line(e, typed=False, limit=200) if str(e) else ""
     if isinstance(e, ConnectionError):
         return DataError(
@@ -611,9 +674,57 @@ def _hf_error(cfg, e, key):
         )
     if isinstance(e, ValueError) and "split" in text.lower():  # a split it lacks
         return DataError(f"{key}={getattr(cfg, key)}: {text}")
-    # files the builder cannot read, a refused dataset
-    where = "hf_data_files" if cfg.hf_data_files else "hf_path"
-    return DataError(f"{where}={getattr(cfg, where)}: {type(e).__name__}: {text}")
+    files_key = _files_key(cfg, key)
+    files = [f for pattern in _listed(getattr(cfg, files_key)) for f in expand(pattern)]
+    if why := (_json_trouble(files) if cfg.hf_path == "json" else ""):
+        return DataError(f"{files_key}: {why}")
+    # files the builder cannot read, a refused dataset: the innermost cause says why
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    where = files_key if getattr(cfg, files_key) else "hf_path"
+    return DataError(f"{where}={getattr(cfg, where)}: {first_line(e, limit=200)}")
+
+
+class _Twice(ValueError):
+    """A key set twice in one JSON object."""
+
+
+def _once(pairs):
+    """json's object_pairs_hook: an object, each key once."""
+    keys = [k for k, _ in pairs]
+    if twice := next((k for k in keys if keys.count(k) > 1), None):
+        raise _Twice(twice)
+    return dict(pairs)
+
+
+def _json_trouble(files):
+    """The first thing in these JSON or JSON-lines files that the json builder cannot read, as
+    'FILE:LINE: what is wrong'; '' where every file reads (one JSON document, or a row a line)."""
+    hints = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".txt": "text"}
+    for path in files:
+        hint = hints.get(os.path.splitext(path)[1].lower())
+        hint = f"; for this kind of file give hf_path={hint}" if hint else ""
+        try:
+            text = stored(path).read_bytes().decode()
+        except UnicodeDecodeError as e:
+            return f"{path}: not UTF-8 text (byte {e.start}){hint}"
+        if not text.strip():
+            return f"{path}: empty, no rows; remove it from the list, or give it rows"
+        try:
+            json.loads(text, object_pairs_hook=_once)  # one JSON document (a list of rows)
+            continue
+        except (json.JSONDecodeError, _Twice):
+            pass
+        for n, line in enumerate(text.splitlines(), 1):
+            try:
+                row = json.loads(line, object_pairs_hook=_once) if line.strip() else {}
+            except _Twice as e:
+                return f"{path}:{n}: key {e.args[0]!r} is set twice in one row; keep one"
+            except json.JSONDecodeError as e:
+                return f"{path}:{n}: not JSON ({e.msg} at column {e.colno}){hint}"
+            if not isinstance(row, dict):
+                return f"{path}:{n}: {_kind(row)} where a row is an object of columns"
+    return ""
 
 
 def _records(cfg, key, stream=None):
@@ -628,22 +739,19 @@ def _records(cfg, key, stream=None):
 
 
 def _hf_identity(cfg, *parts):
-    """Names what dataset=hf reads (for the tokenizer cache and the checkpoint's data position)."""
-    stats = [
-        (f, *_stat(f)) for p in cfg.hf_data_files.split(",") if p.strip() for f in expand(p.strip())
-    ]
-    key = json.dumps(
-        [cfg.hf_path, cfg.hf_name, cfg.hf_data_files, cfg.hf_split, cfg.text_key, stats, *parts]
-    )
+    """Names what dataset=hf reads (for the tokenizer cache and the checkpoint's data position): its
+    files by their contents (where they lie does not matter), or a hub dataset by its name."""
+    contents = [_fingerprint(f) for p in _listed(cfg.hf_data_files) for f in expand(p)]
+    key = json.dumps([cfg.hf_path, cfg.hf_name, cfg.hf_split, cfg.text_key, contents, *parts])
     return "hf_" + hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
 def _hf_sources(cfg):
     """(train texts, eval texts, identity) of a random-access dataset=hf: the split's
-    records, and eval from hf_eval_split or else every 32nd record (~3%, the same every
-    time) held out of training."""
+    records, and eval from hf_eval_split or hf_eval_files, else every 32nd record (~3%, the
+    same every time) held out of training."""
     train = _hf_split(cfg, "hf_split")
-    if cfg.hf_eval_split:
+    if held_out(cfg):
         eval_ = _hf_split(cfg, "hf_eval_split")
     else:  # spread over the whole split, so it samples the same mix of records as training
         ids = np.arange(len(train))
@@ -808,6 +916,9 @@ class Tokenizer(NamedTuple):
     special: dict  # what a template may name: bos_token, eos_token, pad_token
     files: dict  # {file name: bytes}: what export writes; files[primary] is what a run keeps
     primary: str  # 'tokenizer.model' or 'tokenizer.json'
+    max_token_bytes: int  # the longest token's text, in UTF-8 bytes: how long a text can be in ids
+    # (messages, add_generation_prompt, marked=False) -> chat_template's text (chat_renderer)
+    render: Callable | None = None
 
 
 def until_stop(tokens, stop_ids):
@@ -845,6 +956,7 @@ def sentencepiece_tokenizer(sp, max_length):
         {"bos_token": piece(bos), "eos_token": piece(sp.eos_id())},
         files,
         "tokenizer.model",
+        max(len(piece(i).encode()) for i in range(sp.get_piece_size())),
     )
 
 
@@ -854,11 +966,11 @@ def _token_text(value):
     return value.get("content") if isinstance(value, dict) else value
 
 
-def hf_tokenizer(path):
+def hf_tokenizer(path, date=""):
     """A Hugging Face tokenizer from its directory (or its tokenizer.json): the special tokens from
     tokenizer_config.json, the stop ids from generation_config.json too, the chat template
-    from either file transformers keeps it in. bos is prepended where the checkpoint's own
-    tokenizer prepends it."""
+    from either file transformers keeps it in (rendered as of `date`, chat_date). bos is
+    prepended where the checkpoint's own tokenizer prepends it."""
     import tokenizers
 
     folder = (os.path.dirname(path) or ".") if path.endswith(".json") else path
@@ -900,11 +1012,12 @@ def hf_tokenizer(path):
     adds_bos = config.get(
         "add_bos_token", len(marked) > len(plain) and marked[0] == ids["bos_token"]
     )
-    template = config.get("chat_template")
+    template, where = config.get("chat_template"), f"{folder}/tokenizer_config.json"
     if isinstance(template, list):  # several named templates: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     if "chat_template.jinja" in files:
-        template = files["chat_template.jinja"].decode()
+        template, where = files["chat_template.jinja"].decode(), f"{folder}/chat_template.jinja"
+    special = {k: v or "" for k, v in special.items()}
     return Tokenizer(
         lambda text: tok.encode(text, add_special_tokens=False).ids,
         lambda ids: tok.decode(list(ids), skip_special_tokens=True),
@@ -913,9 +1026,11 @@ def hf_tokenizer(path):
         eos,
         tuple(dict.fromkeys([eos, *stops])),
         template,
-        {k: v or "" for k, v in special.items()},
+        special,
         files,
         "tokenizer.json",
+        max(len(t.encode()) for t in tok.get_vocab(with_added_tokens=True)),
+        chat_renderer(template, special, date, where) if template else None,
     )
 
 
@@ -953,12 +1068,9 @@ def load_tokenizer(path, cfg):
                 f"{key}={getattr(cfg, key)}: no tokenizer.json or tokenizer.model in {path}; set "
                 "tokenizer_path= to the model's tokenizer"
             )
-        tok = hf_tokenizer(path)
+        tok = hf_tokenizer(path, cfg.chat_date)
         if tok.size > cfg.vocab_size:
-            raise DataError(
-                f"vocab_size={cfg.vocab_size} but tokenizer {path} has {tok.size} tokens: set "
-                f"vocab_size={tok.size} or more"
-            )
+            raise DataError(_vocab_mismatch(cfg, path, f"{tok.size} tokens", f"{tok.size} or more"))
         return tok
     try:
         sp = (
@@ -973,16 +1085,25 @@ def load_tokenizer(path, cfg):
             "tokenizer.json, or '' to train one"
         ) from None
     if (size := sp.get_piece_size()) != cfg.vocab_size:
-        raise DataError(
-            f"vocab_size={cfg.vocab_size} but tokenizer "
-            f"{path} has {size} pieces: set vocab_size={size}"
-        )
+        raise DataError(_vocab_mismatch(cfg, path, f"{size} pieces", size))
     if sp.eos_id() < 0:
         raise DataError(
             f"tokenizer {path} has no eos piece, which ends "
             "every document: retrain it with eos_id set"
         )
     return sentencepiece_tokenizer(sp, cfg.max_target_length)
+
+
+def _vocab_mismatch(cfg, path, has, fix):
+    """A tokenizer too large for the model: set vocab_size, unless a load_hf checkpoint decides it
+    (its config.json), where only another tokenizer can fix it."""
+    if cfg.load_hf:
+        return (
+            f"tokenizer {path} has {has} but load_hf={cfg.load_hf} has {cfg.vocab_size} embedding "
+            "rows (its config.json vocab_size): give the tokenizer that checkpoint was trained "
+            "with (tokenizer_path=, or leave it empty for the checkpoint's own)"
+        )
+    return f"vocab_size={cfg.vocab_size} but tokenizer {path} has {has}: set vocab_size={fix}"
 
 
 def _tokenizer(cfg, train_texts, identity, log=None):
@@ -1093,16 +1214,16 @@ class StreamData(TextData):
     reads its share (datasets.distributed.split_dataset_by_node) in the stream's order, packed into
     its rows by one pipeline; the checkpoint keeps that pipeline's position, so a resume on the same
     process count reads every document once. The tokenizer trains on the stream's first ~5 MB; eval
-    reads the head of hf_eval_split."""
+    reads the head of hf_eval_split (or hf_eval_files)."""
 
     def _sources(self):
         """The stream's head (~5 MB, what the tokenizer trains
-        on), the head of hf_eval_split, and the identity."""
+        on), the head of the held-out split, and the identity."""
         cfg = self.cfg
-        if not cfg.hf_eval_split and cfg.eval_batches:
+        if not held_out(cfg) and cfg.eval_batches:
             raise DataError(
-                "hf_streaming=true holds no share out for eval: set hf_eval_split (e.g. "
-                "validation), or eval_batches=0"
+                "hf_streaming=true holds no share out for eval: set hf_eval_files, hf_eval_split "
+                "(e.g. validation), or eval_batches=0"
             )
         head, chars = [], 0
         for record in _records(cfg, "hf_split"):
@@ -1112,7 +1233,7 @@ class StreamData(TextData):
                 break
         evals = (
             list(itertools.islice(_records(cfg, "hf_eval_split"), _EVAL_HEAD_DOCS))
-            if cfg.hf_eval_split
+            if held_out(cfg)
             else []
         )
         return _texts(head, cfg.text_key), _texts(evals, cfg.text_key), _hf_identity(cfg, "stream")
@@ -1150,104 +1271,273 @@ def sft_rows(cfg):
     )
 
 
-def chat_renderer(template, special):
-    """A chat template as transformers renders it (jinja2's sandbox, trim_blocks, lstrip_blocks,
-    loop controls, raise_exception and tojson): (messages, add_generation_prompt) -> text."""
+# What a template's {% generation %} blocks render (what the model writes, as trl's training
+# templates mark it) comes back between these private-use characters when asked for (marked=True).
+ANSWER_MARKS = ("\ue000", "\ue001")
+_UNMARKED = {ord(c): None for c in ANSWER_MARKS}
+# Appended to a turn's content to find where the whole conversation renders that turn's end.
+_END_PROBE = "\ue002"
+# The seconds one row may take to render and tokenize: data preparation runs before the watchdog.
+ROW_SECONDS = 10
+
+
+def chat_renderer(template, special, date, where):
+    """A chat template as transformers renders it: (messages, add_generation_prompt, marked=False)
+    -> text. jinja2's sandbox with trim_blocks, lstrip_blocks, loop controls, {% generation %}
+    blocks (marked: kept between ANSWER_MARKS), raise_exception, tojson, and strftime_now at `date`
+    (the run's chat_date, so a resume renders what the first run did; '' = today). Compiled at its
+    first use: one that does not compile is one line naming `where`, its file."""
+
+    @functools.cache
+    def compiled():
+        return _compiled_template(template, date, where)
+
+    def render(messages, prompt, marked=False):
+        text = compiled().render(messages=messages, add_generation_prompt=prompt, **special)
+        return text if marked else text.translate(_UNMARKED)
+
+    return render
+
+
+def _compiled_template(template, date, where):
     import jinja2
+    import jinja2.ext
     import jinja2.sandbox
+
+    class Generation(jinja2.ext.Extension):
+        """{% generation %} ... {% endgeneration %}: its output between ANSWER_MARKS."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser):
+            line = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("mark"), [], [], body).set_lineno(line)
+
+        def mark(self, caller):
+            return ANSWER_MARKS[0] + caller() + ANSWER_MARKS[1]
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", Generation]
     )
     env.filters["tojson"] = (
         lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
             x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii
         )
     )
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: time.strftime(fmt))
-    compiled = env.from_string(template)
-    return lambda messages, prompt: compiled.render(
-        messages=messages, add_generation_prompt=prompt, **special
+    day = time.strptime(date, "%Y-%m-%d") if date else time.localtime()
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=lambda f: time.strftime(f, day)
     )
-
-
-def _turns(messages, where):
-    """messages checked to be a list of {role, content} with text content."""
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages
-    ):
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
         raise DataError(
-            f'{where}: messages must be a list of {{"role": ..., "content": "text"}} turns'
-        )
+            f"{where}: the chat template does not compile (line {e.lineno}: {e.message}); fix it, "
+            "or give tokenizer_path= a tokenizer whose template does"
+        ) from None
+
+
+@contextlib.contextmanager
+def _bounded(seconds, message):
+    """The block, stopped with DataError(message) past `seconds` (a timer signal, so only on the
+    main thread; elsewhere it runs unbounded)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(*_):
+        raise DataError(message)
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _kind(value):
+    """A JSON value's kind in words, with a glimpse of it: what a wrong row holds instead."""
+    kinds = {bool: "true or false", int: "a number", float: "a number", list: "a list"}
+    kinds.update({dict: "an object", str: "text", type(None): "null"})
+    return f"{kinds.get(type(value), type(value).__name__)} ({json.dumps(value, default=str)[:40]})"
+
+
+def _turns(messages, where, key="messages"):
+    """messages checked to be a list of {role, content} turns with text content; else the one turn
+    and field that is not, with what it holds."""
+    if not isinstance(messages, list):
+        raise DataError(f"{where}: {key} is {_kind(messages)}, expected a list of turns")
+    for j, turn in enumerate(messages):
+        if not isinstance(turn, dict):
+            raise DataError(f'{where}: {key}[{j}] is {_kind(turn)}, expected {{"role", "content"}}')
+        for field in ("role", "content"):
+            if not isinstance(turn.get(field), str):
+                held = _kind(turn[field]) if field in turn else "missing"
+                raise DataError(f"{where}: {key}[{j}].{field} is {held}, expected text")
     return messages
 
 
 def chat_spans(messages, render, first, where):
     """[(text, is_answer)] of a conversation rendered whole by its chat template; the answers are
-    the assistant turns from index `first` on, each the text the template adds for it after the
-    generation prompt (its end-of-turn token included: the model learns to stop). The template must
-    render each turn's prefix as the start of the whole (true of Llama's, Qwen's, ChatML's); one
-    that does not cannot mark the answers, and says so."""
+    the assistant turns from index `first` on, each where the whole conversation renders it, from
+    the end of the generation prompt that precedes it through its end-of-turn token (the model
+    learns to stop). A template with {% generation %} blocks marks them itself; else a turn ends
+    where the template renders the end of its content, and what it writes after content ends a
+    turn (the text after a last turn's content): so templates that render earlier turns otherwise
+    once later ones follow (Qwen3's drops their reasoning) are marked as well. One that hides its
+    turns from both is refused, naming the turn."""
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
     if not answers:
         raise DataError(
             f"{where}: no assistant turn to learn from (roles: {[m['role'] for m in messages]})"
         )
+    if render is None:
+        raise DataError(
+            f"{where}: chat rows go through the tokenizer's chat template, and it has none "
+            "(tokenizer_config.json chat_template, chat_template.jinja): give prompt/completion "
+            "text rows, or tokenizer_path= a tokenizer with a template"
+        )
     try:
-        whole = render(messages, False)
-        spans = []
-        at = 0
-        for i in answers:
-            before, through = render(messages[:i], True), render(messages[: i + 1], False)
-            if not (through.startswith(before) and whole.startswith(through) and len(before) >= at):
-                raise DataError(
-                    f"{where}: the chat template renders turn {i} differently inside the whole "
-                    "conversation, so its answer cannot be marked; give prompt/completion rows"
-                )
-            spans += [(whole[at : len(before)], False), (whole[len(before) : len(through)], True)]
-            at = len(through)
+        whole, cuts = _marked_answers(messages, answers, render, where) or _found_answers(
+            messages, answers, render, where
+        )
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - the template's own error (raise_exception, ...)
         raise DataError(f"{where}: the chat template failed ({first_line(e, limit=120)})") from None
+    spans, at = [], 0
+    for start, end in cuts:
+        spans += [(whole[at:start], False), (whole[start:end], True)]
+        at = end
     return spans + [(whole[at:], False)]
 
 
-def sft_example(record, tok, render, cfg, where):
-    """One SFT record -> (token ids, 1 where the token is an answer's) as int32 / bool arrays:
-    messages through the chat template (which writes bos and end-of-turn tokens itself); prompt
-    + completion as bos, prompt, completion, eos (a conversational prompt/completion, lists of
-    turns, through the template, only the completion's turns answers). A DataError names the
-    row and what is wrong."""
-    record = {
-        k: v for k, v in record.items() if v is not None
-    }  # a column other rows have (datasets fills in None)
-    if "messages" in record:
-        plain, spans = False, chat_spans(_turns(record["messages"], where), render, 0, where)
-    elif isinstance(record.get("prompt"), list):
-        turns = _turns(record["prompt"], where) + _turns(record.get("completion"), where)
-        plain, spans = False, chat_spans(turns, render, len(record["prompt"]), where)
-    elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
-        plain, spans = True, [(record["prompt"], False), (record["completion"], True)]
-    else:
+def _marked_answers(messages, answers, render, where):
+    """(the whole text, (start, end) of each answer) from the template's {% generation %} blocks,
+    the k-th the k-th assistant turn's; None for a template without them."""
+    marked = render(messages, False, marked=True)
+    if ANSWER_MARKS[0] not in marked:
+        return None
+    out, blocks, at, opened = [], [], 0, 0
+    for piece in re.split(f"([{''.join(ANSWER_MARKS)}])", marked):
+        if piece == ANSWER_MARKS[0]:
+            opened = at
+        elif piece == ANSWER_MARKS[1]:
+            blocks.append((opened, at))
+        else:
+            out.append(piece)
+            at += len(piece)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(blocks) != len(turns):
         raise DataError(
-            f"{where}: an SFT row holds messages, or prompt and completion (this one has "
-            f"{sorted(record)})"
+            f"{where}: the chat template's generation blocks mark {len(blocks)} answers for "
+            f"{len(turns)} assistant turns; fix the template's {{% generation %}} markers"
         )
-    ids, answer = [tok.bos_id] if plain and tok.bos_id is not None else [], []
-    answer = [False] * len(ids)
+    return "".join(out), [cut for i, cut in zip(turns, blocks) if i in answers]
+
+
+def _found_answers(messages, answers, render, where):
+    """(the whole text, (start, end) of each answer): each starts where the prompt before it,
+    with its generation prompt, ends, and ends where the conversation up to it ends, or, for a
+    template that renders that prefix otherwise inside the whole, where _turn_end finds it."""
+    whole, cuts, at = render(messages, False), [], 0
+    for i in answers:
+        before, through = render(messages[:i], True), render(messages[: i + 1], False)
+        prefix = through.startswith(before) and whole.startswith(through)
+        end = len(through) if prefix else _turn_end(messages, i, whole, render)
+        if not (whole.startswith(before) and at <= len(before) <= end):
+            raise DataError(
+                f"{where}: the chat template renders turn {i} differently inside the whole "
+                "conversation, so its answer cannot be marked; give prompt/completion rows"
+            )
+        cuts.append((len(before), end))
+        at = end
+    return whole, cuts
+
+
+def _turn_end(messages, i, whole, render):
+    """Where the whole conversation ends assistant turn i: the end of its content, found by a probe
+    appended to it, then what the template writes after a last turn's content (its end-of-turn).
+    -1 where the probe is not found once, or the probed rendering is not the whole plus it."""
+    probed = [*messages[:i], {**messages[i], "content": messages[i]["content"] + _END_PROBE}]
+    marked, alone = render(probed + messages[i + 1 :], False), render(probed, False)
+    if marked.count(_END_PROBE) != 1 or alone.count(_END_PROBE) != 1:
+        return -1
+    if marked.replace(_END_PROBE, "") != whole:
+        return -1
+    end, trailer = marked.index(_END_PROBE), alone[alone.index(_END_PROBE) + 1 :]
+    return end + len(trailer) if whole.startswith(trailer, end) else -1
+
+
+def _common_prefix(a, b):
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def sft_example(record, tok, cfg, where):
+    """One SFT record -> (token ids, 1 where the token is an answer's) as int32 / bool arrays, or
+    None for one surely longer than a row (max_target_length) by its bytes alone, left untokenized
+    (a 100 MB line would take minutes and tens of GB). messages go through the chat template
+    (which writes bos and end-of-turn tokens itself), a conversational prompt/completion (lists of
+    turns) too, only the completion's turns answers; text prompt/completion as trl tokenizes it:
+    bos + the two as one text + eos, the answer starting where those tokens leave the prompt's own
+    (a prompt ending in a space gives its space to the answer's first token, as the whole text
+    tokenizes at inference). A DataError names the row and what is wrong."""
+    # datasets fills in None for a column other rows have
+    record = {k: v for k, v in record.items() if v is not None}
+    limit = 4 * (cfg.max_target_length + 1) * tok.max_token_bytes  # bytes: surely too long
+    with _bounded(
+        ROW_SECONDS,
+        f"{where}: took over {ROW_SECONDS}s to render and tokenize (a chat template that loops?)",
+    ):
+        if "messages" in record or isinstance(record.get("prompt"), list):
+            if "messages" in record:
+                turns, first = _turns(record["messages"], where), 0
+            else:
+                turns = _turns(record["prompt"], where, "prompt")
+                turns, first = (
+                    turns + _turns(record.get("completion"), where, "completion"),
+                    len(turns),
+                )
+            spans = chat_spans(turns, tok.render, first, where)
+            if sum(len(text.encode()) for text, _ in spans) > limit:
+                return None
+            return _spans_example(spans, tok, where)
+        if "prompt" not in record and "completion" not in record:
+            raise DataError(
+                f"{where}: an SFT row holds messages, or prompt and completion (this one has "
+                f"{sorted(record)})"
+            )
+        for key in ("prompt", "completion"):
+            if not isinstance(record.get(key), str):
+                held = _kind(record[key]) if key in record else "missing"
+                raise DataError(f"{where}: {key} is {held}, expected text (or a list of turns)")
+        if len((record["prompt"] + record["completion"]).encode()) > limit:
+            return None
+        return _text_example(record["prompt"], record["completion"], tok)
+
+
+def _spans_example(spans, tok, where):
+    ids, answer = [], []
     for text, is_answer in spans:
         piece = tok.encode(text)
         if is_answer and not piece:
             raise DataError(f"{where}: an empty answer (nothing to learn)")
         ids, answer = ids + piece, answer + [is_answer] * len(piece)
-    if plain:  # the completion ends with eos, so the model learns to stop
-        ids, answer = ids + [tok.eos_id], answer + [True]
     return np.asarray(ids, np.int32), np.asarray(answer, bool)
+
+
+def _text_example(prompt, completion, tok):
+    bos = [tok.bos_id] if tok.bos_id is not None else []
+    ids = bos + tok.encode(prompt + completion)
+    ids += [tok.eos_id] if ids[-1:] != [tok.eos_id] else []  # a completion ending in eos keeps one
+    start = _common_prefix(bos + tok.encode(prompt), ids)
+    return np.asarray(ids, np.int32), np.arange(len(ids)) >= start
 
 
 class _Plan:
@@ -1297,9 +1587,12 @@ class SFTData(_Data):
     skipped and counted in the log. Lane r of R packs (or pads), in order, the examples at
     positions r, r + R, ... of one order shuffled per epoch from the seed, planned from their
     lengths (_Plan): its state is a row number, so a resume on any process count is exact, and
-    epochs=N reads every example exactly N times (epoch_steps). The loss counts the answers'
-    tokens (completion_only; else every token); eval the held-out split's the same way, and
-    eval_examples holds its prompts and answers."""
+    epochs=N reads every example exactly N times (epoch_steps; a resume with another epochs is one
+    line). The loss counts the answers' tokens (completion_only; else every token); eval the
+    held-out rows' the same way, all of them by default (whole_eval; eval_size says how many), and
+    eval_examples holds their prompts and answers."""
+
+    whole_eval = True
 
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count, log)
@@ -1309,23 +1602,25 @@ class SFTData(_Data):
                 "load_hf= (a checkpoint with its tokenizer) or tokenizer_path="
             )
         self.tokenizer = tok = load_tokenizer(tokenizer_source(cfg), cfg)
-        self.render = chat_renderer(tok.chat_template, tok.special) if tok.chat_template else None
         train = _hf_split(cfg, "hf_split")
         # the rows' numbers in their files, for the errors
         train_rows = held_rows = np.arange(len(train))
-        if cfg.hf_eval_split:
+        if held_out(cfg):
             held = _hf_split(cfg, "hf_eval_split")
             held_rows = np.arange(len(held))
         else:  # every 32nd row (~3%, the same every time) held out
             train_rows, held_rows = train_rows[train_rows % 32 > 0], train_rows[::32]
             train, held = train.select(train_rows), train.select(held_rows)
-        # what the ids mean, and how rows are cut
+        # what the ids mean, and how rows are cut (a template's date too, where it reads one); the
+        # epochs the lanes' orders are planned for
         tokenizer = hashlib.sha1(tok.files[tok.primary]).hexdigest()
-        self.identity = _hf_identity(
-            cfg, len(train), "sft", tokenizer, cfg.completion_only, cfg.packing, self.length
+        dated = cfg.chat_date if "strftime_now" in (tok.chat_template or "") else ""
+        self.data_identity = _hf_identity(
+            cfg, len(train), "sft", tokenizer, cfg.completion_only, cfg.packing, self.length, dated
         )
+        self.identity = f"{self.data_identity}/epochs={cfg.epochs}"
         self.train_tokens, self.train_ids = self._encoded(train, train_rows, "hf_split")
-        eval_key = "hf_eval_split" if cfg.hf_eval_split else "hf_split"
+        eval_key = "hf_eval_split" if held_out(cfg) else "hf_split"
         eval_tokens, eval_ids = self._encoded(held, held_rows, eval_key)
         mine = eval_ids[
             process_index::process_count
@@ -1334,31 +1629,40 @@ class SFTData(_Data):
         self.eval_rows = [plan[k] for k in range(len(plan))]
         self.eval_tokens = eval_tokens
         self.eval_examples = [self._prompt_and_answer(*eval_tokens[i]) for i in eval_ids]
+        weights = [self._row([eval_tokens[i]])["loss_mask"].sum() for i in eval_ids]
+        self.eval_size = {"rows": len(eval_ids), "tokens": float(sum(weights))}
         self._plans = {}
 
     def _encoded(self, split, rows, key):
-        """Every example of a split tokenized ([(ids, answer mask)]), and the indices of those that
-        fit a row. `rows`: their numbers in the files (errors name them)."""
+        """Every example of a split tokenized ([(ids, answer mask)], empty for one left untokenized
+        as surely too long), and the indices of those that fit a row. `rows`: their numbers in the
+        files (errors name them)."""
         cfg = self.cfg
         tok = self.tokenizer
-        where = f"{key}={getattr(self.cfg, key)}"
+        where = split_name(cfg, key)
         start = time.perf_counter()
         out = [
-            sft_example(split[i], tok, self.render, cfg, f"{where}: row {rows[i]}")
-            for i in range(len(split))
+            sft_example(split[i], tok, cfg, f"{where}: row {rows[i]}") for i in range(len(split))
         ]
-        fits = [i for i, (ids, _) in enumerate(out) if len(ids) - 1 <= self.length]
+        unread = sum(example is None for example in out)
+        empty = (np.zeros(0, np.int32), np.zeros(0, bool))
+        out = [empty if example is None else example for example in out]
+        fits = [i for i, (ids, _) in enumerate(out) if 0 < len(ids) <= self.length + 1]
         longest = max((len(ids) for ids, _ in out), default=0)
         if len(out) > len(fits):
+            untokenized = (
+                f"; {unread} of them by their bytes alone, not tokenized" if unread else ""
+            )
             self.log(
                 f"skipped {len(out) - len(fits)} of {len(out)} examples of {where} longer than "
-                f"max_target_length={self.length} tokens (the longest: {longest}); raise "
-                "max_target_length to keep them"
+                f"max_target_length={self.length} tokens (the longest tokenized: {longest}"
+                f"{untokenized}); raise max_target_length to keep them"
             )
         if not fits:
+            shortest = min((len(ids) for ids, _ in out if len(ids)), default=0)
             raise DataError(
                 f"{where}: no example fits max_target_length={self.length} (the shortest has "
-                f"{min((len(ids) for ids, _ in out), default=0)} tokens); raise it"
+                f"{shortest or 'more'} tokens); raise it"
             )
         self.log(
             f"{where}: {len(fits)} SFT examples, {sum(len(out[i][0]) for i in fits):,} tokens, "
@@ -1366,6 +1670,21 @@ class SFTData(_Data):
             f"({time.perf_counter() - start:.1f}s)"
         )
         return out, np.asarray(fits)
+
+    def _resumable(self, state, local_rows):
+        """Lanes planned for another number of epochs would skip or repeat examples: one line."""
+        source = (state or {}).get("source", "")
+        if source == self.data_identity:  # written before the epochs were part of it
+            state = {**state, "source": self.identity}
+        elif source.rpartition("/epochs=")[0] == self.data_identity and source != self.identity:
+            epochs = source.rpartition("/epochs=")[2]
+            raise DataError(
+                f"epochs={self.cfg.epochs}: this run's checkpoint planned its data for epochs="
+                f"{epochs}, and another count would read some examples once and others more "
+                f"often; resume with epochs={epochs}, or train on in a new run_name with "
+                "load_params=RUN_DIR"
+            )
+        return super()._resumable(state, local_rows)
 
     def _prompt_and_answer(self, ids, answer):
         """(the tokens before the last answer, that answer's text up to the token that ends it)."""
@@ -1420,7 +1739,8 @@ class SFTData(_Data):
         """The held-out examples in order, one pass, packed
         as training packs; batches past them are padding."""
         rows = [self._row([self.eval_tokens[i] for i in r]) for r in self.eval_rows]
-        n = min(n, max(-(-len(rows) // local_rows), 1))  # one pass at most
+        every = max(-(-len(rows) // local_rows), 1)
+        n = every if n is None else min(n, every)  # one pass at most; None: all of it
         return [
             _stack(rows[b * local_rows : (b + 1) * local_rows], local_rows, self.length)
             for b in range(n)
@@ -2036,6 +2356,11 @@ HF_FILES = (
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
+def checkpoint_file(name):
+    """Whether a file name is one of a Hugging Face checkpoint's (HF_FILES)."""
+    return any(fnmatch.fnmatch(name, pattern) for pattern in HF_FILES)
+
+
 def hub_id(name):
     """Whether load_hf=NAME names a hub model
     (Qwen/Qwen2.5-0.5B-Instruct), not a directory: org/name, not here."""
@@ -2320,6 +2645,7 @@ PATH_KEYS = (
     "eval_path",
     "tokenizer_path",
     "hf_data_files",
+    "hf_eval_files",
     "compile_cache_dir",
 )
 
@@ -2378,6 +2704,7 @@ def check_paths(cfg):
         "dataset_path": matches,
         "eval_path": matches,
         "hf_data_files": listed,
+        "hf_eval_files": listed,
     }
     for key, exists in wanted.items():
         value = getattr(cfg, key)
@@ -2802,7 +3129,13 @@ class MetricsWriter:
         append(
             os.path.join(self.run_dir, "metrics.jsonl"), "".join(json.dumps(m) + "\n" for m in rows)
         )
-        self.tb.flush()
+        try:
+            self.tb.flush()
+        except OSError as e:  # TensorBoard's event file, on a disk that filled up
+            raise WriteError(
+                f"{self.tb_dir}: TensorBoard's event file cannot be written ({storage_reason(e)}); "
+                "the checkpoints written are intact"
+            ) from None
         if self.remote:
             self.tb.close()
             move_up(

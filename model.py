@@ -475,12 +475,17 @@ class Transformer(nnx.Module):
             return x_BLD
         # Logits in the compute dtype, summed in float32;
         # cross_entropy takes their softmax in float32.
-        logits_BLV = product("bld,dv->blv", x_BLD, self.head(), dt, dt)
+        head, spec = self.head()
+        logits_BLV = product(f"bld,{spec}->blv", x_BLD, head, dt, dt)
         return logits_BLV if cache is None else (logits_BLV, new_cache)
 
     def head(self):
-        """The LM head [D, V]: the embedding's transpose when tied."""
-        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        """(the LM head, its axes): lm_head [D, V] ('dv'), or, tied, the embedding [V, D] itself
+        ('vd'), contracted over its last axis. Not its transpose: XLA:CPU's bf16 backward dot cannot
+        read a transposed layout (UNIMPLEMENTED: DotThunk BF16 x BF16 = F32)."""
+        if self.cfg.tie_embeddings:
+            return self.embed[...], "vd"
+        return self.lm_head[...], "dv"
 
 
 def cross_entropy(logits_NV, targets_N):
@@ -498,19 +503,25 @@ def cross_entropy(logits_NV, targets_N):
     )
 
 
-def tiled_cross_entropy(x_ND, head_DV, targets_N, tile, dtype):
-    """Per-row cross-entropy of the logits x @ head against targets, `tile` vocabulary entries at a
-    time: a running log-sum-exp over the tiles, and the target's logit taken from the tile that
-    holds it. The [N, V] float32 logits never exist whole; the backward pass recomputes each tile's
-    (jax.checkpoint) instead of keeping them. Equal to the untiled loss up to float32 rounding."""
-    (N, D), V = x_ND.shape, head_DV.shape[1]
-    # I tiles of t vocabulary entries
-    w_IDt = head_DV.reshape(D, V // tile, tile).transpose(1, 0, 2)
+def tiled_cross_entropy(x_ND, head, targets_N, tile, dtype):
+    """Per-row cross-entropy of the logits of x and the LM head (Transformer.head: its weights and
+    axes, 'dv' or 'vd') against targets, `tile` vocabulary entries at a time: a running log-sum-exp
+    over the tiles, and the target's logit taken from the tile that holds it. The [N, V] float32
+    logits never exist whole; the backward pass recomputes each tile's (jax.checkpoint) instead of
+    keeping them. Equal to the untiled loss up to float32 rounding."""
+    (w, spec), (N, D) = head, x_ND.shape
+    V = w.shape[spec.index("v")]
+    # I tiles of t vocabulary entries: [I, D, t] or, tied, [I, t, D]
+    if spec == "dv":
+        w_I = w.reshape(D, V // tile, tile).transpose(1, 0, 2)
+    else:
+        w_I = w.reshape(V // tile, tile, D)
+    tile_eq = f"nd,{spec.replace('v', 't')}->nt"
 
     @jax.checkpoint
     def one(carry, xs):
-        (top_N, total_N, target_N), (w_Dt, i) = carry, xs
-        logits_Nt = dot("nd,dt->nt", x_ND, w_Dt, dtype, jnp.float32)
+        (top_N, total_N, target_N), (w_tile, i) = carry, xs
+        logits_Nt = product(tile_eq, x_ND, w_tile, dtype, jnp.float32)
         new_top_N = jnp.maximum(top_N, jnp.max(logits_Nt, axis=1))
         total_N = total_N * jnp.exp(top_N - new_top_N) + jnp.sum(
             jnp.exp(logits_Nt - new_top_N[:, None]), axis=1
@@ -524,7 +535,7 @@ def tiled_cross_entropy(x_ND, head_DV, targets_N, tile, dtype):
         ), None
 
     start = (jnp.full(N, -jnp.inf), jnp.zeros(N), jnp.zeros(N))
-    (top_N, total_N, target_N), _ = jax.lax.scan(one, start, (w_IDt, jnp.arange(V // tile)))
+    (top_N, total_N, target_N), _ = jax.lax.scan(one, start, (w_I, jnp.arange(V // tile)))
     return top_N + jnp.log(total_N) - target_N
 
 
@@ -534,6 +545,19 @@ def init(cfg, key):
     the state's shardings."""
     graph, params = nnx.split(TASKS[cfg.task].module(cfg, nnx.Rngs(params=key)))
     return graph, nnx.to_pure_dict(params)
+
+
+# What AdamW's weight decay never reaches, by name: norm scales and biases (as transformers'
+# Trainer, so trl, decays neither), and the TRM's learned start states, its heads' vectors, biases.
+NOT_DECAYED = frozenset(
+    ("scale", "bq", "bk", "bv", "y_init", "z_init", "halt", "halt_bias", "value", "value_bias")
+)
+
+
+def decayed(params):
+    """Whether weight decay reaches each parameter (a tree of bools like params): by what it is, its
+    name, never its shape (scan_layers stacks every norm scale into a [layers, D] matrix)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key not in NOT_DECAYED, params)
 
 
 def abstract(cfg):
@@ -601,21 +625,38 @@ def lm_eval_step(cfg, graph, params, batch):
 
 
 def lm_eval_result(cfg, outs, batches, ds, save_to=None):
-    """Eval loss per real target token over every batch,
-    and its perplexity (NaN: no tokens to score)."""
+    """Eval loss per real target token over every batch, and its perplexity (NaN: no tokens to
+    score); the tokens scored and, for SFT rows, the held-out rows (examples) scored, each of how
+    many the eval set holds (ds.eval_size)."""
     tokens = float(sum(o["tokens"] for o in outs))
     loss = float(sum(o["loss"] for o in outs)) / tokens if tokens else float("nan")
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+    result = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+    if size := getattr(ds, "eval_size", None):  # each example is one segment of a row
+        scored = lambda b: sum(
+            len(np.unique(seg[w > 0])) for seg, w in zip(b["segment_ids"], b["loss_mask"])
+        )
+        rows = sum(scored(b) for b in batches)
+        result.update(rows=rows, rows_of=size["rows"], tokens_of=size["tokens"])
+    return result
 
 
 def generate(cfg, graph, params, prompt_BP, key, real_BP=None):
-    """prompt [B, P] -> [B, max_new_tokens] sampled tokens. The prompt fills the KV cache in one
-    pass (prefill); then a jitted scan of single-token steps: each new token costs one position,
-    not the whole prefix. Shapes are static (cache length P + max_new_tokens), so it compiles
-    once. Prompts of several lengths come padded on the left, real_BP (1 = a prompt token, 0 =
+    """prompt [B, P] -> [B, max_new_tokens] sampled tokens (generator's program, compiled for this
+    call). Prompts of several lengths come padded on the left, real_BP (1 = a prompt token, 0 =
     padding) saying which."""
-    (B, P), O = prompt_BP.shape, cfg.max_new_tokens
-    real_BP = np.ones((B, P), np.int32) if real_BP is None else real_BP
+    real_BP = np.ones(prompt_BP.shape, np.int32) if real_BP is None else real_BP
+    return generator(cfg, graph)(
+        params, jnp.asarray(prompt_BP, jnp.int32), jnp.asarray(real_BP, jnp.int32), key
+    )
+
+
+def generator(cfg, graph):
+    """The jitted generation (params, prompt [B, P], real [B, P], key) -> [B, max_new_tokens]: the
+    prompt fills the KV cache in one pass (prefill), then a scan of single-token steps, each new
+    token costing one position, not the whole prefix. Shapes are static (cache length P +
+    max_new_tokens): it compiles once per prompt shape, so a caller answering many batches of one
+    shape keeps it."""
+    O = cfg.max_new_tokens
 
     def sample(logits_BV, key):
         logits_BV = logits_BV.astype(jnp.float32)
@@ -628,6 +669,7 @@ def generate(cfg, graph, params, prompt_BP, key, real_BP=None):
         return jax.random.categorical(key, logits_BV / cfg.temperature).astype(jnp.int32)
 
     def run_all(params, prompt_BP, real_BP, key):
+        B, P = prompt_BP.shape
         model, ones = nnx.merge(graph, params), lambda L: jnp.ones((B, L), jnp.int32)
         shape = (cfg.num_layers, B, P + O)
         cache = {
@@ -648,39 +690,49 @@ def generate(cfg, graph, params, prompt_BP, key, real_BP=None):
         )
         return jnp.concatenate([toks_OB.T, last_B[:, None]], axis=1)
 
-    return jax.jit(run_all)(
-        params, jnp.asarray(prompt_BP, jnp.int32), jnp.asarray(real_BP, jnp.int32), key
-    )
+    return jax.jit(run_all)
 
 
 def lm_generate(cfg, graph, params, ds, rows):
-    """mode=generate: the prompt (after bos, where the tokenizer has one) continued by
-    max_new_tokens sampled tokens, cut where a stop token (eos) comes. Returns (summary, what to
-    print, what RUN_DIR/generation.txt holds)."""
+    """mode=generate: the prompt continued by max_new_tokens sampled tokens, cut where a stop token
+    (eos, a chat model's end of turn) comes. With a chat template (and chat_template=true) the
+    prompt is what the model was fine-tuned on: `messages` (a conversation, from a YAML file) or
+    prompt= as one user turn, rendered with the generation prompt; else bos (where the tokenizer
+    has one) and the text. Returns (summary, what to print, what RUN_DIR/generation.txt holds)."""
     tok = ds.tokenizer
-    prompt_1P = np.asarray(
-        [[tok.bos_id] * (tok.bos_id is not None) + tok.encode(cfg.prompt)], np.int32
-    )
+    if cfg.messages and not (cfg.chat_template and tok.render):
+        raise data.DataError(
+            "messages: a conversation is rendered by the tokenizer's chat template, and "
+            + ("chat_template=false is set" if tok.render else "this tokenizer has none")
+            + "; give prompt= text instead"
+        )
+    if cfg.chat_template and tok.render:
+        turns = [dict(m) for m in cfg.messages] or [{"role": "user", "content": cfg.prompt}]
+        text = tok.render(turns, True)
+        ids = tok.encode(text)  # the template writes bos itself
+    else:
+        text, ids = cfg.prompt, [tok.bos_id] * (tok.bos_id is not None) + tok.encode(cfg.prompt)
+    prompt_1P = np.asarray([ids], np.int32)
     tokens = np.asarray(generate(cfg, graph, params, prompt_1P, jax.random.key(cfg.seed)))[
         0
     ].tolist()
     tokens = data.until_stop(tokens, tok.stop_ids)
-    text = tok.decode(tokens)
-    shown = f"prompt: {cfg.prompt}\ncontinuation: {text}"
+    out = tok.decode(tokens)
+    shown = f"prompt: {text}\ncontinuation: {out}"
     if prompt_1P.shape[1] + cfg.max_new_tokens > cfg.max_target_length:
         shown = (
             "WARNING: prompt + max_new_tokens = "
             f"{prompt_1P.shape[1] + cfg.max_new_tokens} tokens, more than the "
             f"max_target_length={cfg.max_target_length} the model was trained on\n{shown}"
         )
-    return {"prompt": cfg.prompt, "tokens": tokens, "generation": text}, shown, text
+    return {"prompt": text, "tokens": tokens, "generation": out}, shown, out
 
 
 def lm_answers(cfg, graph, params, ds, save_to):
     """mode=eval on SFT data, eval_answers=N: the first N held-out examples' prompts answered
-    greedily (up to max_new_tokens, cut at a stop token), batched with their prompts padded on the
-    left to one length (one compile); exact match is the answer's text equal to the reference's,
-    spaces at either end aside. The answers go to save_to/answers.jsonl."""
+    greedily (up to max_new_tokens, cut at a stop token), 16 at a time with their prompts padded on
+    the left to one length (one compile for them all); exact match is the answer's text equal to
+    the reference's, spaces at either end aside. The answers go to save_to/answers.jsonl."""
     if not hasattr(ds, "eval_examples"):
         raise data.DataError(
             f"eval_answers={cfg.eval_answers} scores the answers of SFT rows (messages, or prompt "
@@ -689,6 +741,7 @@ def lm_answers(cfg, graph, params, ds, save_to):
     examples = ds.eval_examples[: cfg.eval_answers]
     greedy, P = cfg.model_copy(update={"temperature": 0.0}), max(len(p) for p, _ in examples)
     B = min(len(examples), 16)  # prompts a call: the prefill keeps [B, heads, P, P] float32 scores
+    answer = generator(greedy, graph)
     rows, exact = [], 0
     for start in range(0, len(examples), B):
         chunk = examples[start : start + B]
@@ -696,7 +749,7 @@ def lm_answers(cfg, graph, params, ds, save_to):
         for b, (prompt, _) in enumerate(chunk):
             prompt_BP[b, P - len(prompt) :], real_BP[b, P - len(prompt) :] = prompt, 1
         real_BP[len(chunk) :, -1] = 1  # the rows past the last example: one token each, never read
-        out_BO = np.asarray(generate(greedy, graph, params, prompt_BP, jax.random.key(0), real_BP))
+        out_BO = np.asarray(answer(params, prompt_BP, real_BP, jax.random.key(0)))
         for (prompt, want), tokens in zip(chunk, out_BO.tolist()):
             got = ds.tokenizer.decode(data.until_stop(tokens, ds.tokenizer.stop_ids))
             exact += got.strip() == want.strip()
@@ -1180,6 +1233,32 @@ def load_hf(cfg, path, abstract_params):
     return jax.tree_util.tree_map_with_path(placed, abstract_params)
 
 
+# In an export directory: the files the export wrote, so the next export there removes them all
+# (an old export's extra shards and index would otherwise be read in place of the new weights).
+EXPORTED = ".exported.json"
+
+
+def clear_export(out_dir, new):
+    """Makes out_dir ready for an export of the files `new`: the files an earlier export of this
+    trainer wrote there (EXPORTED lists them) removed, then the new list written first, so an export
+    cut short is cleared all the same. A checkpoint file no export of ours wrote is never removed:
+    a ValueError names it."""
+    folder = data.stored(out_dir)
+    listed = json.loads((folder / EXPORTED).read_text()) if (folder / EXPORTED).is_file() else []
+    present = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    theirs = [n for n in sorted(present - set(listed)) if data.checkpoint_file(n)]
+    if theirs:
+        raise ValueError(
+            f"{out_dir} holds {theirs[0]}, which no export of this trainer wrote; export into an "
+            "empty or new directory, or move it away"
+        )
+    if data.MAIN:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in set(listed) & present:
+            (folder / name).unlink()
+    data.write(os.path.join(out_dir, EXPORTED), json.dumps(sorted(set(new))))
+
+
 def save_hf(cfg, params, out_dir, tokenizer=None, source=None):
     """mode=export: a Hugging Face checkpoint in out_dir (local or gs://, written by the data.MAIN
     process) that transformers loads: config.json (hf_config over `source`, the config.json the run
@@ -1207,8 +1286,9 @@ def save_hf(cfg, params, out_dir, tokenizer=None, source=None):
         if len(files) == 1
         else [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
     )
-    if data.MAIN:
-        data.stored(out_dir).mkdir(parents=True, exist_ok=True)
+    written = [*names, "model.safetensors.index.json"] if len(files) > 1 else names
+    written += ["config.json", "generation_config.json", *(tokenizer.files if tokenizer else ())]
+    clear_export(out_dir, written)
     for name, members in zip(names, files):
         blob = safetensors.numpy.save({k: tensors[k] for k in members}, metadata={"format": "pt"})
         data.write(os.path.join(out_dir, name), blob)
@@ -1292,7 +1372,13 @@ LM = Task(
     generate=lm_generate,
     check=lm_check,
     answers=lm_answers,
-    shown=(("eval_loss", "eval loss {:.4f}"),),
+    shown=(
+        ("eval_loss", "eval loss {:.4f}"),
+        (
+            "eval_rows_of",
+            "on {m[eval_rows]}/{} rows ({m[eval_tokens]:.0f}/{m[eval_tokens_of]:.0f} tokens)",
+        ),
+    ),
 )
 
 

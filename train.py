@@ -214,15 +214,14 @@ def make_optimizer(cfg):
         decay_steps=max(cfg.steps - 1, cfg.warmup_steps + 1),
         end_value=cfg.learning_rate * cfg.min_lr_ratio,
     )
-    # no decay on norm scales
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+    # decoupled decay of the matrices only: no norm scale, no bias (model.decayed)
     return optax.adamw(
         schedule,
         cfg.adam_b1,
         cfg.adam_b2,
         cfg.adam_eps,
         weight_decay=cfg.weight_decay,
-        mask=decay_mask,
+        mask=model_lib.decayed,
     ), schedule
 
 
@@ -372,12 +371,15 @@ def build(cfg, task, devices):
 
 
 def evaluator(cfg, task, eval_step, feed):
-    """evaluate(state, ds, n_batches, save_to=None, beat=None): the task's eval metrics of the
-    state's eval weights on n fixed batches of ds (the same every call, so curves compare; None: the
-    whole eval set), and the seconds they took. save_to: a directory for the task's answers (process
-    0 only); beat: called after every batch."""
+    """evaluate(state, ds, save_to=None, beat=None): the task's eval metrics of the state's eval
+    weights on eval_batches fixed batches of ds (the same every call, so curves compare), or on the
+    whole eval set: SFT rows' unless eval_batches is set, mode=eval's where the task says so (the
+    puzzles); and the seconds they took. save_to: a directory for the task's answers (process 0
+    only); beat: called after every batch."""
+    whole = lambda ds: ds.whole_eval and "eval_batches" not in cfg._given
 
-    def evaluate(state, ds, n_batches, save_to=None, beat=lambda *_: None):
+    def evaluate(state, ds, save_to=None, beat=lambda *_: None):
+        n_batches = None if whole(ds) or task.eval_all and cfg.mode == "eval" else cfg.eval_batches
         if n_batches == 0:
             return {}
         t0 = time.perf_counter()
@@ -473,7 +475,10 @@ def checkpoints(directory, cfg, read_only=False):
         try:
             wait_for_saves(mngr)
         finally:
-            mngr.close()
+            # every save has committed or failed in wait_for_saves, loudly: a close that fails too
+            # (orbax raising a failed save again) has nothing more to say, and loses nothing
+            with contextlib.suppress(Exception):
+                mngr.close()
 
 
 def save_checkpoint(mngr, step, state, it):
@@ -595,7 +600,7 @@ def short_line(m, steps, shown):
             if eta >= 3600
             else f"ETA {eta // 60}m{eta % 60:02d}s",
         ]
-    return "  ".join(parts + [fmt.format(m[k]) for k, fmt in shown if k in m])
+    return "  ".join(parts + [fmt.format(m[k], m=m) for k, fmt in shown if k in m])
 
 
 class NonFinite(Exception):
@@ -744,11 +749,9 @@ def profile(cfg, step, run_dir, drain):
     """profile_steps=a,b: a jax.profiler trace of steps a..b (1-based) into RUN_DIR/profile; called
     with the steps done so far, before each dispatch and after the last. `drain` reads back the
     steps in flight."""
-    local = (
-        os.path.join(tempfile.gettempdir(), "profile", cfg.run_name)
-        if data.remote(run_dir)
-        else run_dir
-    )
+    local = run_dir
+    if data.remote(run_dir):  # the profiler writes local files only
+        local = os.path.join(tempfile.gettempdir(), "profile", cfg.run_name)
     if step + 1 == cfg.profile_steps[0]:
         drain()
         jax.profiler.start_trace(os.path.join(local, "profile"))
@@ -786,7 +789,7 @@ def train_loop(cfg, task, state, it, ds, job):
             last = meter.row(step, float(job.built.schedule(step - 1)), job.flops)
             if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
                 with job.clock.timing("eval"):
-                    evaluated = job.evaluate(state, ds, cfg.eval_batches, beat=job.beat)
+                    evaluated = job.evaluate(state, ds, beat=job.beat)
                 last.update({f"eval_{k}": v for k, v in evaluated.items()})
             last.update(job.clock.shares())
             log(short_line(last, cfg.steps, task.shown))
@@ -868,8 +871,7 @@ def eval_mode(cfg, task, state, ds, job):
     """mode=eval: the loaded parameters on the eval set (eval_batches, or all of it where the task
     says so), printed as one JSON line and written to eval.json (and any answers the task writes
     beside it)."""
-    n_batches = None if task.eval_all else cfg.eval_batches
-    result = {"step": int(state["step"]), **job.evaluate(state, ds, n_batches, save_to=job.dir)}
+    result = {"step": int(state["step"]), **job.evaluate(state, ds, save_to=job.dir)}
     if task.answers and cfg.eval_answers:  # held-out prompts answered, scored by exact match
         result.update(task.answers(cfg, job.built.graph, state[task.eval_weights], ds, job.dir))
     data.write(os.path.join(job.dir, "eval.json"), json.dumps(result))
@@ -1073,6 +1075,27 @@ def _rising(pairs):
     return pairs
 
 
+def _day(text):
+    if text and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
+        raise ValueError("give a date as YYYY-MM-DD, or '' for the run's first day")
+    return text
+
+
+def _conversation(value):
+    """messages: a list of {role, content} turns of text (in a YAML file, or as YAML on the
+    command line: messages='[{role: user, content: Hi}]')."""
+    turns = _items(value) if isinstance(value, str) and value else value or []
+    ok = lambda t: isinstance(t, dict) and set(t) == {"role", "content"}
+    if not isinstance(turns, (list, tuple)) or not all(
+        ok(t) and all(isinstance(v, str) for v in t.values()) for t in turns
+    ):
+        raise ValueError(
+            "give a list of {role, content} turns of text, e.g. in a YAML file: messages: [{role: "
+            "user, content: Hi}]"
+        )
+    return turns
+
+
 def _mesh_sizes(sizes):
     if sizes.count(-1) > 1 or any(s < 1 and s != -1 for s in sizes):
         raise ValueError("use positive sizes and at most one -1")
@@ -1212,7 +1235,7 @@ SCHEMA = [
         bool,
         (
             "print_sharding resume tie_embeddings qkv_bias qk_norm scan_layers hf_streaming "
-            "packing completion_only"
+            "packing completion_only chat_template"
         ),
     ),
     (
@@ -1221,10 +1244,12 @@ SCHEMA = [
             "run_name output_dir compile_cache_dir load_params export_dir load_hf prompt "
             "dataset_path eval_path tfds_name data_dir train_split eval_split text_key "
             "tokenizer_path cache_dir wandb_project wandb_entity hf_path hf_name hf_data_files "
-            "hf_split hf_eval_split"
+            "hf_split hf_eval_split hf_eval_files"
         ),
     ),
     (Annotated[tuple[Off, Off], BeforeValidator(_items)], "profile_steps"),
+    (Annotated[str, AfterValidator(_day)], "chat_date"),
+    (Annotated[tuple[dict[str, str], ...], BeforeValidator(_conversation)], "messages"),
     (
         Annotated[tuple[tuple[Off, Count], ...], BeforeValidator(_ramp), AfterValidator(_rising)],
         "batch_ramp",
@@ -1505,6 +1530,13 @@ def run_rules(cfg):
         ),
         (cfg.load_params and cfg.load_hf, "load_params and load_hf are both set; keep one"),
         (
+            cfg.hf_eval_files and cfg.hf_eval_split,
+            (
+                f"hf_eval_files={cfg.hf_eval_files} and hf_eval_split={cfg.hf_eval_split} both "
+                "name the held-out rows; keep one"
+            ),
+        ),
+        (
             cfg.epochs and cfg.batch_ramp,
             (
                 f"epochs={cfg.epochs} counts steps at grad_accum={cfg.grad_accum} but batch_ramp "
@@ -1587,6 +1619,30 @@ def checkpoint_keys(cfg):
         ) from None
 
 
+def fine_tuning_advice(cfg):
+    """A load_hf run training at base.yml's learning rate (a pretraining recipe): one warning."""
+    if cfg.mode == "train" and "learning_rate" not in cfg._given:
+        log(
+            f"WARNING: load_hf={cfg.load_hf} trains at learning_rate={cfg.learning_rate:g}, "
+            "base.yml's rate for pretraining from scratch, which wrecks a pretrained model within "
+            "steps; fine-tuning runs at ~2e-5 (the README's fine-tuning command: "
+            "learning_rate=2e-5)"
+        )
+
+
+def run_day(cfg):
+    """The date chat templates render (chat_date): the one in RUN_DIR/config.yml, written by the run
+    this one resumes or evaluates, else today."""
+    run_dir = os.path.join(cfg.output_dir, cfg.run_name)
+    try:
+        kept = (
+            data.run_config(run_dir).get("chat_date") if cfg.resume or cfg.mode != "train" else ""
+        )
+    except (data.DataError, *data.STORAGE_ERRORS):
+        kept = ""  # a damaged config.yml is set aside later, and the run goes on
+    return kept or time.strftime("%Y-%m-%d")
+
+
 def cpu_has_bf16():
     """Whether this CPU has bf16 instructions: avx512_bf16 or amx_bf16 in /proc/cpuinfo's flags."""
     cpuinfo = pathlib.Path("/proc/cpuinfo")
@@ -1646,6 +1702,9 @@ def as_run(cfg, task, devices=None):
     check(cfg, task)
     if cfg.load_hf:  # the model's shape from its config.json, then the rules again on it
         check(cfg := checkpoint_keys(cfg), task)
+        fine_tuning_advice(cfg)
+    if not cfg.chat_date:  # process 0's day, or the day the run being resumed rendered its rows
+        cfg = with_values(cfg, {"chat_date": agree(run_day(cfg), cfg.host_timeout)[0]})
     # before the first compile; every program is cached, however quick to compile
     if cfg.compile_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(data.stored(cfg.compile_cache_dir)))

@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -231,9 +232,55 @@ def worker_load(job_path):
                 json.dump(answer, f)
 
 
+def worker_sft(out):
+    """Part 3's trl side: for each SFT_CASES set, SFTTrainer's tokenized rows (input_ids and the mask of
+    what counts) and the model's summed cross-entropy over what counts, as trl's loss takes it (the mean
+    over a batch's label tokens: here the sum and the count, over every row), into out/sft/NAME.json."""
+    _, torch, transformers = torch_setup()
+    import datasets
+    import trl
+
+    folder = os.path.join(out, "sft", "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    arch, conf = tiny_config(transformers, "qwen2")
+    conf.vocab_size = len(tok)  # the tokenizer's (its specials past the byte alphabet)
+    arch(conf).save_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for name, (_, trl_keys) in SFT_CASES.items():
+        lines = pathlib.Path(out, "sft", f"{name}.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines]
+        args = trl.SFTConfig(
+            output_dir=os.path.join(out, "sft", f"trl-{name}"),
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            max_length=1024,
+            dataset_num_proc=None,
+            **trl_keys,
+        )
+        trainer = trl.SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=datasets.Dataset.from_list(rows),
+            processing_class=tok,
+        )
+        done, total, count = [], 0.0, 0
+        for row in trainer.train_dataset:
+            ids = row["input_ids"]
+            mask = [int(label != -100) for label in row["labels"]]  # trl's labels: -100 uncounted
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, :-1].double()
+            ce = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+            counts = torch.tensor(mask[1:], dtype=torch.float64)
+            total, count = total + float((ce * counts).sum()), count + int(counts.sum())
+            done.append({"ids": ids, "mask": mask})
+        with open(os.path.join(out, "sft", f"{name}.json"), "w") as f:
+            json.dump({"rows": done, "loss_sum": total, "tokens": count, "trl": trl.__version__}, f)
+
+
 def worker(argv):
-    """--worker make OUT | --worker load JOB.json: the torch side, in the venv's python."""
-    {"make": worker_make, "load": worker_load}[argv[0]](*argv[1:])
+    """--worker make OUT | load JOB.json | sft OUT: the torch side, in the venv's python."""
+    {"make": worker_make, "load": worker_load, "sft": worker_sft}[argv[0]](*argv[1:])
 
 
 # ==================================================================================================
@@ -527,6 +574,144 @@ def part2(folder, out, prompt):
     return row
 
 
+# Part 3's row sets: (our keys, trl's SFTConfig keys). Text rows whose prompts end in a space (the
+# answer's first token then takes it, as trl tokenizes the whole text), and chat rows of several turns
+# under a ChatML template with {% generation %} blocks, which both read as the answers.
+SFT_CASES = {
+    "prompt_completion": ([], {}),
+    "messages": ([], {"assistant_only_loss": True}),
+}
+MARKED_CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] + '<|im_end|>\\n' }}{% endgeneration %}{% else %}"
+    "{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def sft_files(out):
+    """Part 3's tokenizer (a byte-level BPE tokenizer.json and the marked ChatML template) and rows,
+    under out/sft; the worker adds a random Qwen2 of the tokenizer's vocabulary."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    folder = os.path.join(out, "sft", "hf")
+    os.makedirs(folder, exist_ok=True)
+    words = [
+        "the",
+        "capital",
+        "of",
+        "France",
+        "is",
+        "Paris",
+        "and",
+        "Italy",
+        "Rome",
+        "what",
+        "plus",
+    ]
+    rng = random.Random(0)
+    text = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(200)]
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=special, initial_alphabet=alphabet)
+    tok.train_from_iterator(text, trainer)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": MARKED_CHATML,
+    }
+    pathlib.Path(folder, "tokenizer_config.json").write_text(json.dumps(config))
+    rows = {
+        "prompt_completion": [
+            {"prompt": f"what is the capital of {c}? ", "completion": a}
+            for c, a in [("France", "Paris"), ("Italy", "Rome")] * 20
+        ],
+        "messages": [
+            {
+                "messages": [
+                    {"role": "user", "content": f"what is {a} plus {b}?"},
+                    {"role": "assistant", "content": f"{a} plus {b} is {a + b}"},
+                    {"role": "user", "content": "and the capital of France?"},
+                    {"role": "assistant", "content": "Paris"},
+                ]
+            }
+            for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)] * 10
+        ],
+    }
+    for name, these in rows.items():
+        with open(os.path.join(out, "sft", f"{name}.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in these)
+    return folder
+
+
+def part3(out, torch_python):
+    """Our SFT rows (every row of each set held out and scored, one a row) against trl's: the same
+    token ids, the same tokens counted, the same loss per counted token."""
+    import data
+    import model
+    import train
+
+    folder = sft_files(out)
+    run_worker(torch_python, "sft", out)
+    rows = []
+    for name, (keys, _) in SFT_CASES.items():
+        theirs = json.loads(pathlib.Path(out, "sft", f"{name}.json").read_text())
+        files = os.path.join(out, "sft", f"{name}.jsonl")
+        more = [f"load_hf={folder}", "dataset=hf", "hf_path=json", f"hf_data_files={files}"]
+        more += [f"hf_eval_files={files}", "dtype=float32", "mesh=1,1,1", "packing=false"]
+        more += ["max_target_length=128", "per_device_batch=4", f"cache_dir={out}/cache", *keys]
+        cfg = train.load_config(os.path.join(ROOT, "base.yml"), more)
+        cfg = train.resolve(train.checkpoint_keys(cfg), model.LM, "cpu")
+        ds = data.make_dataset(cfg)
+        ours = [(ids.tolist(), answer.tolist()) for ids, answer in ds.eval_tokens]
+        same_ids = [ids for ids, _ in ours] == [r["ids"] for r in theirs["rows"]]
+        same_mask = [m[1:] for _, m in ours] == [
+            [bool(x) for x in r["mask"][1:]] for r in theirs["rows"]
+        ]
+        _, graph, params = load_ours(folder, max_len=128)
+        outs = [model.lm_eval_step(cfg, graph, params, b) for b in ds.eval_batches(4, None)]
+        loss = float(sum(o["loss"] for o in outs)) / float(sum(o["tokens"] for o in outs))
+        tokens = int(sum(float(o["tokens"]) for o in outs))
+        want = theirs["loss_sum"] / theirs["tokens"]
+        rows.append(
+            {
+                "name": name,
+                "ids": same_ids,
+                "mask": same_mask,
+                "tokens": (tokens, theirs["tokens"]),
+                "loss": (loss, want),
+                "rel": abs(loss - want) / want,
+                "trl": theirs["trl"],
+            }
+        )
+    return rows
+
+
+def report_part3(rows):
+    """Part 3's table; the lines of what disagrees."""
+    columns = [
+        ("rows", lambda r: r["name"]),
+        ("token ids equal", lambda r: "yes" if r["ids"] else "NO"),
+        ("answer masks equal", lambda r: "yes" if r["mask"] else "NO"),
+        ("tokens counted (ours, trl)", lambda r: f"{r['tokens'][0]}, {r['tokens'][1]}"),
+        ("loss per token (ours, trl)", lambda r: f"{r['loss'][0]:.7f}, {r['loss'][1]:.7f}"),
+        ("relative", lambda r: f"{r['rel']:.2g}"),
+    ]
+    print(f"\nPart 3: SFT rows, ours against trl {rows[0]['trl']}'s SFTTrainer (float32)")
+    print(table(rows, columns))
+    return [
+        f"{r['name']}: ours and trl's SFT rows differ"
+        for r in rows
+        if not (r["ids"] and r["mask"] and r["tokens"][0] == r["tokens"][1] and r["rel"] < 1e-5)
+    ]
+
+
 def parse(argv):
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -571,6 +756,7 @@ def main(argv):
         f"\n{sum(not b for b in bad)} of {len(rows)} checkpoints agree (tolerance {TOLERANCE:g} "
         f"of the largest logit); {time.time() - start:.0f}s"
     )
+    bad.append(report_part3(part3(out, args.torch_python)))
     assert not any(bad), "\n".join(line for lines in bad for line in lines)
 
 

@@ -50,8 +50,36 @@ train.data.quiet_libraries()  # what main() does before a run: the tests that ca
 
 VOCAB = 320  # smallest comfortable byte-fallback BPE for write_corpus's text (256 bytes + chars + merges)
 
-# One preset per kind of run; a test adds its own key=value overrides (a later key wins).
-# A tiny LM: unrolled layers compile faster (tests that need the scan say so); synthetic tokens need no files.
+# One preset per kind of run; a test adds its own key=value overrides (a later key wins). Every key a preset does not
+# set is base.yml's default (scan_layers, remat, weight_dtype, mesh, attention, packing, ...): a test whose result
+# could depend on a default runs it. What the presets do set, and why none of it can hide a bug (test_train.py checks
+# that they set nothing else):
+DIFFERS = {
+    "d_model num_layers num_heads num_kv_heads mlp_dim max_target_length vocab_size": (
+        "the same code at tiny sizes, still GQA (heads twice the kv heads); what a size changes (odd sizes, "
+        "sharding, the TPU rows) has tests of its own at those sizes"
+    ),
+    "dataset hf_path": (
+        "synthetic tokens need no files; each real source is read by its own tests (the TEXT and HF presets, "
+        "test_data.py, the stdlib default by test_data.py::test_default_stdlib_dataset)"
+    ),
+    "dtype": (
+        "float32 compares exactly and alike on every CPU (auto is bfloat16 where the CPU has bf16 instructions, "
+        "float32 elsewhere: another program per machine); bfloat16 has its own tests in test_train.py and "
+        "test_hf.py (every family, tied and not, in each dtype)"
+    ),
+    "log_every": "every step's loss in metrics.jsonl to compare; the Meter reads every step whatever it is",
+    "eval_every eval_batches": "no eval unless a test asks for one; the tests of eval set them",
+    "prefetch": (
+        "no reading thread; the same batches either way (test_data.py's resume tests at prefetch 2 and 3, "
+        "test_checkpoint.py's interrupted runs at 2)"
+    ),
+    "task trm.T trm.n trm.N_sup tot.loss_weight tot.value_step sudoku_train_puzzles sudoku_eval_puzzles": (
+        "the TRM at tiny sizes, its value head off unless a test turns it on (test_tot.py does), 64 + 32 generated "
+        "puzzles instead of 2,500 (generating them takes ~15 s)"
+    ),
+}
+# A tiny LM on synthetic tokens (no files).
 LM = [
     "d_model=64",
     "num_layers=2",
@@ -66,7 +94,6 @@ LM = [
     "eval_every=0",
     "eval_batches=0",
     "prefetch=0",
-    "scan_layers=false",
 ]
 # The same tiny LM reading text: local files (a test adds dataset_path=, its corpus) through the tfds builder
 # and a sentencepiece model trained to VOCAB tokens.
@@ -76,8 +103,7 @@ TEXT = [o for o in LM if not o.startswith(("dataset=", "vocab_size="))] + [
 ]
 # The same reading a Hugging Face dataset: local parquet files (a test adds hf_data_files=) through `datasets`.
 HF = [o for o in TEXT if o != "dataset=files"] + ["dataset=hf", "hf_path=parquet"]
-# A tiny TRM; the value head trains only where a test turns it on (its pass costs extra supervision steps),
-# and 64 + 32 generated puzzles instead of the default 2,500 (generating them takes ~15 s).
+# A tiny TRM (see above).
 SUDOKU = [
     "task=sudoku",
     "d_model=32",

@@ -486,6 +486,75 @@ def test_a_disk_filling_under_a_running_run_is_one_line_naming_the_file(tmp_path
     assert r.returncode == 0 and "resuming from checkpoint" in r.stdout, r.stderr
 
 
+def fill(path):
+    """Writes zeros into `path` until its disk is full."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(bytes(1 << 20))
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_disk_that_fills_as_a_checkpoint_is_saved_is_one_line_and_the_rerun_exact(tmp_path):
+    """output_dir on a 16 MiB tmpfs, filled to its last byte as the save of step 40 begins: exit 74 and one line
+    naming a file of the run directory (the checkpoint it could not write, or the metrics or TensorBoard file the
+    next row met), no traceback; step 20 stays, and once the space is freed the rerun resumes to the losses of an
+    uninterrupted run. Needs root, to mount the tmpfs."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", disk], check=False
+    ).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        keys = ["steps=60", "checkpoint_every=20", "keep_checkpoints=0"]
+        cmd = [sys.executable, "train.py", "base.yml", *args(tmp_path, *keys, f"output_dir={disk}")]
+        p = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+        )
+        checkpoints = disk / "default" / "checkpoints"
+        saving = lambda: (
+            checkpoints.is_dir() and any(n.startswith("40") for n in os.listdir(checkpoints))
+        )
+        while p.poll() is None and not saving():
+            time.sleep(0.001)
+        fill(disk / "fill")
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 74 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith(f"error: {disk}/default/"), err
+        assert "20" in os.listdir(checkpoints)
+        (disk / "fill").unlink()
+        rerun = run_to_end(cmd)
+        assert rerun.returncode == 0 and "resuming from checkpoint" in rerun.stdout, rerun.stderr
+        assert run_to_end(cmd[:3] + args(tmp_path, *keys)).returncode == 0
+        assert losses(disk / "default") == losses(tmp_path / "default")
+    finally:
+        subprocess.run(["umount", "-l", disk], check=False)
+
+
+def test_an_event_file_the_disk_refuses_is_one_line_naming_it(tmp_path, monkeypatch):
+    """TensorBoard's event file refused (a full disk) as a metrics row is flushed: a WriteError naming the run
+    directory's event file, so one line and exit 74. Before: its OSError, which says no file, reached the user as
+    'storage failed: No space left on device'."""
+    cfg = config(tmp_path)
+    os.makedirs(tmp_path / "default")
+    writer = train.data.MetricsWriter(cfg, str(tmp_path / "default"), 0)
+
+    def full():
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer.tb, "flush", full)
+    with pytest.raises(
+        train.data.WriteError,
+        match=r"default: TensorBoard's event file cannot be written \(No space left on device\)",
+    ):
+        writer.write({"step": 1, "loss": 1.0})
+    monkeypatch.undo()
+    writer.close()
+
+
 def test_a_changed_model_on_resume_is_named_not_damage(tmp_path):
     """Tying the embeddings under an existing run changes the parameter tree: the run stops naming the
     parameter and the key that changed, and the checkpoints stay as they were (none called damaged)."""

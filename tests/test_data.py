@@ -896,3 +896,35 @@ def test_malformed_csv_rows_name_the_line(tmp_path, q, a, problem):
     )
     with pytest.raises(data.DataError, match=f"bad.csv:3: .*{problem}"):
         data.read_sudoku_csv(str(path))
+
+
+def test_preparing_new_text_files_leaves_nothing_in_the_temporary_directory(tmp_path, monkeypatch):
+    """The first run on new files prepares them as a tfds dataset: the system's temporary directory is as it was.
+    Before: every preparation left an empty tmp*tfds directory there (tfds looking for the dataset's metadata in its
+    bucket)."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    write_corpus(tmp_path / "new", 6, "new", 3)
+    ds = dataset(config(tmp_path, f"dataset_path={tmp_path}/new/*.txt", preset=TEXT))
+    assert len(ds.train_texts) + len(ds.eval_texts) == 6
+    assert os.listdir(scratch) == []
+
+
+def test_text_files_copied_elsewhere_are_the_same_data(tmp_path, corpus):
+    """A corpus copied to another directory (new modification times, as a copy to another host makes) is the same
+    prepared dataset, its identity and record order the same, so a checkpoint's data position resumes on it;
+    a changed file is other data."""
+    import shutil
+
+    shutil.copytree(corpus, tmp_path / "copy")
+    for f in (tmp_path / "copy").rglob("*.txt"):
+        os.utime(f, (f.stat().st_mtime + 3600, f.stat().st_mtime + 3600))
+    here, there = (dataset(files_cfg(tmp_path, root)) for root in (corpus, tmp_path / "copy"))
+    assert here.identity == there.identity
+    assert [here.train_texts[i] for i in range(12)] == [there.train_texts[i] for i in range(12)]
+    first = min((tmp_path / "copy" / "train").glob("*.txt"))
+    first.write_text(first.read_text() + "more\n")
+    assert dataset(files_cfg(tmp_path, tmp_path / "copy")).identity != here.identity

@@ -337,7 +337,7 @@ CASES = [
             "hf_streaming=true",
             "eval_batches=0",
         ],
-        "error: hf_data_files={tmp}/bad.jsonl: ArrowInvalid: JSON parse error: Invalid value. in row 1",
+        "error: hf_data_files: {tmp}/bad.jsonl:2: not JSON (Expecting value at column 1)",
     ),
     (
         ["wandb_project=p", "output_dir={tmp}/wandb", *LM],

@@ -190,6 +190,7 @@ def test_cli_export_and_generate(tmp_path, capsys):
     train.export_hf(cfg, params, train.data.make_dataset(cfg), first)
     train.run(text("mode=export", f"load_hf={first}", f"export_dir={hf}"), jax.devices()[:1])
     assert sorted(os.listdir(hf)) == [
+        ".exported.json",
         "config.json",
         "generation_config.json",
         "model.safetensors",

@@ -4,16 +4,19 @@ bf16 / f16 / f32), read against a numpy forward written from transformers' equat
 its special tokens and chat template; SFT rows with the prompt masked, packed, counted in epochs; the hub's offline
 cache; and the way back (export)."""
 
+import functools
 import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import BASE, ENV, LM, ROOT, read_checkpoint
+import yaml
+from conftest import BASE, ENV, LM, ROOT, args, read_checkpoint
 from conftest import config as lm_config
 from flax import nnx
 
@@ -484,9 +487,11 @@ def test_sft_loss_is_the_mean_over_answer_tokens_and_packing_changes_nothing(tmp
             at = np.flatnonzero(batch["segment_ids"][r] == s)
             ids = np.append(batch["inputs"][r, at], batch["targets"][r, at[-1]])
             row = next(x for x in rows if x["prompt"] + x["completion"] == tok.decode(ids.tolist()))
-            answer = (
-                len(tok.encode(row["completion"])) + 1
-            )  # the completion and eos are the targets that count
+            # the targets that count: from where the whole text's tokens leave the prompt's own,
+            # through eos (trl's rule: prompt and completion tokenized as one text)
+            whole, alone = tok.encode(row["prompt"] + row["completion"]), tok.encode(row["prompt"])
+            start = next((k for k, (a, b) in enumerate(zip(whole, alone)) if a != b), len(alone))
+            answer = len(whole) + 1 - start
             assert ids[-1] == tok.eos_id
             logits = forward(cfg, params, ids[None, :-1])[0].astype(np.float64)
             top = logits.max(-1, keepdims=True)
@@ -641,6 +646,7 @@ def test_sft_run_answers_exports_and_the_export_loads(tmp_path, qwen):
     run("mode=export", f"export_dir={tmp_path}/out")
     exported = sorted(os.listdir(tmp_path / "out"))
     assert exported == [
+        ".exported.json",
         "config.json",
         "generation_config.json",
         "model.safetensors",
@@ -723,3 +729,493 @@ def test_a_hub_id_loads_from_the_hub_cache_offline(tmp_path):
         "error: load_hf=tiny-org/not-cached: no such directory, and the Hugging Face hub "
         "did not give that model ("
     )
+
+
+# ---- fine-tuning where users step -----------------------------------------------------------------------------
+def lm_batch(cfg, rows=2, length=16, seed=0):
+    """One step's batch [1 microbatch, rows, length] of random tokens, every target counting."""
+    ids = (
+        np.random.default_rng(seed)
+        .integers(0, cfg.vocab_size, (1, rows, length + 1))
+        .astype(np.int32)
+    )
+    ones = np.ones((1, rows, length), np.int32)
+    return {
+        "inputs": ids[..., :-1],
+        "targets": ids[..., 1:],
+        "positions": np.broadcast_to(np.arange(length, dtype=np.int32), ones.shape).copy(),
+        "segment_ids": ones,
+        "loss_mask": ones.astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+def test_every_family_tied_or_not_trains_evaluates_generates_and_exports_in_each_dtype(
+    tmp_path, family, dtype
+):
+    """Each family, its embeddings tied and untied, in bfloat16 (what dtype=auto picks on CPUs with bf16
+    instructions) and float32: two train steps (finite, the second loss below the first), an eval step, a
+    generation, and an export that reads back to the trained parameters. Before: a tied model in bfloat16 crashed
+    at its first step (UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32, XLA:CPU's
+    backward dot of the embedding's transpose)."""
+    task = model_lib.TASKS["lm"]
+    for tied in (True, False):
+        folder = tmp_path / f"hf-{tied}"
+        conf, _ = write_checkpoint(folder, family, tie_word_embeddings=tied)
+        keys = [f"dtype={dtype}", "learning_rate=1e-2", "warmup_steps=0", "max_new_tokens=3"]
+        cfg, params = loaded(tmp_path, folder, *keys)
+        assert cfg.tie_embeddings is tied and cfg.dtype == dtype
+        graph, tx = model_lib.abstract(cfg)[0], train.make_optimizer(cfg)[0]
+        mesh = train.make_mesh(cfg, jax.devices()[:2])
+        layout = train.state_layout(cfg, task, mesh, tx, 2)
+        batch, losses = lm_batch(cfg), []
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
+            state = train.init_state(cfg, layout, params)
+            step = jax.jit(train.make_train_step(cfg, task, graph, tx))
+            for _ in range(2):
+                state, out = step(state, batch)
+                losses.append(float(out["loss"]))
+            evaluate = functools.partial(model_lib.lm_eval_step, cfg, graph)
+            evaluated = jax.jit(evaluate)(state["params"], {k: v[0] for k, v in batch.items()})
+        assert np.isfinite(losses).all() and losses[1] < losses[0], (tied, losses)
+        assert np.isfinite(float(evaluated["loss"])) and float(evaluated["tokens"]) == 32
+        tokens = model_lib.generate(
+            cfg, graph, state["params"], batch["inputs"][0], jax.random.key(0)
+        )
+        assert (
+            tokens.shape == (2, 3) and 0 <= int(tokens.min()) and int(tokens.max()) < cfg.vocab_size
+        )
+        trained = jax.tree.map(np.asarray, state["params"])
+        model_lib.save_hf(cfg, trained, str(tmp_path / f"out-{tied}"), source=conf)
+        _, back = loaded(tmp_path, tmp_path / f"out-{tied}", *keys)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), trained, back)
+
+
+def test_prompt_completion_rows_tokenize_as_one_text_as_trl_does(tmp_path, qwen):
+    """trl's rule for prompt + completion rows: bos, the two as one text, eos; the answer starts where those tokens
+    leave the prompt's own. A prompt ending in a space gives the space to the answer's first token ('ĠPar'), the
+    sequence the model sees at inference. Before: the two were tokenized apart ('Ġ' | 'Par' 'is')."""
+    prompt = "Question: what is the capital of France?\nAnswer: "
+    files = write_rows(tmp_path / "qa.jsonl", [{"prompt": prompt, "completion": "Paris"}] * 40)
+    ds = DATA.make_dataset(sft(tmp_path, qwen, files, "per_device_batch=2"))
+    tok, (ids, answer) = ds.tokenizer, ds.train_tokens[0]
+    whole, alone = tok.encode(prompt + "Paris"), tok.encode(prompt)
+    start = next(k for k, (a, b) in enumerate(zip(whole, alone)) if a != b)
+    assert ids.tolist() == whole + [tok.eos_id] and start == len(alone) - 1  # the space moved over
+    assert answer.tolist() == [False] * start + [True] * (len(whole) + 1 - start)
+    assert tok.decode(ids[answer].tolist()) == " Paris"
+    assert ds.eval_examples[0][1] == " Paris"  # the reference answer, scored after strip()
+
+
+def test_sft_eval_scores_every_held_out_row_unless_told_and_says_how_many(tmp_path, qwen, capsys):
+    """Held-out rows from their own file (hf_eval_files): every one of them scored by default, in training's eval
+    and in mode=eval, each eval saying how many rows and answer tokens it scored of how many; eval_batches=4 scores
+    4 batches, and says it (8 of 40 rows here). Before: eval_batches=4 scored 8 of 40 rows without a word."""
+    files = write_rows(tmp_path / "train.jsonl", qa_rows(64))
+    held = write_rows(tmp_path / "held.jsonl", qa_rows(40, seed=1))
+    keys = ["per_device_batch=2", "packing=false", f"hf_eval_files={held}", "steps=1"]
+    unset = [o for o in PRESET if not o.startswith("eval_batches=")]  # base.yml's, not set
+    cfg = lambda *more: lm_config(
+        tmp_path,
+        f"load_hf={qwen}",
+        "dataset=hf",
+        "hf_path=json",
+        f"hf_data_files={files}",
+        *TINY,
+        *keys,
+        *more,
+        preset=unset,
+    )
+    run = lambda *more: train.run(cfg(*more), jax.devices()[:1])
+    out = run("eval_every=1")
+    assert (out["eval_rows"], out["eval_rows_of"]) == (40, 40)
+    assert out["eval_tokens"] == out["eval_tokens_of"] > 40
+    assert (
+        f"on 40/40 rows ({out['eval_tokens']:.0f}/{out['eval_tokens']:.0f} tokens)"
+        in capsys.readouterr().out
+    )
+    every = run("mode=eval")
+    some = run("mode=eval", "eval_batches=4")
+    assert (every["rows"], some["rows"], some["rows_of"]) == (40, 8, 40)
+    assert some["tokens"] < some["tokens_of"] == every["tokens"] and some["loss"] != every["loss"]
+    ds = DATA.make_dataset(sft(tmp_path, qwen, files, *keys))
+    assert len(ds.train_ids) == 64 and len(ds.eval_examples) == 40  # no row of train.jsonl held out
+    want = sorted(row["completion"] for row in qa_rows(40, seed=1))
+    assert sorted(answer.strip() for _, answer in ds.eval_examples) == want
+    both = sft(tmp_path, qwen, files, *keys, "hf_eval_split=test")
+    with pytest.raises(
+        train.ConfigError, match="hf_eval_files=.* and hf_eval_split=test both name"
+    ):
+        train.check(both, model_lib.TASKS["lm"])
+    with pytest.raises(DATA.DataError, match=r"hf_eval_files=.*nope.jsonl: no such file"):
+        train.check(
+            sft(tmp_path, qwen, files, f"hf_eval_files={tmp_path}/nope.jsonl"), model_lib.LM
+        )
+
+
+def test_generate_renders_the_prompt_as_the_model_was_fine_tuned(tmp_path, qwen):
+    """mode=generate on a checkpoint whose tokenizer has a chat template: prompt= is one user turn with the
+    generation prompt, messages (from a YAML file) a whole conversation; chat_template=false keeps the raw text.
+    Before: the raw text only, out of the fine-tuned distribution."""
+    mine = tmp_path / "chat.yml"
+    mine.write_text(
+        "messages:\n  - {role: system, content: Be brief.}\n  - {role: user, content: Hi}\n"
+    )
+
+    _, params = loaded(tmp_path, qwen)
+
+    def generated(*keys, files=()):
+        more = args(tmp_path, f"load_hf={qwen}", *TINY, "dataset=synthetic", *keys, preset=PRESET)
+        cfg = train.load_config([BASE, *map(str, files)], more)
+        cfg = train.resolve(train.checkpoint_keys(cfg), model_lib.LM, "cpu")
+        graph = model_lib.abstract(cfg)[0]
+        return model_lib.lm_generate(cfg, graph, params, DATA.make_dataset(cfg), 1)[0]
+
+    common = ["mode=generate", "prompt=Capital of France?", "temperature=0", "max_new_tokens=2"]
+    assert generated(*common)["prompt"] == (
+        "<|im_start|>user\nCapital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert generated(*common, "chat_template=false")["prompt"] == "Capital of France?"
+    assert generated(*common[:1], *common[2:], files=[mine])["prompt"] == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+# A template that renders an assistant turn otherwise once a user turn follows it, as Qwen3's does: the turns after
+# the last user turn get an empty reasoning block, the earlier ones lose theirs.
+REASONING = (
+    "{%- set ns = namespace(last=0) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last -%}{{ '<think>\\n\\n</think>\\n\\n' + m.content }}"
+    "{%- elif m.role == 'assistant' -%}{{ m.content.split('</think>')[-1] }}"
+    "{%- else -%}{{ m.content }}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+# ChatML marking its answers itself, as trl's training templates do ({% generation %}), here from the newline
+# after the role on (what a plain prefix reading would not give).
+MARKED = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] }}{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ '\\n' + m['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
+    "{% else %}{{ '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_multi_turn_rows_are_marked_where_the_whole_conversation_renders_each_answer(
+    tmp_path, qwen
+):
+    """Each assistant turn is marked where the whole conversation renders it, through its end-of-turn: under a
+    template that drops an earlier turn's reasoning once a user turn follows (as Qwen3's), the earlier answer is its
+    content as rendered there and the last one its reasoning block too; under one with {% generation %} blocks,
+    what they render. Before: such rows were refused ('renders turn 1 differently')."""
+    turns = [
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "<think>It is Paris.</think>Paris"},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome"},
+    ]
+    files = write_rows(tmp_path / "chat.jsonl", [{"messages": turns}] * 40)
+    for template, answers in (
+        (REASONING, ["Paris<|im_end|>\n", "<think>\n\n</think>\n\nRome<|im_end|>\n"]),
+        (MARKED, ["\n<think>It is Paris.</think>Paris<|im_end|>\n", "\nRome<|im_end|>\n"]),
+    ):
+        write_tokenizer(qwen, template=template)
+        ds = DATA.make_dataset(sft(tmp_path, qwen, files, "max_target_length=128"))
+        tok, (ids, answer) = ds.tokenizer, ds.train_tokens[0]
+        assert ids.tolist() == tok.encode(tok.render(turns, False))
+        assert ids[answer].tolist() == tok.encode(answers[0]) + tok.encode(answers[1]), template
+        assert ds.eval_examples[0][1] == answers[1].split("<|im_end|>")[0]  # cut at the stop token
+
+
+DATED = (
+    "{{ '<|im_start|>system\\nToday is ' + strftime_now('%d %b %Y') + '<|im_end|>\\n' }}" + CHATML
+)
+
+
+def test_a_template_that_reads_the_date_renders_the_run_s_day_on_resume(tmp_path, qwen):
+    """strftime_now renders chat_date, fixed once per run: its first day, kept in RUN_DIR/config.yml, read back by a
+    resume (here: as if the first run had been on 6 May 2020), so its rows, lengths and packing stay the run's.
+    Before: the day the process ran."""
+    say = DATA.chat_renderer(DATED, {}, "2026-01-02", "here")(
+        [{"role": "user", "content": "Hi"}], False
+    )
+    assert say.startswith("<|im_start|>system\nToday is 02 Jan 2026<|im_end|>\n")
+    write_tokenizer(qwen, template=DATED)
+    files = write_rows(
+        tmp_path / "chat.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"},
+                ]
+            }
+        ]
+        * 40,
+    )
+    cfg = sft(tmp_path, qwen, files, "steps=1", "max_target_length=128", "learning_rate=1e-3")
+    train.run(cfg, jax.devices()[:1])
+    kept = tmp_path / "default" / "config.yml"
+    assert yaml.safe_load(kept.read_text())["chat_date"] == time.strftime("%Y-%m-%d")
+    kept.write_text(
+        kept.read_text().replace(
+            f"chat_date: '{time.strftime('%Y-%m-%d')}'", "chat_date: '2020-05-06'"
+        )
+    )
+    resumed = train.as_run(cfg, model_lib.LM, jax.devices()[:1])[0]
+    prompt = DATA.make_dataset(resumed).eval_examples[0][0]
+    assert resumed.chat_date == "2020-05-06" and "Today is 06 May 2020" in resumed_text(
+        resumed, prompt
+    )
+    afresh = train.as_run(
+        sft(tmp_path, qwen, files, "resume=false"), model_lib.LM, jax.devices()[:1]
+    )[0]
+    assert afresh.chat_date == time.strftime("%Y-%m-%d")
+
+
+def resumed_text(cfg, ids):
+    return DATA.load_tokenizer(DATA.tokenizer_source(cfg), cfg).decode(ids.tolist())
+
+
+def test_a_load_hf_run_at_the_pretraining_rate_says_so_once(tmp_path, qwen, capsys):
+    """base.yml's learning rate is a pretraining recipe; a load_hf run that keeps it says so in one warning line
+    with the rate the README's fine-tuning command uses; one that sets it says nothing."""
+    files = write_rows(tmp_path / "qa.jsonl", qa_rows(40))
+    train.as_run(sft(tmp_path, qwen, files), model_lib.LM, jax.devices()[:1])
+    warned = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+    assert (
+        len(warned) == 1
+        and "learning_rate=0.003" in warned[0]
+        and "learning_rate=2e-5" in warned[0]
+    )
+    train.as_run(sft(tmp_path, qwen, files, "learning_rate=2e-5"), model_lib.LM, jax.devices()[:1])
+    assert "WARNING" not in capsys.readouterr().out
+
+
+def test_an_export_over_an_earlier_one_leaves_nothing_of_it(tmp_path, qwen, monkeypatch):
+    """An export into a directory holding an earlier export of this trainer (here in shards, with an index) removes
+    every file of it first, so load_hf of the directory reads the new model; a directory holding a checkpoint no
+    export of ours wrote is refused, nothing removed; other files (a note) stay. Before: the old shards and index
+    stayed beside the new model.safetensors, and load_hf read the old model."""
+    cfg, params = loaded(tmp_path, qwen)
+    old = jax.tree.map(np.asarray, params)
+    out = tmp_path / "out"
+    monkeypatch.setattr(model_lib, "SHARD_BYTES", 20_000)
+    model_lib.save_hf(cfg, old, str(out))
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    (out / "NOTES.md").write_text("mine")
+    monkeypatch.setattr(model_lib, "SHARD_BYTES", 5 * 2**30)
+    new = jax.tree.map(lambda x: x + 1, old)
+    model_lib.save_hf(cfg, new, str(out))
+    assert sorted(os.listdir(out)) == [
+        ".exported.json",
+        "NOTES.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), new, loaded(tmp_path, out)[1]
+    )
+    before = {p.name: p.read_bytes() for p in qwen.iterdir()}
+    with pytest.raises(
+        ValueError, match=r"holds config.json, which no export of this trainer wrote"
+    ):
+        model_lib.save_hf(cfg, new, str(qwen))
+    assert {p.name: p.read_bytes() for p in qwen.iterdir()} == before
+
+
+GOOD = json.dumps({"prompt": "Question: 1 + 1?\nAnswer: ", "completion": "2"})
+
+
+@pytest.mark.parametrize(
+    "name,text,says",
+    [
+        (
+            "bad.jsonl",
+            f'{GOOD}\n{GOOD}\n{{"prompt": [}}\n{GOOD}\n',
+            r"bad.jsonl:3: not JSON \(Expecting value at column 13\)$",
+        ),
+        (
+            "twice.jsonl",
+            f'{GOOD}\n{{"prompt": "a", "prompt": "b", "completion": "c"}}\n',
+            r"twice.jsonl:2: key 'prompt' is set twice in one row; keep one$",
+        ),
+        (
+            "rows.csv",
+            "prompt,completion\nhello,world\n",
+            r"rows.csv:1: not JSON \(Expecting value at column 1\); for this kind of file give hf_path=csv$",
+        ),
+        (
+            "empty.jsonl",
+            "",
+            r"empty.jsonl: empty, no rows; remove it from the list, or give it rows$",
+        ),
+    ],
+)
+def test_json_rows_datasets_cannot_read_name_the_file_line_and_what_is_wrong(
+    tmp_path, qwen, name, text, says
+):
+    """A malformed line, a key set twice, a CSV given to the json builder, an empty file: one line naming the file,
+    the line and what is wrong. Before: 'DatasetGenerationError: An error occurred while generating the dataset'
+    for the first three, 'StopIteration: ' for the last."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DATA.DataError, match=r"^hf_data_files: .*" + says):
+        DATA.make_dataset(sft(tmp_path, qwen, tmp_path / name))
+
+
+def test_a_wrong_row_is_named_with_what_is_wrong_in_it(tmp_path, qwen):
+    """A row whose turn holds a list or a number where the others hold text, or whose completion is a number: the
+    error names that row and the field, with what it holds. Before: 'an SFT row holds messages, or prompt and
+    completion (this one has ['completion', 'prompt'])' for a row that has both."""
+    turn = lambda content: {
+        "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "x"}]
+    }
+    for bad, says in (
+        (turn([1, 2]), r"row 5: messages\[0\].content is a list \(\[1, 2\]\), expected text$"),
+        (turn(7), r"row 5: messages\[0\].content is a number \(7\), expected text$"),
+        (
+            {"prompt": "p", "completion": 42},
+            r"row 5: completion is a number \(42\), expected text \(or a list of turns\)$",
+        ),
+        ({"prompt": "p"}, r"row 5: completion is missing, expected text \(or a list of turns\)$"),
+    ):
+        first = turn("q") if "messages" in bad else {"prompt": "p", "completion": "c"}
+        files = write_rows(tmp_path / "rows.jsonl", [first] * 5 + [bad] + [first] * 4)
+        with pytest.raises(DATA.DataError, match=r"^hf_split=train: " + says):
+            DATA.make_dataset(sft(tmp_path, qwen, files))
+
+
+def test_a_template_that_does_not_compile_is_missing_or_never_ends_is_one_line(
+    tmp_path, qwen, monkeypatch
+):
+    """A chat template that does not compile names its file and line; messages rows with a tokenizer that has no
+    template say so; a template that renders a row for longer than data.ROW_SECONDS is stopped, naming the row.
+    Before: a TemplateSyntaxError traceback, "'NoneType' object is not callable", and no bound at all (data
+    preparation runs before the watchdog)."""
+    files = write_rows(
+        tmp_path / "chat.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"},
+                ]
+            }
+        ]
+        * 40,
+    )
+    write_tokenizer(qwen, template="{% for m in messages %}{{ m['content'] }}")
+    with pytest.raises(
+        DATA.DataError,
+        match=r"qwen/tokenizer_config.json: the chat template does not compile \(line 1: Unexpected end of template",
+    ):
+        DATA.make_dataset(sft(tmp_path, qwen, files))
+    write_tokenizer(qwen, template=None)
+    with pytest.raises(
+        DATA.DataError,
+        match=r"row \d+: chat rows go through the tokenizer's chat template, and it has none",
+    ):
+        DATA.make_dataset(sft(tmp_path, qwen, files))
+    forever = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    write_tokenizer(qwen, template=forever)
+    monkeypatch.setattr(DATA, "ROW_SECONDS", 1)
+    with pytest.raises(
+        DATA.DataError,
+        match=r"row \d+: took over 1s to render and tokenize \(a chat template that loops\?\)",
+    ):
+        DATA.make_dataset(sft(tmp_path, qwen, files))
+
+
+def test_a_tokenizer_larger_than_the_checkpoint_advises_what_a_load_hf_run_takes(tmp_path):
+    """A tokenizer with more tokens than the checkpoint's embedding rows: the advice names another tokenizer, not
+    vocab_size=N, which the checkpoint decides. Before: 'set vocab_size=300 or more', refused by the next run."""
+    folder = tmp_path / "hf"
+    write_checkpoint(folder, "qwen2")  # 96 rows
+    write_tokenizer(folder, vocab=300)
+    cfg = train.checkpoint_keys(config(tmp_path, f"load_hf={folder}"))
+    with pytest.raises(
+        DATA.DataError,
+        match=r"has \d+ tokens but load_hf=.* has 96 embedding rows \(its config.json vocab_size\): give the tokenizer that checkpoint was trained with",
+    ):
+        DATA.load_tokenizer(str(folder), cfg)
+
+
+def test_data_copied_elsewhere_is_the_same_data_and_another_epochs_is_one_line(tmp_path, qwen):
+    """The data's identity (what a checkpoint's position counts in) follows the files' contents: a copy in another
+    place with a new modification time resumes where the run was, exactly; other contents are other data. A resume
+    with another epochs is one line. Before: a copy restarted the data order; epochs=1 -> 2 read some examples
+    once."""
+    (tmp_path / "a").mkdir()
+    first = write_rows(tmp_path / "a" / "qa.jsonl", qa_rows(40))
+    copy = tmp_path / "b" / "qa.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes(first.read_bytes())
+    os.utime(copy, (time.time() + 3600, time.time() + 3600))
+    ds, moved = (DATA.make_dataset(sft(tmp_path, qwen, f, "epochs=1")) for f in (first, copy))
+    assert ds.identity == moved.identity
+    it = ds.train_iter(2)
+    for _ in range(3):
+        next(it)
+    state = {"lanes": it.state(), "source": ds.identity}
+    np.testing.assert_array_equal(
+        next(moved.train_iter(2, state=state))["inputs"], next(it)["inputs"]
+    )
+    copy.write_text(copy.read_text().replace('"completion": "', '"completion": " ', 1))
+    assert DATA.make_dataset(sft(tmp_path, qwen, copy, "epochs=1")).identity != ds.identity
+    more = DATA.make_dataset(sft(tmp_path, qwen, first, "epochs=2"))
+    with pytest.raises(
+        DATA.DataError,
+        match=r"^epochs=2: this run's checkpoint planned its data for epochs=1, .*resume with epochs=1",
+    ):
+        more.train_iter(2, state=state)
+
+
+def test_a_row_far_longer_than_any_row_is_skipped_without_being_tokenized(
+    tmp_path, qwen, monkeypatch
+):
+    """A row whose text alone is longer than a row could hold (4 x max_target_length x the tokenizer's longest
+    token, in bytes) is skipped and counted without being tokenized. Before: a 100 MB line took 5 minutes and 19
+    GB of memory to tokenize (and aborted the process where memory ran out), only to be skipped."""
+    rows = qa_rows(40)
+    rows[7] = {"prompt": "x", "completion": "y" * 2_000_000}
+    files = write_rows(tmp_path / "qa.jsonl", rows)
+    read, real = [], DATA.hf_tokenizer
+    spy = lambda tok: tok._replace(encode=lambda text: read.append(len(text)) or tok.encode(text))
+    monkeypatch.setattr(DATA, "hf_tokenizer", lambda *a: spy(real(*a)))
+    logged = []
+    ds = DATA.make_dataset(sft(tmp_path, qwen, files), log=logged.append)
+    assert len(ds.train_ids) + len(ds.eval_examples) == 39 and max(read) < 1000
+    assert any("1 of them by their bytes alone, not tokenized" in line for line in logged), logged
+
+
+def test_eval_answers_compile_the_generation_once_for_every_batch_of_prompts(tmp_path, qwen):
+    """eval_answers answers 16 prompts a call: 40 prompts (three calls) lower the generation program as often as 16
+    (one call) do. Before: a fresh jitted function per call, so 40 prompts compiled it three times."""
+    files = write_rows(tmp_path / "train.jsonl", qa_rows(40))
+    held = write_rows(tmp_path / "held.jsonl", qa_rows(40, seed=1))
+    cfg, params = loaded(tmp_path, qwen, "max_new_tokens=2")
+    ds = DATA.make_dataset(sft(tmp_path, qwen, files, f"hf_eval_files={held}"))
+    graph, lowered = model_lib.abstract(cfg)[0], []
+    event = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+    listen = lambda name, *_, **__: lowered.append(name) if name == event else None
+    answer = lambda n: model_lib.lm_answers(
+        cfg.model_copy(update={"eval_answers": n}), graph, params, ds, str(tmp_path)
+    )
+    answer(16)  # what runs once per process (a random key's program, ...)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        counts = []
+        for n in (16, 40):
+            lowered.clear()
+            assert answer(n)["answered"] == n
+            counts.append(len(lowered))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert counts[0] == counts[1] >= 1, counts

@@ -14,9 +14,13 @@ import optax
 import pytest
 from conftest import (
     BASE,
+    DIFFERS,
     ENV,
+    HF,
+    LM,
     ROOT,
     SUDOKU,
+    TEXT,
     args,
     config,
     init_model,
@@ -176,21 +180,46 @@ def test_remat_saves_memory_without_changing_the_math(tmp_path):
         )
 
 
-def test_weight_decay_skips_norm_scales(tmp_path):
-    """AdamW with zero gradients is pure decoupled decay: every matrix moves by -lr x weight_decay x itself,
-    and the 1-D norm scales do not move at all."""
-    cfg = config(tmp_path, "weight_decay=0.1", "warmup_steps=1")
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_weight_decay_reaches_matrices_never_norms_or_biases(tmp_path, scan):
+    """AdamW with zero gradients is pure decoupled decay: every weight matrix and embedding moves by -lr x
+    weight_decay x itself, and no norm scale or bias moves at all, as transformers' Trainer (so trl) decays:
+    by what a parameter is, under the default scan_layers=true (every norm scale a [layers, D] matrix there,
+    every q/k/v bias at least 2-D) as without it."""
+    cfg = config(
+        tmp_path,
+        "weight_decay=0.1",
+        "warmup_steps=1",
+        "qkv_bias=true",
+        "qk_norm=true",
+        f"scan_layers={scan}",
+    )
     tx, schedule = train.make_optimizer(cfg)
     params = init_model(cfg)[1]
     zeros, update = jax.tree.map(jnp.zeros_like, params), jax.jit(tx.update)
     opt = update(zeros, tx.init(params), params)[1]  # warmup's first update, at learning rate 0
     updates = update(zeros, opt, params)[0]  # the second, at the peak learning rate
-    kinds = set()
+    kept = set()
     for (path, u), p in zip(jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(params)):
-        want = np.zeros_like(p) if p.ndim == 1 else -schedule(1) * 0.1 * np.asarray(p)
+        name = path[-1].key
+        still = name == "scale" or name in ("bq", "bk", "bv")
+        want = np.zeros_like(p) if still else -schedule(1) * 0.1 * np.asarray(p)
         np.testing.assert_allclose(u, want, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
-        kinds.add(p.ndim)
-    assert kinds == {1, 2, 3}  # norm scales, embeddings / MLP, attention projections
+        kept |= {(name, p.ndim)} if still else set()
+    stacked = int(scan == "true")  # the layers axis
+    assert kept == {
+        ("scale", 1),
+        ("scale", 1 + stacked),
+        *{(b, 2 + stacked) for b in ("bq", "bk", "bv")},
+    }
+
+
+def test_the_presets_set_only_what_conftest_explains():
+    """Every key the suite's presets set is in conftest.DIFFERS with why it cannot hide a bug; every other key is
+    base.yml's default (the presets once set scan_layers=false, and a weight-decay bug of the default hid there)."""
+    explained = {key for keys in DIFFERS for key in keys.split()}
+    for preset in (LM, TEXT, HF, SUDOKU):
+        assert {o.split("=")[0] for o in preset} <= explained, preset
 
 
 @pytest.fixture(scope="module")
@@ -368,9 +397,10 @@ def test_bfloat16_step_runs_every_matmul_in_bfloat16(tmp_path, preset):
 def test_counted_flops_never_exceed_the_compiled_steps(tmp_path, preset):
     """MFU's numerator: each task's hand-counted training FLOPs per token are at most what XLA's cost
     analysis counts in the compiled step (which adds elementwise work the count leaves out) and most of it:
-    measured 0.91 (LM) and 0.69 (TRM, T=2 n=1, where the halting head and the loss weigh most)."""
+    measured 0.91 (LM) and 0.69 (TRM, T=2 n=1, where the halting head and the loss weigh most). The LM's
+    layers unrolled: XLA's cost analysis counts a scanned body once, not once per layer."""
     if preset == "lm":
-        cfg = config(tmp_path, "remat=none")
+        cfg = config(tmp_path, "remat=none", "scan_layers=false")
         batch, tokens = _batch(cfg, 8), 8 * cfg.max_target_length
     else:
         cfg = config(tmp_path, "remat=none", preset=SUDOKU)
