@@ -2778,11 +2778,13 @@ def prepare_training(cfg, run_dir, log, barrier=lambda: None):
                 log(f"resume=false: moved the earlier {name} aside to {os.path.basename(moved)}")
         if MAIN:
             keep_damaged_config(run_dir, log)
-        barrier()
-        if stored(checkpoints).is_file():
+        # before the barrier, so before any host makes checkpoints/ (in a bucket a host could see
+        # the one another is making as a file); resume=false has moved it aside, whatever it was
+        if cfg.resume and stored(checkpoints).is_file():
             raise DataError(
                 f"{checkpoints} is a file, where the run keeps its checkpoints: move it away"
             )
+        barrier()
         stored(checkpoints).mkdir(parents=True, exist_ok=True)
         probe = stored(checkpoints) / f".writable-{os.getpid()}"
         probe.write_text("")
