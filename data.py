@@ -67,6 +67,7 @@ import os
 import pathlib
 import random
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -2351,6 +2352,7 @@ HF_FILES = (
     "*.safetensors",
     "model.safetensors.index.json",
     "tokenizer.model",
+    "adapter_config.json",
     *TOKENIZER_FILES,
 )
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -3080,6 +3082,39 @@ def quiet_libraries():
     threading.excepthook = lambda a: (
         None if issubclass(a.exc_type, OSError) and board(a.thread) else thread_hook(a)
     )
+
+
+def host_rss_gb():
+    """This process's peak resident memory, GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def open_files():
+    """File descriptors this process holds (Linux; -1 elsewhere): flat over a long run."""
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1
+
+
+def device_peak_memory_gb(device):
+    """A device's peak memory in use, GiB (None where the backend does not say)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return stats.get("peak_bytes_in_use", 0) / 2**30 if stats else None
+
+
+def short_line(m, steps, shown):
+    """The metrics row as the line a person reads: progress, loss, speed, time left, and the eval
+    when there is one. The whole row (grad norm, learning rate, memory, data wait, ...) is in
+    metrics.jsonl and TensorBoard; `shown`: the task's (metric, format) pairs."""
+    parts = [f"step {m['step']}/{steps}", f"loss {m['loss']:.4f}"]
+    if "tokens_per_sec" in m:
+        eta = int(m["step_seconds"] * (steps - m["step"]))
+        parts += [
+            f"{m['tokens_per_sec']:,.0f} tokens/s",
+            f"MFU {m['mfu']:.1%}",
+            f"ETA {eta // 3600}h{eta // 60 % 60:02d}m"
+            if eta >= 3600
+            else f"ETA {eta // 60}m{eta % 60:02d}s",
+        ]
+    return "  ".join(parts + [fmt.format(m[k], m=m) for k, fmt in shown if k in m])
 
 
 class MetricsWriter:

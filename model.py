@@ -40,6 +40,7 @@ axes only; the config keys trm.T and trm.n keep the TRM paper's names.
 
 import collections
 import functools
+import hashlib
 import json
 import math
 import os
@@ -54,10 +55,12 @@ import optax
 import safetensors.numpy
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 import data
 from data import MEMBERS, SUDOKU_LEN, dead_end, digits_seen, legal_digits, solved
+
+first_line = data.first_line
 
 # remat=full recomputes everything in the backward pass: least memory. save_dots keeps the
 # projections' outputs (dot's results named 'dot'), in the compute dtype: a policy on the dot
@@ -300,13 +303,14 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg, K, "head_dim")
             self.k_norm = RMSNorm(cfg, K, "head_dim")
+        add_adapters(self, cfg, rngs)  # LoRA, where lora.rank > 0
 
-    def project(self, x_BLD, rope_BL1k):
+    def project(self, x_BLD, rope_BL1k, key=None):
         """q, k (normed where qk_norm, then rotated) and v, in the compute dtype."""
         dt = jnp.dtype(self.cfg.dtype)
-        q_BLHK = dot("bld,dhk->blhk", x_BLD, self.wq[...], dt)
-        k_BLGK = dot("bld,dgk->blgk", x_BLD, self.wk[...], dt)
-        v_BLGK = dot("bld,dgk->blgk", x_BLD, self.wv[...], dt)
+        q_BLHK = projected(self, "wq", "bld,dhk->blhk", x_BLD, dt, key)
+        k_BLGK = projected(self, "wk", "bld,dgk->blgk", x_BLD, dt, key)
+        v_BLGK = projected(self, "wv", "bld,dgk->blgk", x_BLD, dt, key)
         if self.cfg.qkv_bias:
             q_BLHK = q_BLHK + self.bq[...].astype(dt)
             k_BLGK = k_BLGK + self.bk[...].astype(dt)
@@ -315,9 +319,11 @@ class Attention(nnx.Module):
             q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
         return rope(q_BLHK, rope_BL1k), rope(k_BLGK, rope_BL1k), v_BLGK
 
-    def __call__(self, x_BLD, positions_BL, rope_BL1k, segment_ids_BL, causal, cache=None):
+    def __call__(
+        self, x_BLD, positions_BL, rope_BL1k, segment_ids_BL, causal, cache=None, key=None
+    ):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD, rope_BL1k)
+        q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD, rope_BL1k, key)
         # Tokens attend only within their own packed document (segment); padding is segment 0.
         mask_B1LL = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
         if cache is not None:  # generation (train.generate): the cache mask holds causality
@@ -339,7 +345,7 @@ class Attention(nnx.Module):
                 is_causal=causal,
                 implementation=cfg.attention,
             )
-        return dot("blhk,hkd->bld", out_BLHK, self.wo[...], dt), cache
+        return projected(self, "wo", "blhk,hkd->bld", out_BLHK, dt, key), cache
 
 
 class SwiGLU(nnx.Module):
@@ -357,21 +363,22 @@ class SwiGLU(nnx.Module):
             param(rngs, (D, F), (axis, "mlp"), D**-0.5, wdt) for _ in range(2)
         )
         self.w_down = param(rngs, (F, D), ("mlp", axis), F**-0.5, wdt)
+        add_adapters(self, cfg, rngs)  # LoRA, where lora.rank > 0
 
-    def __call__(self, x_BLD):
+    def __call__(self, x_BLD, key=None):
         (B, L, D), n = x_BLD.shape, math.gcd(self.chunks, x_BLD.shape[1])
         if n == 1:
-            return self.mlp(x_BLD)
-        y_nBlD = jax.lax.map(
-            jax.checkpoint(self.mlp), x_BLD.reshape(B, n, L // n, D).swapaxes(0, 1)
-        )
+            return self.mlp(x_BLD, key)
+        keys = None if key is None else jax.random.split(key, n)  # LoRA's dropout, per slice
+        x_nBlD = x_BLD.reshape(B, n, L // n, D).swapaxes(0, 1)
+        y_nBlD = jax.lax.map(lambda xs: jax.checkpoint(self.mlp)(*xs), (x_nBlD, keys))
         return y_nBlD.swapaxes(0, 1).reshape(B, L, -1)
 
-    def mlp(self, x_BLD):
-        gate_BLF, up_BLF = (
-            dot("bld,df->blf", x_BLD, w[...], self.dtype) for w in (self.w_gate, self.w_up)
-        )
-        return dot("blf,fd->bld", jax.nn.silu(gate_BLF) * up_BLF, self.w_down[...], self.dtype)
+    def mlp(self, x_BLD, key=None):
+        gate_BLF = projected(self, "w_gate", "bld,df->blf", x_BLD, self.dtype, key)
+        up_BLF = projected(self, "w_up", "bld,df->blf", x_BLD, self.dtype, key)
+        h_BLF = jax.nn.silu(gate_BLF) * up_BLF
+        return projected(self, "w_down", "blf,fd->bld", h_BLF, self.dtype, key)
 
 
 class Block(nnx.Module):
@@ -392,7 +399,7 @@ class Block(nnx.Module):
             self.attn = Attention(cfg, rngs)
         self.mlp = SwiGLU(cfg, cfg.d_model, cfg.mlp_dim, "embed", rngs)
 
-    def __call__(self, x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache=None):
+    def __call__(self, x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache=None, key=None):
         x_BLD = constrain(x_BLD, ("batch", "length", None))
         # mixing over L, as the last axis: XLA:CPU's dot has no bf16 x bf16
         if hasattr(self, "token_mlp"):
@@ -400,10 +407,18 @@ class Block(nnx.Module):
             h_BLD = jnp.swapaxes(self.token_mlp(jnp.swapaxes(self.attn_norm(x_BLD), 1, 2)), 1, 2)
         else:
             h_BLD, cache = self.attn(
-                self.attn_norm(x_BLD), positions_BL, rope_BL1k, segment_ids_BL, self.causal, cache
+                self.attn_norm(x_BLD),
+                positions_BL,
+                rope_BL1k,
+                segment_ids_BL,
+                self.causal,
+                cache,
+                None if key is None else jax.random.fold_in(key, 0),
             )
         x_BLD = x_BLD + h_BLD
-        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        x_BLD = x_BLD + self.mlp(
+            self.mlp_norm(x_BLD), None if key is None else jax.random.fold_in(key, 1)
+        )
         return constrain(x_BLD, ("batch", "length", None)), cache
 
 
@@ -424,14 +439,15 @@ class Trunk(nnx.Module):
         else:
             self.layers = nnx.List([make(rngs) for _ in range(cfg.num_layers)])
 
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None):
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, cache=None, key=None):
         # positions are below the length / cache
         P = x_BLD.shape[1] if cache is None else cache["k"].shape[2]
         rope_BL1k = rope_table(positions_BL, self.cfg, P)
+        keys = None if key is None else jax.random.split(key, self.cfg.num_layers)  # LoRA dropout
 
         # blocks are pytrees: jax transforms take them as arguments
-        layer = lambda x_BLD, block, cache: block(
-            x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache
+        layer = lambda x_BLD, block, cache, key: block(
+            x_BLD, positions_BL, rope_BL1k, segment_ids_BL, cache, key
         )
         if self.cfg.remat != "none":
             layer = jax.checkpoint(
@@ -439,10 +455,12 @@ class Trunk(nnx.Module):
             )
         # the cache (if any) is stacked like the parameters: scanned along with them
         if self.cfg.scan_layers:
-            return jax.lax.scan(lambda x_BLD, xs: layer(x_BLD, *xs), x_BLD, (self.layers, cache))
+            xs = (self.layers, cache, keys)
+            return jax.lax.scan(lambda x_BLD, xs: layer(x_BLD, *xs), x_BLD, xs)
         caches = []
         for i, block in enumerate(self.layers):
-            x_BLD, c = layer(x_BLD, block, jax.tree.map(lambda a, i=i: a[i], cache))
+            at = lambda tree, i=i: jax.tree.map(lambda a: a[i], tree)
+            x_BLD, c = layer(x_BLD, block, at(cache), at(keys))
             caches.append(c)
         return x_BLD, (None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *caches))
 
@@ -462,14 +480,14 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (D, V), ("embed", "vocab"), D**-0.5, wdt)
 
-    def __call__(self, tokens_BL, positions_BL, segment_ids_BL, cache=None, logits=True):
+    def __call__(self, tokens_BL, positions_BL, segment_ids_BL, cache=None, logits=True, key=None):
         dt = jnp.dtype(self.cfg.dtype)
         # Gather from a whole (all-gathered) table: a gather whose table is sharded over
         # vocab and embed while its indices are sharded over batch makes XLA replicate
         # everything anyway, less cleanly.
         x_BLD = jnp.take(constrain(self.embed[...], (None, None)), tokens_BL, axis=0).astype(dt)
         x_BLD = constrain(x_BLD, ("batch", "length", None))
-        x_BLD, new_cache = self.trunk(x_BLD, positions_BL, segment_ids_BL, cache)
+        x_BLD, new_cache = self.trunk(x_BLD, positions_BL, segment_ids_BL, cache, key)
         x_BLD = self.final_norm(x_BLD)
         if not logits:
             return x_BLD
@@ -592,8 +610,9 @@ def lm_loss(cfg, graph, params, mb, carry, key, step=0):
     (sums, carry)). The step divides by sums['weight'] (the token count of the whole step), so
     accumulation is exact."""
     model = nnx.merge(graph, params)
+    key = key if cfg.lora.rank and cfg.lora.dropout else None  # LoRA's dropout draws, training only
     if cfg.vocab_tile:  # the head and its loss in vocabulary tiles: no [rows, V] logits in memory
-        x_BLD = model(mb["inputs"], mb["positions"], mb["segment_ids"], logits=False)
+        x_BLD = model(mb["inputs"], mb["positions"], mb["segment_ids"], logits=False, key=key)
         ce_BL = tiled_cross_entropy(
             x_BLD.reshape(-1, x_BLD.shape[-1]),
             model.head(),
@@ -602,7 +621,7 @@ def lm_loss(cfg, graph, params, mb, carry, key, step=0):
             jnp.dtype(cfg.dtype),
         ).reshape(mb["targets"].shape)
     else:
-        logits_BLV = model(mb["inputs"], mb["positions"], mb["segment_ids"])
+        logits_BLV = model(mb["inputs"], mb["positions"], mb["segment_ids"], key=key)
         ce_BL = cross_entropy(logits_BLV, mb["targets"])
     # weight: the targets that count (an SFT row's answers);
     # tokens: every real one the step ran (for tokens/s, MFU)
@@ -1212,25 +1231,54 @@ def load_hf(cfg, path, abstract_params):
     def placed(keypath, a):
         entries = sources[tuple(k.key for k in keypath)]
         stacked = cfg.scan_layers and keypath[0].key == "trunk"
+        if isinstance(a, Quantized):  # QLoRA: each layer read, then quantized on its devices
+            return quantized_layers(a, entries, stacked)
         shape = a.shape[1:] if stacked else a.shape
-        for entry, how, name in entries:
+        checked(entries, shape)
+
+        def shard(index):  # this device's part of our array
+            if not stacked:
+                return part(*entries[0][:2], index, shape, a.dtype)
+            layers = range(a.shape[0])[index[0]]
+            return np.stack([part(*entries[i][:2], index[1:], shape, a.dtype) for i in layers])
+
+        return jax.make_array_from_callback(a.shape, a.sharding, shard)
+
+    def checked(entries, shape):
+        for entry, _, name in entries:
             if math.prod(entry[2]) != math.prod(shape):
                 raise data.DataError(
                     f"load_hf={path}: the checkpoint disagrees with its config.json: {name} is "
                     f"{list(entry[2])} where the config makes {list(shape)}"
                 )
 
-        def part(entry, how, index):  # what `index` of our array holds, read from one tensor
-            return np.asarray(our_layout(hf_array(entry), how, shape)[index], a.dtype)
+    def part(entry, how, index, shape, dtype):  # what `index` of our array holds, from one tensor
+        return np.asarray(our_layout(hf_array(entry), how, shape)[index], dtype)
 
-        def shard(index):  # this device's part of our array
-            if not stacked:
-                return part(*entries[0][:2], index)
-            return np.stack([part(*entries[i][:2], index[1:]) for i in range(a.shape[0])[index[0]]])
+    def quantized_layers(q, entries, stacked):
+        """A Quantized weight: one layer's full-precision tensor at a time on the devices."""
+        sharding = q.codes.sharding
+        full = (*q.codes.shape[:-1], q.codes.shape[-1] * (2 if q.kind == "nf4" else 1))
+        shape = full[1:] if stacked else full
+        checked(entries, shape)
+        spec = PartitionSpec(*sharding.spec[1:]) if stacked else sharding.spec
+        layer = NamedSharding(sharding.mesh, spec)
+        one = jax.jit(lambda w: quantize(w, q.kind, cfg.lora.block))
+        layers = [
+            one(
+                jax.make_array_from_callback(
+                    shape, layer, functools.partial(part, e, how, shape=shape, dtype=q.dtype)
+                )
+            )
+            for e, how, _ in entries
+        ]
+        stack = lambda *ls: jax.tree.map(lambda *xs: jnp.stack(xs), *ls) if stacked else ls[0]
+        return jax.jit(
+            stack, out_shardings=Quantized(sharding, q.scales.sharding, q.kind, q.dtype)
+        )(*layers)
 
-        return jax.make_array_from_callback(a.shape, a.sharding, shard)
-
-    return jax.tree_util.tree_map_with_path(placed, abstract_params)
+    is_leaf = lambda x: isinstance(x, Quantized)
+    return jax.tree_util.tree_map_with_path(placed, abstract_params, is_leaf=is_leaf)
 
 
 # In an export directory: the files the export wrote, so the next export there removes them all
@@ -1264,7 +1312,11 @@ def save_hf(cfg, params, out_dir, tokenizer=None, source=None):
     process) that transformers loads: config.json (hf_config over `source`, the config.json the run
     started from), the tensors in the weight dtype (one model.safetensors, or shards with an index
     past SHARD_BYTES; the metadata transformers wants, format=pt), generation_config.json and the
-    tokenizer's files. `params`: host arrays. Returns the tensors."""
+    tokenizer's files. `params`: host arrays. With LoRA a peft adapter directory (save_peft), or
+    with lora.merge the model with its adapters merged in. Returns the tensors."""
+    if cfg.lora.rank and not cfg.lora.merge:
+        return save_peft(cfg, params, out_dir, tokenizer)
+    params = merged(cfg, params) if cfg.lora.rank else params
     conf, tensors = hf_config(cfg, source), {}
     for name, path, i, how in hf_names(cfg):
         w = functools.reduce(lambda tree, k: tree[k], path, params)
@@ -1313,6 +1365,467 @@ def save_hf(cfg, params, out_dir, tokenizer=None, source=None):
     data.write(os.path.join(out_dir, "config.json"), json.dumps({**conf, **ids}, indent=2))
     data.write(os.path.join(out_dir, "generation_config.json"), json.dumps(ids, indent=2))
     return tensors
+
+
+# ==================================================================================================
+# LoRA: low-rank adapters on the projections (lora.rank > 0). Each targeted projection W computes
+# x W + (alpha / rank) (dropout(x) A) B. The base's weights are frozen: the train state keeps
+# them apart ('base') from what learns ('params': the adapters), so the step differentiates and
+# AdamW keeps moments for the adapters alone, and a checkpoint holds only those. Adapters go out
+# and come in in peft's format (adapter_config.json, adapter_model.safetensors).
+# ==================================================================================================
+# our projection weight -> (its lora.targets name, how many leading axes are its inputs, peft's
+# name)
+LORA_WEIGHTS = {
+    "wq": ("q", 1, "self_attn.q_proj"),
+    "wk": ("k", 1, "self_attn.k_proj"),
+    "wv": ("v", 1, "self_attn.v_proj"),
+    "wo": ("o", 2, "self_attn.o_proj"),
+    "w_gate": ("gate", 1, "mlp.gate_proj"),
+    "w_up": ("up", 1, "mlp.up_proj"),
+    "w_down": ("down", 1, "mlp.down_proj"),
+}
+LORA_TARGETS = tuple(target for target, _, _ in LORA_WEIGHTS.values())
+ADAPTER = ("_lora_a", "_lora_b")  # an adapter's parameters: weight name + these
+
+
+def add_adapters(module, cfg, rngs):
+    """lora.rank > 0: beside each of module's projection weights that lora.targets names, its
+    adapter: A [inputs..., r] drawn as peft draws it (Kaiming-uniform: U(+-1/sqrt(inputs))) and B
+    [r, outputs...] zero, so step 0 computes the base model exactly; float32, whatever weight_dtype
+    (the base may stay bfloat16). Their logical axes are the weight's, the rank's 'lora_rank'."""
+    r = cfg.lora.rank
+    module.lora = (cfg.lora.alpha / r, cfg.lora.dropout) if r else None  # (scale, dropout rate)
+    for name, (target, ins, _) in LORA_WEIGHTS.items():
+        if not r or target not in cfg.lora.targets or not hasattr(module, name):
+            continue
+        w = getattr(module, name)
+        shape, axes = w.shape, w.out_sharding
+        bound = math.prod(shape[:ins]) ** -0.5
+        a = jax.random.uniform(rngs.params(), (*shape[:ins], r), jnp.float32, -bound, bound)
+        b = jnp.zeros((r, *shape[ins:]), jnp.float32)
+        a_axes, b_axes = (*axes[:ins], "lora_rank"), ("lora_rank", *axes[ins:])
+        setattr(module, name + ADAPTER[0], nnx.Param(a, out_sharding=a_axes, eager_sharding=False))
+        setattr(module, name + ADAPTER[1], nnx.Param(b, out_sharding=b_axes, eager_sharding=False))
+
+
+def projected(module, name, eq, x, dtype, key=None):
+    """The projection module.<name> of x (dot's einsum `eq`) and, where LoRA adapts it, its adapter:
+    x W + scale (dropout(x) A) B, in the compute dtype. `key`: the dropout's draws (training)."""
+    y = dot(eq, x, getattr(module, name)[...], dtype)
+    if not hasattr(module, name + ADAPTER[0]):
+        return y
+    a, b = getattr(module, name + ADAPTER[0])[...], getattr(module, name + ADAPTER[1])[...]
+    (scale, rate), (lhs, rhs) = module.lora, eq.split("->")[0].split(",")
+    ins, outs, rows = rhs[: a.ndim - 1], rhs[a.ndim - 1 :], lhs[: lhs.index(rhs[0])]
+    if key is not None and rate:
+        keep = jax.random.bernoulli(jax.random.fold_in(key, hash(name) % 2**31), 1 - rate, x.shape)
+        x = jnp.where(keep, x / (1 - rate), 0).astype(x.dtype)
+    xa = dot(f"{lhs},{ins}r->{rows}r", x, a, dtype)
+    return y + scale * dot(f"{rows}r,r{outs}->{rows}{outs}", xa, b, dtype)
+
+
+def leaf(tree, path):
+    """tree[path[0]][path[1]]...: one entry of a nested dict."""
+    return functools.reduce(lambda t, k: t[k], path, tree)
+
+
+def parted(tree, keep):
+    """The nested dict of tree's leaves whose names `keep` takes, empty branches dropped."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            if part := parted(v, keep):
+                out[k] = part
+        elif keep(k):
+            out[k] = v
+    return out
+
+
+def joined(base, part):
+    """base with part's leaves put in (a nested dict merge); `part` itself where base is empty."""
+    if not base:
+        return part
+    out = dict(base)
+    for k, v in part.items():
+        out[k] = joined(base.get(k), v) if isinstance(v, dict) else v
+    return out
+
+
+def learned(cfg, tree):
+    """The parameters that train, of a tree shaped as the model's: all of them, or with LoRA the
+    adapters alone."""
+    return parted(tree, lambda k: str(k).endswith(ADAPTER)) if cfg.lora.rank else tree
+
+
+def frozen(cfg, tree):
+    """The rest: with LoRA the base's weights ({} without)."""
+    return parted(tree, lambda k: not str(k).endswith(ADAPTER)) if cfg.lora.rank else {}
+
+
+# QLoRA's 4-bit levels (NormalFloat4: quantiles of a unit normal, as bitsandbytes' nf4) and the
+# midpoints between them, where a value rounds to its neighbour.
+NF4 = np.array(
+    [
+        -1.0,
+        -0.6961928,
+        -0.52507305,
+        -0.3949175,
+        -0.28444138,
+        -0.18477343,
+        -0.09105004,
+        0.0,
+        0.0795803,
+        0.1609302,
+        0.2461123,
+        0.33791524,
+        0.44070983,
+        0.562617,
+        0.72295684,
+        1.0,
+    ],
+    np.float32,
+)
+NF4_EDGES = (NF4[1:] + NF4[:-1]) / 2
+
+
+@jax.tree_util.register_pytree_node_class
+class Quantized:
+    """A frozen base weight stored blockwise-quantized (QLoRA, lora.base_quant): codes (int8, or two
+    nf4 codes a byte) and one absmax scale per block of values along the last axis. w[...]
+    dequantizes it, inside the layer that reads it: under the layer scan one layer's weights exist
+    at full precision at a time."""
+
+    def __init__(self, codes, scales, kind, dtype):
+        self.codes, self.scales, self.kind, self.dtype = codes, scales, kind, dtype
+
+    def tree_flatten(self):
+        return (self.codes, self.scales), (self.kind, self.dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    def __getitem__(self, index):
+        return dequantize(self)[index]
+
+    @property
+    def size(self):
+        return self.codes.size * (2 if self.kind == "nf4" else 1)
+
+
+def quantize(w, kind, block):
+    """w [..., n] -> Quantized: blocks of `block` values along the last axis scaled by their absmax
+    to [-1, 1], then int8 (x 127, rounded) or the nearest of the 16 NF4 levels."""
+    *lead, n = w.shape
+    x = w.astype(jnp.float32).reshape(*lead, n // block, block)
+    scales = jnp.max(jnp.abs(x), axis=-1)
+    unit = x / jnp.where(scales > 0, scales, 1.0)[..., None]
+    dtype = jnp.dtype(w.dtype)
+    if kind == "int8":
+        return Quantized(
+            jnp.round(unit * 127).astype(jnp.int8).reshape(*lead, n), scales, kind, dtype
+        )
+    idx = jnp.searchsorted(jnp.asarray(NF4_EDGES), unit).astype(jnp.uint8).reshape(*lead, n)
+    return Quantized(idx[..., 0::2] | (idx[..., 1::2] << 4), scales, kind, dtype)
+
+
+def dequantize(q):
+    """Quantized -> the weight it approximates, in its dtype."""
+    if q.kind == "int8":
+        unit = q.codes.astype(jnp.float32) / 127
+    else:
+        pairs = jnp.stack([q.codes & 15, q.codes >> 4], axis=-1).reshape(*q.codes.shape[:-1], -1)
+        unit = jnp.take(jnp.asarray(NF4), pairs.astype(jnp.int32))
+    *lead, n = unit.shape
+    blocks = unit.reshape(*lead, q.scales.shape[-1], -1) * q.scales[..., None]
+    return blocks.reshape(*lead, n).astype(q.dtype)
+
+
+def quantized(cfg, base):
+    """QLoRA: the base's projection weights as Quantized (their logical axes as Quantized of axes,
+    the codes' and the scales' alike); the rest (embeddings, norms, biases) as they are."""
+    if cfg.lora.base_quant == "none":
+        return base
+
+    def one(path, x):
+        if path[-1].key not in LORA_WEIGHTS or isinstance(x, Quantized):
+            return x
+        if isinstance(x, PartitionSpec):
+            return Quantized(x, x, cfg.lora.base_quant, jnp.dtype(cfg.weight_dtype))
+        return quantize(x, cfg.lora.base_quant, cfg.lora.block)
+
+    return jax.tree_util.tree_map_with_path(
+        one, base, is_leaf=lambda x: isinstance(x, (PartitionSpec, Quantized))
+    )
+
+
+def parts(cfg, tree):
+    """The train state's parameter entries from a tree shaped as the model's parameters (arrays, or
+    their logical axes): {'params': what trains}; with LoRA the adapters there, and 'base' the
+    frozen rest, 'base_id' the base's fingerprint (base_id: in the checkpoint, which the base is
+    not, so that a resume on another base is caught)."""
+    if not cfg.lora.rank:
+        return {"params": tree}
+    axes = isinstance(
+        jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))[0], PartitionSpec
+    )
+    seal = base_fingerprint(cfg.load_hf, cfg.seed, cfg.task)
+    base_id = PartitionSpec() if axes else jnp.asarray(np.frombuffer(seal, np.uint8))
+    base = quantized(cfg, frozen(cfg, tree))
+    return {"params": learned(cfg, tree), "base": base, "base_id": base_id}
+
+
+def parameter_count(state):
+    """The log's 'model:' figure: '3.54M parameters', with LoRA '3.54M parameters (0.30M of them
+    trained: the adapters)'. A quantized base weight counts the values it stands for."""
+    count = sum(
+        x.size for x in jax.tree.leaves(state.get("base", {}), is_leaf=Quantized.__instancecheck__)
+    )
+    trained = sum(x.size for x in jax.tree.leaves(state["params"]))
+    if not count:
+        return f"{trained / 1e6:.2f}M parameters"
+    total = f"{(count + trained) / 1e6:.2f}M parameters"
+    return f"{total} ({trained / 1e6:.2f}M of them trained: the adapters)"
+
+
+@functools.cache
+def base_fingerprint(load_hf, seed, task):
+    """20 bytes naming LoRA's base: load_hf's checkpoint by every tensor's name, dtype, shape and
+    first bytes (cheap to read, other for other weights of the same shape), or a fresh init's
+    seed."""
+    digest = hashlib.sha1()
+    if not load_hf:
+        digest.update(f"init seed {seed} {task}".encode())
+        return digest.digest()
+    folder = data.hf_dir(load_hf)
+    try:
+        tensors = hf_tensors(folder)
+    except (
+        ValueError,
+        *data.STORAGE_ERRORS,
+    ):  # no weights (the fit check compiles from config.json)
+        return hashlib.sha1(data.stored(os.path.join(folder, "config.json")).read_bytes()).digest()
+    for name, (path, dtype, shape, first) in sorted(tensors.items()):
+        with data.stored(path).open("rb") as f:
+            f.seek(first)
+            head = f.read(64)
+        digest.update(f"{name} {dtype} {shape}".encode() + head)
+    return digest.digest()
+
+
+def on_base(cfg, start, restored):
+    """A LoRA run's resumed state: the checkpoint's (adapters, their optimizer state, ...) on the
+    frozen base of `start`, a fresh state from load_hf, which must be the base the checkpoint
+    names."""
+    if not np.array_equal(np.asarray(start["base_id"]), np.asarray(restored["base_id"])):
+        raise data.DataError(
+            f"load_hf={cfg.load_hf or '(none: a fresh init)'}: this run's adapters were trained on "
+            "another base (its weights' fingerprint, kept in the checkpoint, differs); give the "
+            "load_hf the run started from (RUN_DIR/config.yml), or start a new run_name"
+        )
+    return {**start, **restored}
+
+
+def fold_adapters(cfg, params):
+    """params with each adapter folded into its weight, W + scale A B (in the weight's dtype, the
+    sum in float32), and dropped: the dense model the adapted one computes. jnp: differentiable."""
+    scale = cfg.lora.alpha / cfg.lora.rank
+
+    def fold(tree):
+        out = {k: fold(v) if isinstance(v, dict) else v for k, v in tree.items()}
+        for name, (_, ins, _) in LORA_WEIGHTS.items():
+            if name + ADAPTER[0] in out:
+                a, b, w = out.pop(name + ADAPTER[0]), out.pop(name + ADAPTER[1]), out[name][...]
+                lead = a.ndim - 1 - ins  # the stacked layers' axis, if any
+                a_IR = a.reshape(*a.shape[:lead], -1, a.shape[-1]).astype(jnp.float32)
+                b_RO = b.reshape(*b.shape[: lead + 1], -1).astype(jnp.float32)
+                delta = jnp.matmul(a_IR, b_RO).reshape(w.shape)
+                out[name] = (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
+        return out
+
+    return fold(params)
+
+
+def merged(cfg, params):
+    """Host params with the adapters folded in (fold_adapters): the full model, written in the
+    family's own format by lora.merge=true."""
+    return jax.tree.map(np.asarray, fold_adapters(cfg, params))
+
+
+def peft_names(cfg):
+    """[(peft's module name, our path to the adapted weight, its layer's index in a scanned stack or
+    None, its input axes)] of every adapter: peft's lora_A.weight is our A^T [r, inputs], its
+    lora_B.weight our B^T [outputs, r]."""
+    out = []
+    for i in range(cfg.num_layers):
+        layer, idx = (("layers",), i) if cfg.scan_layers else (("layers", i), None)
+        for name, (target, ins, peft) in LORA_WEIGHTS.items():
+            if target in cfg.lora.targets:
+                part = "attn" if peft.startswith("self_attn") else "mlp"
+                out.append(
+                    (
+                        f"base_model.model.model.layers.{i}.{peft}",
+                        ("trunk", *layer, part, name),
+                        idx,
+                        ins,
+                    )
+                )
+    return out
+
+
+def peft_config(cfg):
+    """adapter_config.json of our adapters, as peft writes it for a causal LM."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": cfg.load_hf or None,
+        "r": cfg.lora.rank,
+        "lora_alpha": cfg.lora.alpha,
+        "lora_dropout": cfg.lora.dropout,
+        "target_modules": sorted(
+            p.rsplit(".", 1)[1] for t, _, p in LORA_WEIGHTS.values() if t in cfg.lora.targets
+        ),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+    }
+
+
+def save_peft(cfg, params, out_dir, tokenizer=None):
+    """mode=export of a LoRA run (lora.merge=false): a peft adapter directory, adapter_config.json
+    and adapter_model.safetensors in peft's names, and the tokenizer's files. `params`: host arrays
+    of the whole model (the base's are not written). Returns the tensors."""
+    tensors = {}
+    for module, path, i, _ in peft_names(cfg):
+        a, b = (leaf(params, (*path[:-1], path[-1] + suffix)) for suffix in ADAPTER)
+        a, b = (np.asarray(x if i is None else x[i]) for x in (a, b))
+        tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, a.shape[-1]).T)
+        tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(b.reshape(b.shape[0], -1).T)
+    files = [
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        *(tokenizer.files if tokenizer else ()),
+    ]
+    clear_export(out_dir, files)
+    blob = safetensors.numpy.save(tensors, metadata={"format": "pt"})
+    data.write(os.path.join(out_dir, "adapter_model.safetensors"), blob)
+    data.write(os.path.join(out_dir, "adapter_config.json"), json.dumps(peft_config(cfg), indent=2))
+    for name, content in (tokenizer.files if tokenizer else {}).items():
+        data.write(os.path.join(out_dir, name), content)
+    return tensors
+
+
+# peft options this trainer's adapters cannot express: (option, the value they take here)
+PEFT_REFUSED = (
+    ("use_dora", False),
+    ("use_rslora", False),
+    ("fan_in_fan_out", False),
+    ("bias", "none"),
+    ("modules_to_save", None),
+    ("layers_to_transform", None),
+    ("rank_pattern", {}),
+    ("alpha_pattern", {}),
+)
+
+
+def peft_keys(conf, where):
+    """An adapter_config.json -> {our lora key: value}; a ValueError naming the option this trainer
+    does not run (DoRA, rsLoRA, biases, saved modules, per-layer ranks, modules it has not)."""
+    if conf.get("peft_type") != "LORA":
+        raise ValueError(
+            f"{where}: peft_type={conf.get('peft_type')!r}; load_adapter reads LoRA adapters"
+        )
+    for option, plain in PEFT_REFUSED:
+        if conf.get(option) not in (plain, None) and conf.get(option) != type(plain)():
+            raise ValueError(
+                f"{where}: {option}={conf[option]!r} is not supported here (this trainer's LoRA "
+                f"is plain: {option}={plain!r})"
+            )
+    ours = {peft.rsplit(".", 1)[1]: target for target, _, peft in LORA_WEIGHTS.values()}
+    wanted = conf.get("target_modules") or []
+    if isinstance(wanted, str) or not all(m in ours for m in wanted):
+        bad = wanted if isinstance(wanted, str) else next(m for m in wanted if m not in ours)
+        raise ValueError(
+            f"{where}: target_modules has {bad!r}; the projections here are {', '.join(ours)}"
+        )
+    return {
+        "lora.rank": conf.get("r"),
+        "lora.alpha": conf.get("lora_alpha", conf.get("r")),
+        "lora.dropout": conf.get("lora_dropout", 0.0),
+        "lora.targets": [ours[m] for m in ours if m in wanted],
+    }
+
+
+def load_pretrained(cfg, abstract):
+    """load_hf's weights placed as the train state's `abstract` says (with LoRA its 'base'), and
+    with load_adapter that peft adapter's as the adapters ('params')."""
+    params = load_hf(cfg, cfg.load_hf, abstract.get("base", abstract["params"]))
+    if not cfg.load_adapter:
+        return params
+    return joined(params, load_peft(cfg, data.hf_dir(cfg.load_adapter), abstract["params"]))
+
+
+def exported(cfg):
+    """What mode=export writes, in words."""
+    if cfg.lora.rank and not cfg.lora.merge:
+        return f"a peft LoRA adapter (r={cfg.lora.rank}, {', '.join(cfg.lora.targets)})"
+    arch = hf_config(cfg)["architectures"][0]
+    return f"a Hugging Face {arch} checkpoint ({cfg.weight_dtype}" + (
+        ", LoRA merged)" if cfg.lora.rank else ")"
+    )
+
+
+def load_peft(cfg, folder, abstract_params):
+    """load_adapter=DIR: its adapter_model.safetensors as our adapters, placed as abstract_params
+    (the adapters' part of the train state) says; a DataError names what is missing or misshapen."""
+    path = os.path.join(folder, "adapter_model.safetensors")
+    try:
+        tensors = safetensors_header(path)
+    except (ValueError, *data.STORAGE_ERRORS) as e:
+        raise data.DataError(f"load_adapter={folder}: {first_line(e)}") from None
+    loaded = {}
+    for module, where, i, ins in peft_names(cfg):
+        for suffix, kind in zip(ADAPTER, ("lora_A", "lora_B")):
+            name = f"{module}.{kind}.weight"
+            if name not in tensors:
+                raise data.DataError(f"load_adapter={folder}: {path} has no tensor {name}")
+            entry = tensors[name]
+            loaded.setdefault((*where[:-1], where[-1] + suffix), []).append((entry, suffix, i))
+
+    def placed(keypath, a):
+        entries = loaded[tuple(k.key for k in keypath)]
+        stacked = cfg.scan_layers
+        shape = a.shape[1:] if stacked else a.shape
+
+        def part(
+            entry, suffix
+        ):  # peft [r, inputs] / [outputs, r] -> ours [inputs..., r] / [r, outputs...]
+            w = hf_array(entry)
+            if math.prod(w.shape) != math.prod(shape):
+                raise data.DataError(
+                    f"load_adapter={folder}: {entry} is {list(w.shape)} where this model takes "
+                    f"{list(shape)}"
+                )
+            w = w.T
+            return np.asarray(w.reshape(shape), a.dtype)
+
+        def shard(index):
+            if not stacked:
+                return part(*entries[0][:2])[index]
+            return np.stack([part(*entries[k][:2])[index[1:]] for k in range(a.shape[0])[index[0]]])
+
+        return jax.make_array_from_callback(a.shape, a.sharding, shard)
+
+    return jax.tree_util.tree_map_with_path(placed, abstract_params)
 
 
 # ==================================================================================================

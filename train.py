@@ -29,7 +29,6 @@ import os
 import pathlib
 import pkgutil
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -238,26 +237,27 @@ def state_layout(cfg, task, mesh, tx, rows):
     their parameter's, the task's state the axes it declares; the rest replicates."""
 
     def init(rng, params=None):  # params: start from these (loaded) instead of a fresh init
-        if params is None:
-            _, params = model_lib.init(cfg, rng)
+        if params is None or cfg.lora.rank:  # LoRA: the adapters fresh beside a loaded base
+            params = model_lib.joined(model_lib.init(cfg, rng)[1], params or {})
+        parts = model_lib.parts(cfg, params)  # what trains ('params'); with LoRA the 'base' apart
         return {
             "step": jnp.zeros((), jnp.int32),
-            "params": params,
-            "opt_state": tx.init(params),
-            **task.state(cfg, params, rows),
+            **parts,
+            "opt_state": tx.init(parts["params"]),
+            **task.state(cfg, parts["params"], rows),
         }
 
     shapes = jax.eval_shape(init, jax.random.key(cfg.seed))
-    _, params = model_lib.abstract(cfg)  # the parameters' logical axes
+    parts = model_lib.parts(cfg, model_lib.abstract(cfg)[1])  # the parameters' logical axes
     logical = {
         "step": PartitionSpec(),
-        "params": params,
-        **task.state_axes(params),
+        **parts,
+        **task.state_axes(parts["params"]),
         "opt_state": optax.tree_map_params(
             tx,
             lambda _, spec: spec,
             shapes["opt_state"],
-            params,
+            parts["params"],
             transform_non_params=lambda _: PartitionSpec(),
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         ),
@@ -286,8 +286,9 @@ def make_train_step(cfg, task, graph, tx):
     grad_accum=4 x batch 2 equal grad_accum=1 x batch 8."""
 
     def train_step(state, batch_ABL):
-        params = state["params"]
-        loss_fn = lambda p, mb, c, k: task.loss(cfg, graph, p, mb, c, k, state["step"])
+        params = state["params"]  # what trains: with LoRA the adapters, the frozen base beside them
+        whole = lambda p: model_lib.joined(state.get("base"), p)
+        loss_fn = lambda p, mb, c, k: task.loss(cfg, graph, whole(p), mb, c, k, state["step"])
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def micro(acc, xs):  # one microbatch: its gradient (float32) and loss added to the sums
@@ -316,6 +317,7 @@ def make_train_step(cfg, task, graph, tx):
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         new_state = {
+            **state,
             "step": state["step"] + 1,
             "params": new_params,
             "opt_state": opt_state,
@@ -360,7 +362,7 @@ def build(cfg, task, devices):
     )
     eval_step = jax.jit(
         functools.partial(task.eval_step, cfg, graph),
-        in_shardings=(layout.shardings["params"], feed.eval_sharding),
+        in_shardings=(weights(layout.shardings, task), feed.eval_sharding),
     )
     return Built(mesh, feed, graph, schedule, layout, train_step, eval_step)
 
@@ -391,7 +393,7 @@ def evaluator(cfg, task, eval_step, feed):
         if n_batches and n < n_batches:
             log(f"eval_batches={n_batches}: the eval set fills {n}; evaluating those")
         for i, b in enumerate(batches):
-            w, x = state[task.eval_weights], global_batch(b, feed.eval_sharding, feed.rows)
+            w, x = weights(state, task), global_batch(b, feed.eval_sharding, feed.rows)
             # Compiled ahead, then every host goes on at once: a collective's first run (Gloo, on
             # CPU) waits 30 s for the others.
             if i == 0:
@@ -493,6 +495,7 @@ def save_checkpoint(mngr, step, state, it):
         np.stack([np.frombuffer(r, np.uint8) for r in raw]), tiled=True
     )
     data_state = {"lanes": np.asarray(lanes), "source": np.frombuffer(it.source.encode(), np.uint8)}
+    state = {k: v for k, v in state.items() if k != "base"}  # LoRA: the base is its source's
     data.check_held(str(mngr.directory))
     try:
         mngr.check_for_errors()  # the save before this one, finished in the background
@@ -509,14 +512,14 @@ def save_checkpoint(mngr, step, state, it):
 
 
 def restore_or_init(cfg, task, mngr, layout):
-    """The train state: the newest readable checkpoint of this run (resume), else a fresh state,
-    from load_params (another run's newest readable checkpoint: its params for training, what the
-    task evaluates for the other modes) or load_hf weights if given. Returns (state, every lane's
-    data state or None, whether the state holds trained parameters). restore_checkpoint (Part 2)
-    skips damaged steps and names a changed config."""
+    """The train state: the newest readable checkpoint of this run (resume; with LoRA on the frozen
+    base it started from), else starting_state. Returns (state, every lane's data state or None,
+    whether the state holds trained parameters). restore_checkpoint (Part 2) skips damaged steps and
+    names a changed config."""
     if cfg.resume and mngr.all_steps():
         # a damaged step is moved aside by the run that trains, never by an eval beside it
-        restored = restore_checkpoint(mngr, layout.abstract, cfg, move_aside=cfg.mode == "train")
+        kept = {k: v for k, v in layout.abstract.items() if k != "base"}  # a checkpoint's part
+        restored = restore_checkpoint(mngr, kept, cfg, move_aside=cfg.mode == "train")
         if not restored:
             raise ConfigError(
                 f"no readable checkpoint in {mngr.directory} (steps "
@@ -524,7 +527,17 @@ def restore_or_init(cfg, task, mngr, layout):
                 "them away to start over, or set resume=false"
             )
         log(f"resuming from checkpoint {mngr.directory}/{restored.step}")
-        return restored.state, restored.data_state, True
+        state = restored.state
+        if "base" in layout.abstract:  # LoRA: the base the adapters were trained on, loaded again
+            state = model_lib.on_base(cfg, starting_state(cfg, task, layout)[0], state)
+        return state, restored.data_state, True
+    return starting_state(cfg, task, layout)
+
+
+def starting_state(cfg, task, layout):
+    """A fresh state, from load_params (another run's newest readable checkpoint: its params for
+    training, what the task evaluates for the other modes) or load_hf weights (with load_adapter a
+    peft adapter over them) if given: (state, None, whether it holds trained parameters)."""
     if cfg.load_params:
         part = "params" if cfg.mode == "train" else task.eval_weights
         path, steps = data.checkpoint_steps(cfg.load_params)
@@ -540,10 +553,17 @@ def restore_or_init(cfg, task, mngr, layout):
             state = {**state, "step": jnp.int32(found.step)}
         return state, None, True
     if cfg.load_hf:  # each host reads what its devices hold
-        params = model_lib.load_hf(cfg, cfg.load_hf, layout.abstract["params"])
-        log(f"loaded Hugging Face checkpoint {cfg.load_hf}")
+        params = model_lib.load_pretrained(cfg, layout.abstract)
+        adapter = f" and peft adapter {cfg.load_adapter}" if cfg.load_adapter else ""
+        log(f"loaded Hugging Face checkpoint {cfg.load_hf}{adapter}")
         return init_state(cfg, layout, params), None, True
     return init_state(cfg, layout), None, False
+
+
+def weights(state, task):
+    """What eval, generation and export read: the task's eval weights (with LoRA, the base
+    joined)."""
+    return model_lib.joined(state.get("base"), state[task.eval_weights])
 
 
 # ==================================================================================================
@@ -570,37 +590,6 @@ def rates(flops, tps):
         "tflops_per_device": tps * flops["per_token"] / n / 1e12,
         "mfu": tps * flops["per_token"] / flops["peak"],
     }
-
-
-def host_rss_gb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def open_files():
-    """File descriptors this process holds (Linux; -1 elsewhere): flat over a long run."""
-    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1
-
-
-def device_peak_memory_gb(device):
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return stats.get("peak_bytes_in_use", 0) / 2**30 if stats else None
-
-
-def short_line(m, steps, shown):
-    """The line a person reads: progress, loss, speed, time left, and the eval when there is one.
-    The whole row (grad norm, learning rate, memory, data wait, ...) is in metrics.jsonl and
-    TensorBoard; `shown`: the task's (metric, format) pairs."""
-    parts = [f"step {m['step']}/{steps}", f"loss {m['loss']:.4f}"]
-    if "tokens_per_sec" in m:
-        eta = int(m["step_seconds"] * (steps - m["step"]))
-        parts += [
-            f"{m['tokens_per_sec']:,.0f} tokens/s",
-            f"MFU {m['mfu']:.1%}",
-            f"ETA {eta // 3600}h{eta // 60 % 60:02d}m"
-            if eta >= 3600
-            else f"ETA {eta // 60}m{eta % 60:02d}s",
-        ]
-    return "  ".join(parts + [fmt.format(m[k], m=m) for k, fmt in shown if k in m])
 
 
 class NonFinite(Exception):
@@ -667,11 +656,11 @@ class Meter:
             m.update(rates(flops, self.tokens / dt), step_seconds=dt / max(self.timed, 1))
         m["tokens_per_step"] = float(out["tokens"])
         m["data_wait_fraction"] = (self.waited() - self.wait0) / dt
-        m["host_rss_gb"] = host_rss_gb()
-        m["open_files"] = open_files()
+        m["host_rss_gb"] = data.host_rss_gb()
+        m["open_files"] = data.open_files()
         names = {k for e in self.extras for k in e}
         m.update({k: float(np.mean([e[k] for e in self.extras if k in e])) for k in names})
-        if (mem := device_peak_memory_gb(jax.local_devices()[0])) is not None:
+        if (mem := data.device_peak_memory_gb(jax.local_devices()[0])) is not None:
             m["device_peak_memory_gb"] = mem
         self.new_window()
         return m
@@ -792,7 +781,7 @@ def train_loop(cfg, task, state, it, ds, job):
                     evaluated = job.evaluate(state, ds, beat=job.beat)
                 last.update({f"eval_{k}": v for k, v in evaluated.items()})
             last.update(job.clock.shares())
-            log(short_line(last, cfg.steps, task.shown))
+            log(data.short_line(last, cfg.steps, task.shown))
             job.writer.write(last)
             meter.new_window()  # after the eval: its time counts in no window
         preempted = job.caught.names or (
@@ -842,10 +831,11 @@ def train(cfg, task, state, it, ds, job):
         job.clock.now("checkpoint")
         # still under the handlers: a repeated SIGTERM cannot cut the last save short
         wait_for_saves(job.mngr)
-    mem = device_peak_memory_gb(jax.local_devices()[0])
+    mem = data.device_peak_memory_gb(jax.local_devices()[0])
     summary.update(run_dir=job.dir, compile_seconds=t_xla + (meter.first_step_seconds or 0))
     note = (
-        f"compile + first step {summary['compile_seconds']:.1f}s; host RSS {host_rss_gb():.2f} GiB"
+        f"compile + first step {summary['compile_seconds']:.1f}s; "
+        f"host RSS {data.host_rss_gb():.2f} GiB"
         + (f", device peak {mem:.2f} GiB" if mem is not None else "")
         + f", compiled step {gb(compiled or 0)}"
     )
@@ -873,7 +863,7 @@ def eval_mode(cfg, task, state, ds, job):
     beside it)."""
     result = {"step": int(state["step"]), **job.evaluate(state, ds, save_to=job.dir)}
     if task.answers and cfg.eval_answers:  # held-out prompts answered, scored by exact match
-        result.update(task.answers(cfg, job.built.graph, state[task.eval_weights], ds, job.dir))
+        result.update(task.answers(cfg, job.built.graph, weights(state, task), ds, job.dir))
     data.write(os.path.join(job.dir, "eval.json"), json.dumps(result))
     log(json.dumps(result))
     return result
@@ -883,7 +873,7 @@ def generate_mode(cfg, task, state, ds, job):
     """mode=generate: the task's generation from prompt=, printed and written to
     RUN_DIR/generation.txt."""
     summary, shown, text = task.generate(
-        cfg, job.built.graph, state[task.eval_weights], ds, job.built.mesh.size
+        cfg, job.built.graph, weights(state, task), ds, job.built.mesh.size
     )
     log(shown)
     data.write(os.path.join(job.dir, "generation.txt"), text)
@@ -909,18 +899,16 @@ def export_hf(cfg, params, ds, out_dir):
         ) from None
     except ValueError as e:
         raise ConfigError(f"mode=export: {e}") from None
-    arch = model_lib.hf_config(cfg)["architectures"][0]
-    log(
-        f"exported {len(tensors)} tensors ({cfg.weight_dtype}) as a Hugging Face {arch} checkpoint "
-        f"to {out_dir}"
-    )
+    log(f"exported {len(tensors)} tensors as {model_lib.exported(cfg)} to {out_dir}")
     return tensors
 
 
 def export_mode(cfg, task, state, ds, job):
     """mode=export: the parameters as a Hugging Face Llama checkpoint in export_dir (default
     RUN_DIR/hf)."""
-    export_hf(cfg, state["params"], ds, out_dir := cfg.export_dir or os.path.join(job.dir, "hf"))
+    export_hf(
+        cfg, weights(state, task), ds, out_dir := cfg.export_dir or os.path.join(job.dir, "hf")
+    )
     return {"export_dir": out_dir}
 
 
@@ -987,8 +975,8 @@ def run(cfg, devices=None, caught=None, t0=None):
         config = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
         data.write(os.path.join(run_dir, name), f"# {batch}\n{config}")
         log(
-            f"model: {sum(x.size for x in jax.tree.leaves(state['params'])) / 1e6:.2f}M "
-            f"parameters, {task.flops_per_token(cfg) / 1e6:.1f} MFLOPs per token (train)"
+            f"model: {model_lib.parameter_count(state)}, "
+            f"{task.flops_per_token(cfg) / 1e6:.1f} MFLOPs per token (train)"
         )
         if cfg.print_sharding:
             log("\n".join(sharding_table(built.layout, cfg, built.mesh)))
@@ -1161,8 +1149,10 @@ TPU_SLICES = {
     "v4-8": Slice("v4:2x2x1", "megacore", 32 * GiB),
     "v4-32": Slice("v4:2x2x4", "megacore", 32 * GiB),
     "v4-64": Slice("v4:2x4x4", "megacore", 32 * GiB),
+    "v5e-1": Slice("v5e:1x1", "default", 16 * GiB),
     "v5e-8": Slice("v5e:2x4", "default", 16 * GiB),
     "v5p-8": Slice("v5p:2x2x1", "megacore", 95 * GiB),
+    "v6e-1": Slice("v6e:1x1", "default", 32 * GiB),
     "v6e-8": Slice("v6e:2x4", "default", 32 * GiB),
     "tpu7x-8": Slice("tpu7x:2x2x1", "default", 96 * GiB),
 }
@@ -1214,28 +1204,28 @@ SCHEMA = [
         Count,
         (
             "steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads "
-            "mlp_dim max_target_length grad_accum host_timeout num_slices mlp_chunks"
+            "mlp_dim max_target_length grad_accum host_timeout num_slices mlp_chunks lora.block"
         ),
     ),
     (
         Off,
         (
             "eval_every eval_batches checkpoint_every keep_checkpoints top_k head_dim warmup_steps "
-            "prefetch seed epochs eval_answers"
+            "prefetch seed epochs eval_answers lora.rank"
         ),
     ),
     (Positive, "rope_scaling.factor rope_scaling.low_freq_factor rope_scaling.high_freq_factor"),
     (Count, "rope_scaling.original_max_position_embeddings"),
     (Literal["none", "llama3"], "rope_scaling.type"),
-    (Positive, "rope_theta norm_eps learning_rate adam_eps"),
+    (Positive, "rope_theta norm_eps learning_rate adam_eps lora.alpha"),
     (NonNeg, "temperature weight_decay grad_clip"),
     (Share, "min_lr_ratio"),
-    (Decay, "adam_b1 adam_b2"),
+    (Decay, "adam_b1 adam_b2 lora.dropout"),
     (
         bool,
         (
             "print_sharding resume tie_embeddings qkv_bias qk_norm scan_layers hf_streaming "
-            "packing completion_only chat_template"
+            "packing completion_only chat_template lora.merge"
         ),
     ),
     (
@@ -1244,11 +1234,19 @@ SCHEMA = [
             "run_name output_dir compile_cache_dir load_params export_dir load_hf prompt "
             "dataset_path eval_path tfds_name data_dir train_split eval_split text_key "
             "tokenizer_path cache_dir wandb_project wandb_entity hf_path hf_name hf_data_files "
-            "hf_split hf_eval_split hf_eval_files"
+            "hf_split hf_eval_split hf_eval_files load_adapter"
         ),
     ),
     (Annotated[tuple[Off, Off], BeforeValidator(_items)], "profile_steps"),
     (Annotated[str, AfterValidator(_day)], "chat_date"),
+    (
+        Annotated[
+            tuple[Literal[model_lib.LORA_TARGETS], ...],
+            BeforeValidator(_items),
+            Field(min_length=1),
+        ],
+        "lora.targets",
+    ),
     (Annotated[tuple[dict[str, str], ...], BeforeValidator(_conversation)], "messages"),
     (
         Annotated[tuple[tuple[Off, Count], ...], BeforeValidator(_ramp), AfterValidator(_rising)],
@@ -1263,6 +1261,7 @@ SCHEMA = [
     (Off | Literal["auto"], "vocab_tile stall_seconds"),
     (Literal[tuple(model_lib.TASKS)], "task"),
     (Literal["float32", "bfloat16"], "weight_dtype"),
+    (Literal["none", "int8", "nf4"], "lora.base_quant"),
     (Literal["train", "eval", "export", "generate"], "mode"),
     (Literal["none", "full", "save_dots"], "remat"),
     (Literal["auto", "float32", "bfloat16", "float16"], "dtype"),
@@ -1455,9 +1454,10 @@ def validated(raw, path, given):
     return cfg
 
 
-def check(cfg, task):
-    """The rules that tie keys together, the task's own, the paths: each names the key and fix."""
-    rules = shape_rules(cfg) + run_rules(cfg) + [(True, task.check(cfg))]
+def check(cfg, task, shaped=True):
+    """The rules that tie keys together, the task's own, the paths: each names the key and fix.
+    shaped=False: the model's shape is not known yet (load_hf's config.json decides it)."""
+    rules = (shape_rules(cfg) if shaped else []) + run_rules(cfg) + [(True, task.check(cfg))]
     if message := next((says for broken, says in rules if broken and says), None):
         raise ConfigError(message)
     data.check_paths(cfg)
@@ -1487,6 +1487,17 @@ def shape_rules(cfg):
         (
             model_lib.dims(cfg) % 2,
             f"head dim {model_lib.dims(cfg)} must be even for RoPE; set head_dim",
+        ),
+        (
+            cfg.lora.base_quant != "none"
+            and any(n % cfg.lora.block for n in (model_lib.dims(cfg), cfg.d_model, cfg.mlp_dim))
+            or cfg.lora.base_quant == "nf4"
+            and cfg.lora.block % 2,
+            (
+                f"lora.block={cfg.lora.block}: must divide the last axis of every quantized weight "
+                f"(head dim {model_lib.dims(cfg)}, d_model {cfg.d_model}, mlp_dim {cfg.mlp_dim})"
+                " and be even for nf4 (two codes a byte)"
+            ),
         ),
         (
             len(cfg.mesh) != len(cfg.mesh_axes),
@@ -1529,6 +1540,27 @@ def run_rules(cfg):
             ),
         ),
         (cfg.load_params and cfg.load_hf, "load_params and load_hf are both set; keep one"),
+        (
+            cfg.lora.rank and cfg.load_params,
+            (
+                f"lora.rank={cfg.lora.rank} with load_params: LoRA's frozen base comes from "
+                "load_hf (a Hugging Face checkpoint: mode=export of that run makes one)"
+            ),
+        ),
+        (
+            cfg.lora.base_quant != "none" and (not cfg.lora.rank or cfg.task != "lm"),
+            (
+                f"lora.base_quant={cfg.lora.base_quant} quantizes the frozen base of a language "
+                "model's LoRA: set lora.rank (and task=lm), or lora.base_quant=none"
+            ),
+        ),
+        (
+            cfg.load_adapter and not cfg.load_hf,
+            (
+                f"load_adapter={cfg.load_adapter}: an adapter goes on the model it was trained on; "
+                "set load_hf= to that model"
+            ),
+        ),
         (
             cfg.hf_eval_files and cfg.hf_eval_split,
             (
@@ -1619,6 +1651,30 @@ def checkpoint_keys(cfg):
         ) from None
 
 
+def adapter_keys(cfg):
+    """load_adapter: the lora keys come from its adapter_config.json (peft's); one the user set that
+    disagrees, or a peft option this trainer's LoRA does not have, is one line."""
+    path = os.path.join(data.hf_dir(cfg.load_adapter), "adapter_config.json")
+    try:
+        keys = model_lib.peft_keys(data.read_json(path, "of a peft adapter"), path)
+    except data.STORAGE_ERRORS as e:
+        raise ConfigError(
+            f"load_adapter={cfg.load_adapter}: cannot read {path} ({data.storage_reason(e)}); "
+            "give a peft LoRA adapter directory (adapter_config.json, adapter_model.safetensors)"
+        ) from None
+    except ValueError as e:
+        raise ConfigError(f"load_adapter={cfg.load_adapter}: {e}") from None
+    values = data.flat(cfg.model_dump(mode="json"))
+    for key, value in keys.items():
+        mine = list(values[key]) if key == "lora.targets" else values[key]
+        if key in cfg._given and mine != value:
+            raise ConfigError(
+                f"load_adapter={cfg.load_adapter}: its adapter_config.json makes {key}={value} but "
+                f"{key}={mine} is set; drop {key}= (the adapter decides it)"
+            )
+    return with_values(cfg, keys)
+
+
 def fine_tuning_advice(cfg):
     """A load_hf run training at base.yml's learning rate (a pretraining recipe): one warning."""
     if cfg.mode == "train" and "learning_rate" not in cfg._given:
@@ -1699,10 +1755,12 @@ def as_run(cfg, task, devices=None):
     # The rules checked; load_hf's model keys from its config.json, the rules again on them; the
     # compilation cache on; the devices (for compile_topology, the TPU slice's, described by
     # libtpu); the auto values made concrete for them; and every host started alike.
-    check(cfg, task)
+    check(cfg, task, shaped=not cfg.load_hf)
     if cfg.load_hf:  # the model's shape from its config.json, then the rules again on it
         check(cfg := checkpoint_keys(cfg), task)
         fine_tuning_advice(cfg)
+    if cfg.load_adapter:  # the lora keys from its adapter_config.json
+        check(cfg := adapter_keys(cfg), task)
     if not cfg.chat_date:  # process 0's day, or the day the run being resumed rendered its rows
         cfg = with_values(cfg, {"chat_date": agree(run_day(cfg), cfg.host_timeout)[0]})
     # before the first compile; every program is cached, however quick to compile
@@ -2623,11 +2681,13 @@ def tpu_slice(cfg):
     try:
         from jax.experimental import topologies
 
+        one_chip = {"chips_per_host_bounds": (1, 1, 1)} if topology.endswith(":1x1") else {}
         devices = topologies.get_topology_desc(
             topology_name=topology,
             platform="tpu",
             chip_config_name=chips,
             num_slices=cfg.num_slices,
+            **one_chip,  # one chip: its host holds only it (the default host bounds refuse 1x1)
         ).devices
     except Exception as e:  # noqa: BLE001 - no libtpu, an older one, or another process holding it
         raise ConfigError(

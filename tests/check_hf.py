@@ -278,9 +278,39 @@ def worker_sft(out):
             json.dump({"rows": done, "loss_sum": total, "tokens": count, "trl": trl.__version__}, f)
 
 
+def worker_peft(out):
+    """Part 4's peft side, for each of Part 1's checkpoints: our exported adapter (out/NAME/ours) read by
+    peft.PeftModel, its logits saved; and an adapter made by peft on every projection (rank 4, alpha 8,
+    its B drawn nonzero) saved with save_pretrained, with its logits and the merged model
+    (merge_and_unload)'s."""
+    np, torch, transformers = torch_setup()
+    import peft
+
+    ids = torch.tensor(np.load(os.path.join(out, "ids.npy")), dtype=torch.long)
+    for name in MODELS:
+        here = lambda *p, name=name: os.path.join(out, name, *p)
+        load = lambda here=here: transformers.AutoModelForCausalLM.from_pretrained(
+            here("hf"), dtype=torch.float32
+        )
+        with torch.no_grad():
+            theirs = peft.PeftModel.from_pretrained(load(), here("ours")).eval()
+            np.save(here("ours_in_peft.npy"), theirs(ids).logits.float().numpy())
+            targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+            conf = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM")
+            made = peft.get_peft_model(load(), conf)
+            for pname, p in made.named_parameters():
+                if "lora_B" in pname:
+                    p.add_(0.05 * torch.randn_like(p))
+            made.save_pretrained(here("peft"))
+            np.save(here("peft_logits.npy"), made.eval()(ids).logits.float().numpy())
+        with open(os.path.join(out, "peft_version.json"), "w") as f:
+            json.dump({"peft": peft.__version__}, f)
+
+
 def worker(argv):
-    """--worker make OUT | load JOB.json | sft OUT: the torch side, in the venv's python."""
-    {"make": worker_make, "load": worker_load, "sft": worker_sft}[argv[0]](*argv[1:])
+    """--worker make OUT | load JOB.json | sft OUT | peft OUT: the torch side, in the venv's python."""
+    worker_of = {"make": worker_make, "load": worker_load, "sft": worker_sft, "peft": worker_peft}
+    worker_of[argv[0]](*argv[1:])
 
 
 # ==================================================================================================
@@ -712,6 +742,102 @@ def report_part3(rows):
     ]
 
 
+def lora_ours(hf_dir, *keys):
+    """(cfg, whole weights) of load_hf=hf_dir with LoRA keys, as a run builds them, float32."""
+    import jax
+    from flax import nnx
+
+    import model
+    import train
+
+    keys = [
+        f"load_hf={hf_dir}",
+        "dtype=float32",
+        "mesh=1,1,1",
+        f"max_target_length={BATCH[1]}",
+        *keys,
+    ]
+    cfg, task = train.load_config(os.path.join(ROOT, "base.yml"), keys), model.TASKS["lm"]
+    cfg = train.checkpoint_keys(cfg)
+    cfg = train.resolve(train.adapter_keys(cfg) if cfg.load_adapter else cfg, task, "cpu")
+    mesh = train.make_mesh(cfg, jax.devices()[:1])
+    layout = train.state_layout(cfg, task, mesh, train.make_optimizer(cfg)[0], 1)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
+        state = train.init_state(cfg, layout, model.load_pretrained(cfg, layout.abstract))
+    return cfg, state
+
+
+def part4(out, torch_python):
+    """peft both ways, for each architecture: our adapters (B drawn nonzero) exported by mode=export's
+    save_hf and read by peft.PeftModel give our logits; an adapter peft made, read by load_adapter, gives
+    peft's; lora.merge=true's export read by transformers gives the adapted model's."""
+    import jax
+    import numpy as np
+
+    import model
+    import train
+
+    ids = np.load(os.path.join(out, "ids.npy"))
+    rows = []
+    job = []
+    for name in MODELS:
+        cfg, state = lora_ours(os.path.join(out, name, "hf"), "lora.rank=4", "lora.alpha=8")
+        rng = np.random.default_rng(0)
+        kick = lambda p, x, rng=rng: (
+            x + 0.05 * rng.standard_normal(x.shape) if p[-1].key.endswith("_b") else x
+        )
+        adapters = jax.tree_util.tree_map_with_path(kick, jax.tree.map(np.asarray, state["params"]))
+        whole = model.joined(jax.tree.map(np.asarray, state["base"]), adapters)
+        graph = model.abstract(cfg)[0]
+        np.save(os.path.join(out, name, "ours_lora.npy"), our_logits(graph, whole, ids))
+        model.save_hf(cfg, whole, os.path.join(out, name, "ours"))
+        merged = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"merge": True})})
+        model.save_hf(merged, whole, os.path.join(out, name, "merged"))
+        job.append(
+            {
+                "dir": os.path.join(out, name, "merged"),
+                "ids": os.path.join(out, "ids.npy"),
+                "logits": os.path.join(out, name, "merged_logits.npy"),
+            }
+        )
+    run_worker(torch_python, "peft", out)
+    with open(os.path.join(out, "job4.json"), "w") as f:
+        json.dump(job, f)
+    run_worker(torch_python, "load", os.path.join(out, "job4.json"))
+    for name in MODELS:
+        here = lambda *p, name=name: os.path.join(out, name, *p)
+        mine = np.load(here("ours_lora.npy"))
+        cfg, state = lora_ours(here("hf"), f"load_adapter={here('peft')}")
+        theirs_made = our_logits(model.abstract(cfg)[0], train.weights(state, model.LM), ids)
+        rows.append(
+            {
+                "name": name,
+                "export": compare(mine, np.load(here("ours_in_peft.npy")))[1],
+                "import": compare(theirs_made, np.load(here("peft_logits.npy")))[1],
+                "merged": compare(np.load(here("merged_logits.npy")), mine)[1],
+                "moved": compare(mine, np.load(here("logits.npy")))[1],
+            }
+        )
+    return rows, json.loads(pathlib.Path(out, "peft_version.json").read_text())["peft"]
+
+
+def report_part4(rows, version):
+    """Part 4's table; the lines of what disagrees."""
+    columns = [
+        ("architecture", lambda r: r["name"]),
+        ("ours read by peft", lambda r: f"{r['export']:.2g}"),
+        ("peft's read by ours", lambda r: f"{r['import']:.2g}"),
+        ("merged export", lambda r: f"{r['merged']:.2g}"),
+        ("the adapter moves the logits by", lambda r: f"{r['moved']:.2g}"),
+    ]
+    print(
+        f"\nPart 4: LoRA adapters against peft {version} (|logit difference| of the largest logit)"
+    )
+    print(table(rows, columns))
+    keys = ("export", "import", "merged")
+    return [f"{r['name']}: LoRA differs from peft" for r in rows if max(r[k] for k in keys) >= 1e-5]
+
+
 def parse(argv):
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -757,6 +883,7 @@ def main(argv):
         f"of the largest logit); {time.time() - start:.0f}s"
     )
     bad.append(report_part3(part3(out, args.torch_python)))
+    bad.append(report_part4(*part4(out, args.torch_python)))
     assert not any(bad), "\n".join(line for lines in bad for line in lines)
 
 
