@@ -170,7 +170,9 @@ def test_readme_fine_tuning_row_fits_a_v5e_8(tmp_path, fast_tpu_compiles, capsys
     """The README's Qwen2.5-0.5B SFT row (sequence 1,024, 4 per device, 2 accumulation steps) compiled for a v5e-8
     from the model's config.json alone (no weights read): it fits the 16 GiB per device."""
     with open(os.path.join(ROOT, "README.md")) as f:
-        row = re.search(r"^\| TPU v5e-8[^|]* \| `([^`]*)` \|", f.read(), re.MULTILINE).group(1)
+        row = re.search(
+            r"^\| Qwen2.5-0.5B, v5e-8, every weight[^|]* \| `([^`]*)` \|", f.read(), re.MULTILINE
+        ).group(1)
     (tmp_path / "qwen").mkdir()
     (tmp_path / "qwen" / "config.json").write_text(json.dumps(QWEN25_05B))
     keys = [
@@ -562,3 +564,44 @@ def test_bad_distributed_env_is_one_line_error(monkeypatch, capsys, address, cou
     assert train.main(["train.py", BASE]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith(f"error: {says}"), err
+
+
+# Llama 3 8B's published config.json (meta-llama/Meta-Llama-3-8B): the model the LoRA rows are for.
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+}
+
+
+def test_an_8b_model_fine_tunes_with_qlora_on_one_v5e_chip(tmp_path, fast_tpu_compiles, capsys):
+    """The README's QLoRA row: Llama 3 8B (its config.json alone, no weights read) at 2,048 tokens, its base stored
+    as nf4 with bf16 elsewhere, rank-16 adapters on every projection, compiled for one v5e chip (libtpu describes
+    it as a 1x1 topology): it fits the 16 GiB."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        row = re.search(
+            r"^\| Llama 3 8B QLoRA nf4, one v5e chip[^|]* \| `([^`]*)` \|", f.read(), re.MULTILINE
+        ).group(1)
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(LLAMA3_8B))
+    keys = [
+        *shlex.split(row),
+        f"load_hf={tmp_path}/llama",
+        f"output_dir={tmp_path}",
+        "compile_topology=v5e-1",
+    ]
+    result = train.run(train.load_config(BASE, keys))
+    out = capsys.readouterr().out
+    assert result["fits"] and "1 x TPU v5 lite" in out, out
