@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import BASE, ENV, ROOT, args, read_checkpoint, train_state
+from conftest import BASE, ENV, ROOT, args, metrics, read_checkpoint, train_state
 from conftest import config as lm_config
 from flax import nnx
 from test_hf import (
@@ -502,3 +502,26 @@ def test_a_quantized_base_trains_its_adapters_and_stays_as_it_was(tmp_path, qwen
         match=r"lora.block=64: must divide the last axis of every quantized weight",
     ):
         train.check(config(tmp_path, "lora.rank=4", "lora.base_quant=nf4"), LM)
+
+
+def test_a_lora_run_resumes_on_another_device_count(tmp_path, qwen):
+    """Elastic resume with LoRA: 4 steps on one device (2 rows each), then resumed to 8 on two devices of 1 row
+    each (the same global batch): the losses are an uninterrupted one-device run's to float rounding, and the
+    adapters were restored, not drawn again (step 5 goes on from step 4's)."""
+    keys = sft_keys(tmp_path, qwen, "checkpoint_every=4", "log_every=1")
+    keys = [k for k in keys if not k.startswith(("per_device_batch=", "steps="))]
+    run = lambda name, steps, n: train.run(
+        train.load_config(
+            BASE, [*keys, f"run_name={name}", f"steps={steps}", f"per_device_batch={2 // n}"]
+        ),
+        jax.devices()[:n],
+    )
+    ref = run("ref", 8, 1)
+    run("cut", 4, 1)
+    again = run("cut", 8, 2)
+    assert len(metrics(again["run_dir"])) == 8
+    np.testing.assert_allclose(
+        [r["loss"] for r in metrics(again["run_dir"])],
+        [r["loss"] for r in metrics(ref["run_dir"])],
+        rtol=1e-5,
+    )
