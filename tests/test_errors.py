@@ -78,7 +78,7 @@ CASES = [
         ["compile_topology=v9-8"],
         (
             "error: compile_topology='v9-8': choose one of '', 'v2-8', 'v3-8', 'v4-8', 'v4-32', "
-            "'v4-64', 'v5e-8', 'v5p-8', 'v6e-8', 'tpu7x-8'"
+            "'v4-64', 'v5e-1', 'v5e-8', 'v5p-8', 'v6e-1', 'v6e-8', 'tpu7x-8'"
         ),
     ),
     (
