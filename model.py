@@ -1415,11 +1415,18 @@ def projected(module, name, eq, x, dtype, key=None):
     y = dot(eq, x, getattr(module, name)[...], dtype)
     if not hasattr(module, name + ADAPTER[0]):
         return y
-    a, b = getattr(module, name + ADAPTER[0])[...], getattr(module, name + ADAPTER[1])[...]
-    (scale, rate), (lhs, rhs) = module.lora, eq.split("->")[0].split(",")
-    ins, outs, rows = rhs[: a.ndim - 1], rhs[a.ndim - 1 :], lhs[: lhs.index(rhs[0])]
+    a = getattr(module, name + ADAPTER[0])[...]
+    b = getattr(module, name + ADAPTER[1])[...]
+    scale, rate = module.lora
+    lhs, rhs = eq.split("->")[0].split(",")
+    ins = rhs[: a.ndim - 1]  # the weight's input axes, then its output axes
+    outs = rhs[a.ndim - 1 :]
+    rows = lhs[: lhs.index(rhs[0])]  # x's axes before the contracted ones
     if key is not None and rate:
-        keep = jax.random.bernoulli(jax.random.fold_in(key, hash(name) % 2**31), 1 - rate, x.shape)
+        # each projection its own draws, the same on every host and every run (hash() of a str
+        # is not: Python salts it per process)
+        own = jax.random.fold_in(key, list(LORA_WEIGHTS).index(name))
+        keep = jax.random.bernoulli(own, 1 - rate, x.shape)
         x = jnp.where(keep, x / (1 - rate), 0).astype(x.dtype)
     xa = dot(f"{lhs},{ins}r->{rows}r", x, a, dtype)
     return y + scale * dot(f"{rows}r,r{outs}->{rows}{outs}", xa, b, dtype)
@@ -1636,7 +1643,9 @@ def fold_adapters(cfg, params):
         out = {k: fold(v) if isinstance(v, dict) else v for k, v in tree.items()}
         for name, (_, ins, _) in LORA_WEIGHTS.items():
             if name + ADAPTER[0] in out:
-                a, b, w = out.pop(name + ADAPTER[0]), out.pop(name + ADAPTER[1]), out[name][...]
+                a = out.pop(name + ADAPTER[0])
+                b = out.pop(name + ADAPTER[1])
+                w = out[name][...]
                 lead = a.ndim - 1 - ins  # the stacked layers' axis, if any
                 a_IR = a.reshape(*a.shape[:lead], -1, a.shape[-1]).astype(jnp.float32)
                 b_RO = b.reshape(*b.shape[: lead + 1], -1).astype(jnp.float32)

@@ -525,3 +525,30 @@ def test_a_lora_run_resumes_on_another_device_count(tmp_path, qwen):
         [r["loss"] for r in metrics(ref["run_dir"])],
         rtol=1e-5,
     )
+
+
+def test_lora_dropout_draws_the_same_in_every_process(tmp_path, qwen):
+    """lora.dropout's masks are a function of the seed and the step alone: two trainer processes with other string
+    hash salts (PYTHONHASHSEED: a resumed run, or another host, is another process) train the same losses. Before,
+    each projection's draws were keyed by hash(name), salted per process."""
+    cmd = lambda out: [
+        sys.executable,
+        "train.py",
+        "base.yml",
+        *sft_keys(tmp_path, qwen, "steps=4", "log_every=1", "lora.dropout=0.3", f"run_name={out}"),
+    ]
+    runs = [
+        subprocess.run(
+            cmd(f"salt{salt}"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**ENV, "PYTHONHASHSEED": str(salt)},
+            check=False,
+            timeout=600,
+        )
+        for salt in (1, 2)
+    ]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:]
+    losses = [[r["loss"] for r in metrics(tmp_path / f"salt{s}")] for s in (1, 2)]
+    assert len(losses[0]) == 4 and losses[0] == losses[1]
