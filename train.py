@@ -1621,17 +1621,13 @@ def checkpoint_keys(cfg):
     """load_hf: the model's keys come from the checkpoint's config.json, so the user types none; a
     key they set that disagrees is one line naming both values, and a model this Transformer cannot
     run one line naming why."""
-    folder = data.hf_dir(cfg.load_hf)
-    path = os.path.join(folder, "config.json")
-    try:
-        keys = model_lib.hf_keys(data.read_json(path, "of a model config"))
-    except data.STORAGE_ERRORS as e:
-        raise ConfigError(
-            f"load_hf={cfg.load_hf}: cannot read {path} ({data.storage_reason(e)}); give a Hugging "
-            "Face checkpoint directory (config.json, model.safetensors) or a hub id"
-        ) from None
-    except ValueError as e:
-        raise ConfigError(f"load_hf={cfg.load_hf}: {e}") from None
+    keys = source_keys(
+        cfg,
+        "load_hf",
+        ("config.json", "of a model config"),
+        lambda conf, path: model_lib.hf_keys(conf),
+        "a Hugging Face checkpoint directory (config.json, model.safetensors) or a hub id",
+    )
     values = data.flat(cfg.model_dump(mode="json"))
     for key, value in keys.items():
         mine = values[key] if key != "head_dim" else model_lib.dims(cfg)  # head_dim=0: derived
@@ -1651,19 +1647,32 @@ def checkpoint_keys(cfg):
         ) from None
 
 
+def source_keys(cfg, key, file, parse, give):
+    """The keys a JSON file sets: `file` (its name, what it is) in the directory cfg.<key> names
+    (load_hf, load_adapter), read and parse(json, path)'d; unreadable or malformed is one line
+    naming the key and what to `give` instead."""
+    name, what = file
+    path = os.path.join(data.hf_dir(getattr(cfg, key)), name)
+    try:
+        return parse(data.read_json(path, what), path)
+    except data.STORAGE_ERRORS as e:
+        raise ConfigError(
+            f"{key}={getattr(cfg, key)}: cannot read {path} ({data.storage_reason(e)}); give {give}"
+        ) from None
+    except ValueError as e:
+        raise ConfigError(f"{key}={getattr(cfg, key)}: {e}") from None
+
+
 def adapter_keys(cfg):
     """load_adapter: the lora keys come from its adapter_config.json (peft's); one the user set that
     disagrees, or a peft option this trainer's LoRA does not have, is one line."""
-    path = os.path.join(data.hf_dir(cfg.load_adapter), "adapter_config.json")
-    try:
-        keys = model_lib.peft_keys(data.read_json(path, "of a peft adapter"), path)
-    except data.STORAGE_ERRORS as e:
-        raise ConfigError(
-            f"load_adapter={cfg.load_adapter}: cannot read {path} ({data.storage_reason(e)}); "
-            "give a peft LoRA adapter directory (adapter_config.json, adapter_model.safetensors)"
-        ) from None
-    except ValueError as e:
-        raise ConfigError(f"load_adapter={cfg.load_adapter}: {e}") from None
+    keys = source_keys(
+        cfg,
+        "load_adapter",
+        ("adapter_config.json", "of a peft adapter"),
+        model_lib.peft_keys,
+        "a peft LoRA adapter directory (adapter_config.json, adapter_model.safetensors)",
+    )
     values = data.flat(cfg.model_dump(mode="json"))
     for key, value in keys.items():
         mine = list(values[key]) if key == "lora.targets" else values[key]
