@@ -166,21 +166,23 @@ QWEN25_05B = {
 }
 
 
+def fine_tuning_row(label, config_json, tmp_path):
+    """The command of the README fine-tuning table's row that starts with `label`, on a checkpoint
+    folder holding `config_json` alone (no weights: the compile reads only shapes)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        row = re.search(
+            rf"^\| {re.escape(label)}[^|]* \| `([^`]*)` \|", f.read(), re.MULTILINE
+        ).group(1)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config_json))
+    return [*shlex.split(row), f"load_hf={tmp_path}/hf", f"output_dir={tmp_path}"]
+
+
 def test_readme_fine_tuning_row_fits_a_v5e_8(tmp_path, fast_tpu_compiles, capsys):
     """The README's Qwen2.5-0.5B SFT row (sequence 1,024, 4 per device, 2 accumulation steps) compiled for a v5e-8
     from the model's config.json alone (no weights read): it fits the 16 GiB per device."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        row = re.search(
-            r"^\| Qwen2.5-0.5B, v5e-8, every weight[^|]* \| `([^`]*)` \|", f.read(), re.MULTILINE
-        ).group(1)
-    (tmp_path / "qwen").mkdir()
-    (tmp_path / "qwen" / "config.json").write_text(json.dumps(QWEN25_05B))
-    keys = [
-        *shlex.split(row),
-        "max_target_length=1024",
-        f"load_hf={tmp_path}/qwen",
-        f"output_dir={tmp_path}",
-    ]
+    keys = fine_tuning_row("Qwen2.5-0.5B, v5e-8, every weight", QWEN25_05B, tmp_path)
+    keys += ["max_target_length=1024"]
     result = train.run(train.load_config(BASE, keys + ["compile_topology=v5e-8"]))
     out = capsys.readouterr().out
     assert result["fits"] and "model: " not in out, out  # compiled, nothing allocated
@@ -590,18 +592,8 @@ def test_an_8b_model_fine_tunes_with_qlora_on_one_v5e_chip(tmp_path, fast_tpu_co
     """The README's QLoRA row: Llama 3 8B (its config.json alone, no weights read) at 2,048 tokens, its base stored
     as nf4 with bf16 elsewhere, rank-16 adapters on every projection, compiled for one v5e chip (libtpu describes
     it as a 1x1 topology): it fits the 16 GiB."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        row = re.search(
-            r"^\| Llama 3 8B QLoRA nf4, one v5e chip[^|]* \| `([^`]*)` \|", f.read(), re.MULTILINE
-        ).group(1)
-    (tmp_path / "llama").mkdir()
-    (tmp_path / "llama" / "config.json").write_text(json.dumps(LLAMA3_8B))
-    keys = [
-        *shlex.split(row),
-        f"load_hf={tmp_path}/llama",
-        f"output_dir={tmp_path}",
-        "compile_topology=v5e-1",
-    ]
+    keys = fine_tuning_row("Llama 3 8B QLoRA nf4, one v5e chip", LLAMA3_8B, tmp_path)
+    keys += ["compile_topology=v5e-1"]
     result = train.run(train.load_config(BASE, keys))
     out = capsys.readouterr().out
     assert result["fits"] and "1 x TPU v5 lite" in out, out
