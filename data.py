@@ -1617,7 +1617,14 @@ class SFTData(_Data):
         tokenizer = hashlib.sha1(tok.files[tok.primary]).hexdigest()
         dated = cfg.chat_date if "strftime_now" in (tok.chat_template or "") else ""
         self.data_identity = _hf_identity(
-            cfg, len(train), "sft", tokenizer, cfg.completion_only, cfg.packing, self.length, dated
+            cfg,
+            len(train),
+            self.kind.lower(),
+            tokenizer,
+            cfg.completion_only,
+            cfg.packing,
+            self.length,
+            dated,
         )
         self.identity = f"{self.data_identity}/epochs={cfg.epochs}"
         self.train_tokens, self.train_ids = self._encoded(train, train_rows, "hf_split")
@@ -1626,10 +1633,10 @@ class SFTData(_Data):
         mine = eval_ids[
             process_index::process_count
         ]  # each process its share of the held-out examples
-        plan = _Plan(iter(mine), [len(ids) for ids, _ in eval_tokens], self.length, cfg.packing)
+        plan = _Plan(iter(mine), [self._length(x) for x in eval_tokens], self.length, self.packs)
         self.eval_rows = [plan[k] for k in range(len(plan))]
         self.eval_tokens = eval_tokens
-        self.eval_examples = [self._prompt_and_answer(*eval_tokens[i]) for i in eval_ids]
+        self.eval_examples = self._eval_examples(eval_tokens, eval_ids)
         weights = [self._row([eval_tokens[i]])["loss_mask"].sum() for i in eval_ids]
         self.eval_size = {"rows": len(eval_ids), "tokens": float(sum(weights))}
         self._plans = {}
@@ -1643,13 +1650,12 @@ class SFTData(_Data):
         where = split_name(cfg, key)
         start = time.perf_counter()
         out = [
-            sft_example(split[i], tok, cfg, f"{where}: row {rows[i]}") for i in range(len(split))
+            self._example(split[i], tok, cfg, f"{where}: row {rows[i]}") for i in range(len(split))
         ]
         unread = sum(example is None for example in out)
-        empty = (np.zeros(0, np.int32), np.zeros(0, bool))
-        out = [empty if example is None else example for example in out]
-        fits = [i for i, (ids, _) in enumerate(out) if 0 < len(ids) <= self.length + 1]
-        longest = max((len(ids) for ids, _ in out), default=0)
+        out = [self.empty if example is None else example for example in out]
+        fits = [i for i, x in enumerate(out) if 0 < self._length(x) <= self.length + 1]
+        longest = max((self._length(x) for x in out), default=0)
         if len(out) > len(fits):
             untokenized = (
                 f"; {unread} of them by their bytes alone, not tokenized" if unread else ""
@@ -1660,17 +1666,38 @@ class SFTData(_Data):
                 f"{untokenized}); raise max_target_length to keep them"
             )
         if not fits:
-            shortest = min((len(ids) for ids, _ in out if len(ids)), default=0)
+            shortest = min((self._length(x) for x in out if self._length(x) > 0), default=0)
             raise DataError(
                 f"{where}: no example fits max_target_length={self.length} (the shortest has "
                 f"{shortest or 'more'} tokens); raise it"
             )
+        segments = [s for i in fits for s in self._segments([out[i]])]
         self.log(
-            f"{where}: {len(fits)} SFT examples, {sum(len(out[i][0]) for i in fits):,} tokens, "
-            f"{sum(int(out[i][1].sum()) for i in fits):,} of them answers "
+            f"{where}: {len(fits)} {self.kind} examples, {sum(len(ids) for ids, _ in segments):,} "
+            f"tokens, {sum(int(answer.sum()) for _, answer in segments):,} of them answers "
             f"({time.perf_counter() - start:.1f}s)"
         )
         return out, np.asarray(fits)
+
+    # What an example is, for the rows: SFT's is (token ids, answer mask), one segment of a row.
+    kind = "SFT"
+    packs = property(lambda self: self.cfg.packing)
+    empty = (np.zeros(0, np.int32), np.zeros(0, bool))
+
+    def _example(self, record, tok, cfg, where):
+        return sft_example(record, tok, cfg, where)
+
+    def _length(self, example):
+        """Its tokens as a row counts them: each of its positions, plus one."""
+        return len(example[0])
+
+    def _segments(self, examples):
+        """The (ids, answer mask) segments of a row holding these examples, in order."""
+        return examples
+
+    def _eval_examples(self, tokens, ids):
+        """The held-out (prompt tokens, answer text) pairs that eval_answers scores."""
+        return [self._prompt_and_answer(*tokens[i]) for i in ids]
 
     def _resumable(self, state, local_rows):
         """Lanes planned for another number of epochs would skip or repeat examples: one line."""
@@ -1702,9 +1729,9 @@ class SFTData(_Data):
             positions = itertools.count(row, rows)
             if epochs:
                 positions = range(row, epochs * len(self.train_ids), rows)
-            lengths = [len(ids) for ids, _ in self.train_tokens]
+            lengths = [self._length(x) for x in self.train_tokens]
             ids = (self.train_ids[order[k]] for k in positions)
-            self._plans[row, rows, epochs] = _Plan(ids, lengths, self.length, self.cfg.packing)
+            self._plans[row, rows, epochs] = _Plan(ids, lengths, self.length, self.packs)
         return self._plans[row, rows, epochs]
 
     def epoch_steps(self, rows, accum, epochs):
@@ -1728,7 +1755,7 @@ class SFTData(_Data):
             },
         )
         row["loss_mask"], at = np.zeros(L, np.float32), 0
-        for segment, (ids, answer) in enumerate(examples, 1):
+        for segment, (ids, answer) in enumerate(self._segments(examples), 1):
             n = len(ids) - 1
             row["inputs"][at : at + n], row["targets"][at : at + n] = ids[:-1], ids[1:]
             row["segment_ids"][at : at + n], row["positions"][at : at + n] = segment, np.arange(n)
@@ -1746,6 +1773,96 @@ class SFTData(_Data):
             _stack(rows[b * local_rows : (b + 1) * local_rows], local_rows, self.length)
             for b in range(n)
         ]
+
+
+# ---- Preference pairs (task=dpo): trl's formats, a pair to a row ------------------------------
+
+
+def dpo_pair(record, tok, cfg, where):
+    """One preference row -> ((chosen ids, answer mask), (rejected ids, answer mask)), tokenized as
+    trl's DPOTrainer (1.16) does, or None for one surely longer than a row by its bytes. Text rows:
+    bos + prompt + chosen + eos as one text (eos added unless chosen ends in it), the rejected
+    alike; conversational rows (prompt a list of turns, chosen / rejected lists of assistant turns)
+    through the chat template whole, the prompt rendered with the generation prompt. The answer
+    starts where both whole texts' tokens leave the prompt's own. Rows without a prompt share
+    theirs: the turns (or characters) chosen and rejected have in common (a space before the split
+    goes to the answers), as trl's extract_prompt. A DataError names the row and what is wrong."""
+    record = {k: v for k, v in record.items() if v is not None}
+    for key in ("chosen", "rejected"):
+        if key not in record:
+            raise DataError(
+                f"{where}: a preference row holds chosen and rejected (and a prompt unless they "
+                f"share it); this one has {sorted(record)}"
+            )
+    if "prompt" not in record:
+        record = {**record, **_shared_prompt(record["chosen"], record["rejected"])}
+    chat = isinstance(record["prompt"], list)
+    for key in ("prompt", "chosen", "rejected"):
+        if chat:
+            _turns(record[key], where, key)
+        elif not isinstance(record[key], str):
+            raise DataError(f"{where}: {key} is {_kind(record[key])}, expected text like prompt")
+    limit = 4 * (cfg.max_target_length + 1) * tok.max_token_bytes
+    if len(json.dumps([record[k] for k in ("prompt", "chosen", "rejected")])) > limit:
+        return None
+    with _bounded(ROW_SECONDS, f"{where}: took over {ROW_SECONDS}s to render and tokenize"):
+        if chat:
+            if tok.render is None:
+                raise DataError(
+                    f"{where}: conversational pairs go through the tokenizer's chat template, and "
+                    "it has none: give text rows, or tokenizer_path= a tokenizer with a template"
+                )
+            prompt = tok.encode(tok.render(record["prompt"], True))
+            wholes = [tok.encode(tok.render(record["prompt"] + record[k], False)) for k in SIDES]
+        else:
+            bos = [tok.bos_id] if tok.bos_id is not None else []
+            eos = tok.special.get("eos_token") or ""
+            prompt = bos + tok.encode(record["prompt"])
+            wholes = []
+            for key in SIDES:
+                text = (
+                    record[key][: -len(eos)] if eos and record[key].endswith(eos) else record[key]
+                )
+                wholes.append(bos + tok.encode(record["prompt"] + text) + [tok.eos_id])
+    start = min(_common_prefix(prompt, ids) for ids in wholes)
+    return tuple((np.asarray(ids, np.int32), np.arange(len(ids)) >= start) for ids in wholes)
+
+
+SIDES = ("chosen", "rejected")
+
+
+def _shared_prompt(chosen, rejected):
+    """trl's extract_prompt: the prompt is what chosen and rejected start with alike (turns, or
+    characters; a space just before they part goes to both answers). Where one is a prefix of the
+    other, trl leaves their last shared item to both answers; so does this."""
+    n = min(len(chosen), len(rejected))
+    cut = next((i for i in range(n) if chosen[i] != rejected[i]), n - 1)
+    if cut < n and chosen[cut] != rejected[cut] and cut and chosen[cut - 1] == " ":
+        cut -= 1
+    return {"prompt": chosen[:cut], "chosen": chosen[cut:], "rejected": rejected[cut:]}
+
+
+class DPOData(SFTData):
+    """task=dpo's rows: preference pairs read as SFT rows are (dataset=hf, held-out rows, epochs,
+    exact resume), one pair a row: chosen as segment 1, rejected as segment 2, each from position
+    0, their answers' tokens in loss_mask. per_device_batch counts pairs, as trl's batch size does,
+    and max_target_length holds both sequences of a pair."""
+
+    kind = "DPO"
+    packs = False
+    empty = (SFTData.empty, SFTData.empty)
+
+    def _example(self, record, tok, cfg, where):
+        return dpo_pair(record, tok, cfg, where)
+
+    def _length(self, pair):
+        return len(pair[0][0]) + len(pair[1][0]) - 1
+
+    def _segments(self, pairs):
+        return [side for pair in pairs for side in pair]
+
+    def _eval_examples(self, tokens, ids):
+        return []
 
 
 # ---- Sudoku: the rules, defined once -------------------------------------------------------------
@@ -2167,13 +2284,12 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
         "synthetic": SyntheticData,
         "hf": StreamData if cfg.hf_streaming else TextData,
     }  # else files, stdlib, tfds
-    sft = not source and sft_rows(cfg)
-    if cfg.epochs and not sft:
+    kind = SFTData if not source and sft_rows(cfg) else source or kinds.get(cfg.dataset, TextData)
+    if cfg.epochs and not hasattr(kind, "epoch_steps"):
         raise DataError(
             f"epochs={cfg.epochs} counts passes over SFT examples (dataset=hf rows with messages, "
-            "or prompt and completion); other data runs for steps="
+            "or prompt and completion) or preference pairs; other data runs for steps="
         )
-    kind = SFTData if sft else source or kinds.get(cfg.dataset, TextData)
     return kind(cfg, process_index, process_count, log)
 
 

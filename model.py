@@ -609,24 +609,29 @@ def lm_loss(cfg, graph, params, mb, carry, key, step=0):
     """The LM's loss in the train step's shape: (summed cross-entropy over real target tokens,
     (sums, carry)). The step divides by sums['weight'] (the token count of the whole step), so
     accumulation is exact."""
-    model = nnx.merge(graph, params)
-    key = key if cfg.lora.rank and cfg.lora.dropout else None  # LoRA's dropout draws, training only
-    if cfg.vocab_tile:  # the head and its loss in vocabulary tiles: no [rows, V] logits in memory
-        x_BLD = model(mb["inputs"], mb["positions"], mb["segment_ids"], logits=False, key=key)
-        ce_BL = tiled_cross_entropy(
-            x_BLD.reshape(-1, x_BLD.shape[-1]),
-            model.head(),
-            mb["targets"].reshape(-1),
-            cfg.vocab_tile,
-            jnp.dtype(cfg.dtype),
-        ).reshape(mb["targets"].shape)
-    else:
-        logits_BLV = model(mb["inputs"], mb["positions"], mb["segment_ids"], key=key)
-        ce_BL = cross_entropy(logits_BLV, mb["targets"])
+    ce_BL = token_losses(cfg, graph, params, mb, key)
     # weight: the targets that count (an SFT row's answers);
     # tokens: every real one the step ran (for tokens/s, MFU)
     weight, tokens = jnp.sum(mb["loss_mask"]), jnp.sum(mb["segment_ids"] > 0).astype(jnp.float32)
     return jnp.sum(ce_BL * mb["loss_mask"]), ({"weight": weight, "tokens": tokens}, carry)
+
+
+def token_losses(cfg, graph, params, mb, key=None):
+    """Each target's cross-entropy [B, L] (float32): -log p(target | the tokens before it)."""
+    model = nnx.merge(graph, params)
+    key = key if cfg.lora.rank and cfg.lora.dropout else None  # LoRA's dropout draws, training only
+    if not cfg.vocab_tile:
+        logits_BLV = model(mb["inputs"], mb["positions"], mb["segment_ids"], key=key)
+        return cross_entropy(logits_BLV, mb["targets"])
+    # the head and its loss in vocabulary tiles: no [rows, V] logits in memory
+    x_BLD = model(mb["inputs"], mb["positions"], mb["segment_ids"], logits=False, key=key)
+    return tiled_cross_entropy(
+        x_BLD.reshape(-1, x_BLD.shape[-1]),
+        model.head(),
+        mb["targets"].reshape(-1),
+        cfg.vocab_tile,
+        jnp.dtype(cfg.dtype),
+    ).reshape(mb["targets"].shape)
 
 
 def lm_flops_per_token(cfg):
@@ -1905,6 +1910,113 @@ LM = Task(
 
 
 # ==================================================================================================
+# DPO (task=dpo): preference tuning on (chosen, rejected) pairs, as trl's DPOTrainer computes it.
+# A row holds one pair (data.DPOData): chosen as segment 1, rejected as segment 2. Each side's
+# log-probability is summed over its answer's tokens, for the policy and the reference (with LoRA:
+# the base, its adapters off); the loss is -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))),
+# its mean over the step's pairs.
+# ==================================================================================================
+DPO_KEYS = (("positive", "dpo.beta"),)
+
+
+def dpo_logps(cfg, graph, params, mb, key=None):
+    """(chosen [B], rejected [B]): each row's two answers' log-probabilities, summed over tokens."""
+    logp_BL = -token_losses(cfg, graph, params, mb, key) * mb["loss_mask"]
+    side = lambda segment: jnp.sum(logp_BL * (mb["segment_ids"] == segment), axis=-1)
+    return side(1), side(2)
+
+
+def adapters_off(params):
+    """The reference LoRA trains against: the same parameters with every adapter zero, which
+    computes the base exactly (x W + scale (x A) 0)."""
+    off = lambda path, x: jnp.zeros_like(x) if str(path[-1].key).endswith(ADAPTER) else x
+    return jax.tree_util.tree_map_with_path(off, params)
+
+
+def dpo_sums(cfg, graph, params, mb, key=None):
+    """The step's sums over its pairs (padding rows hold none): the loss, and trl's rewards
+    beta (pi - ref) for chosen and rejected, and how often chosen's is the higher."""
+    policy = dpo_logps(cfg, graph, params, mb, key)
+    reference = jax.lax.stop_gradient(dpo_logps(cfg, graph, adapters_off(params), mb))
+    chosen, rejected = (cfg.dpo.beta * (p - r) for p, r in zip(policy, reference))
+    segments = mb["segment_ids"]
+    pair_B = (jnp.any(segments == 1, -1) & jnp.any(segments == 2, -1)).astype(jnp.float32)
+    loss_B = -jax.nn.log_sigmoid(chosen - rejected)
+    return jnp.sum(loss_B * pair_B), {
+        "weight": jnp.sum(pair_B),
+        "tokens": jnp.sum(segments > 0).astype(jnp.float32),
+        "chosen": jnp.sum(chosen * pair_B),
+        "rejected": jnp.sum(rejected * pair_B),
+        "accurate": jnp.sum((chosen > rejected) * pair_B),
+    }
+
+
+def dpo_loss(cfg, graph, params, mb, carry, key, step=0):
+    loss, sums = dpo_sums(cfg, graph, params, mb, key)
+    return loss, (sums, carry)
+
+
+def dpo_rewards(sums, pairs):
+    """trl's reward metrics, means over the pairs."""
+    chosen = sums["chosen"] / pairs
+    rejected = sums["rejected"] / pairs
+    return {
+        "rewards/chosen": chosen,
+        "rewards/rejected": rejected,
+        "rewards/margins": chosen - rejected,
+        "rewards/accuracies": sums["accurate"] / pairs,
+    }
+
+
+def dpo_eval_step(cfg, graph, params, batch):
+    loss, sums = dpo_sums(cfg, graph, params, batch)
+    return {"loss": loss, **sums}
+
+
+def dpo_eval_result(cfg, outs, batches, ds, save_to=None):
+    """The held-out pairs' mean loss and rewards, and how many pairs of how many."""
+    total = {k: float(sum(o[k] for o in outs)) for k in outs[0]}
+    pairs = max(total["weight"], 1.0)
+    rewards = {k: float(v) for k, v in dpo_rewards(total, pairs).items()}
+    size = getattr(ds, "eval_size", {})
+    return {"loss": total["loss"] / pairs, **rewards, "pairs": total["weight"], **size}
+
+
+def dpo_check(cfg):
+    """DPO's own rules: a message naming the key, or ''."""
+    if cfg.dataset != "hf":
+        return f"task=dpo reads preference pairs: set dataset=hf (dataset={cfg.dataset})"
+    if not cfg.lora.rank:
+        return (
+            "task=dpo trains LoRA adapters against the base (lora.rank=16, say): the reference "
+            "log-probabilities of a full fine-tune, precomputed, are not built yet"
+        )
+    return ""
+
+
+DPO = Task(
+    module=Transformer,
+    loss=dpo_loss,
+    # the policy's forward and backward, and the reference's forward
+    flops_per_token=lambda cfg: lm_flops_per_token(cfg) * 4 / 3,
+    eval_step=dpo_eval_step,
+    eval_result=dpo_eval_result,
+    generate=lm_generate,
+    check=dpo_check,
+    fixed=lambda cfg: {"packing": False, "completion_only": True},
+    step_metrics=dpo_rewards,
+    keys=DPO_KEYS,
+    dataset=data.DPOData,
+    shown=(
+        ("rewards/accuracies", "reward accuracy {:.1%}"),
+        ("eval_loss", "eval loss {:.4f}"),
+        ("eval_rewards/accuracies", "eval reward accuracy {:.1%}"),
+        ("eval_rewards/margins", "margin {:.3f}"),
+    ),
+)
+
+
+# ==================================================================================================
 # TRM: the recursive head, its deep-supervision loss, and decoding by recursion.
 # ==================================================================================================
 class TRM(nnx.Module):
@@ -2908,4 +3020,4 @@ SUDOKU = Task(
     },
 )
 
-TASKS = {"lm": LM, "sudoku": SUDOKU}
+TASKS = {"lm": LM, "sudoku": SUDOKU, "dpo": DPO}
