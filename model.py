@@ -1986,7 +1986,7 @@ def dpo_check(cfg):
     """DPO's own rules: a message naming the key, or ''."""
     if cfg.dataset != "hf":
         return f"task=dpo reads preference pairs: set dataset=hf (dataset={cfg.dataset})"
-    if not cfg.lora.rank:
+    if not cfg.lora.rank and not cfg.load_adapter:  # load_adapter's config sets the rank later
         return (
             "task=dpo trains LoRA adapters against the base (lora.rank=16, say): the reference "
             "log-probabilities of a full fine-tune, precomputed, are not built yet"
