@@ -39,7 +39,7 @@ What is here, in order:
                    by_singles), solver and generator (solve, search_guesses, generate_sudoku,
                    augment), CSV files (read_sudoku_csv, write_sudoku_csv, parse_grid), SudokuData
     entry points   make_dataset, which picks the pipeline; make_chat and main, the commands
-                   `python data.py make-chat | make-sudoku`
+                   `python data.py make-chat | make-pairs | make-sudoku`
   Storage          paths local or gs:// (stored, remote, STORAGE_ERRORS), Hugging Face checkpoint
                    files (hf_dir), files read and written (read_json, write, append, set_aside), the
                    run directory's lock (own, BucketLease, held, check_held), the paths a config
@@ -2293,11 +2293,10 @@ def make_dataset(cfg, process_index=0, process_count=1, log=None, source=None):
     return kind(cfg, process_index, process_count, log)
 
 
-def make_chat(out, count, seed):
-    """SFT rows (prompt, completion) with exact answers, made from the standard library's one-line
-    `def`s with plain parameters: the function's name, or its last parameter, asked of the line.
-    The task the README fine-tunes the default run's model on (it read these files as code; it has
-    never answered a question)."""
+def def_questions(count, seed):
+    """Questions with exact answers about the standard library's one-line `def`s with plain
+    parameters: (question, answer, the other answer the same line gives), the function's name or
+    its last parameter asked, shuffled by `seed`: make-chat's and make-pairs' rows."""
     plain = re.compile(r"^[ \t]*def (\w+)\(([\w ,*]*\w[\w ,*]*)\):", re.MULTILINE)
     lines = sorted(
         {
@@ -2311,23 +2310,44 @@ def make_chat(out, count, seed):
         name, params = plain.match(line).groups()
         last = [p.strip(" *") for p in params.split(",") if p.strip(" *")][-1]
         questions += [
-            (f"What is the name of the function defined by `{line}`?", name),
-            (f"What is the last parameter of `{line}`?", last),
+            (f"What is the name of the function defined by `{line}`?", name, last),
+            (f"What is the last parameter of `{line}`?", last, name),
         ]
     random.Random(seed).shuffle(questions)
     if len(questions) < count:
         raise DataError(
             f"--count {count}: the standard library gives {len(questions)} questions; ask for fewer"
         )
+    return questions[:count], len(questions), len(lines)
+
+
+def make_chat(out, count, seed):
+    """SFT rows (prompt, completion) with exact answers (def_questions). The task the README
+    fine-tunes the default run's model on (it read these files as code; it has never answered a
+    question)."""
+    questions, asked, lines = def_questions(count, seed)
     with open(out, "w") as f:
         f.writelines(
             json.dumps({"prompt": f"Question: {q}\nAnswer: ", "completion": a}) + "\n"
-            for q, a in questions[:count]
+            for q, a, _ in questions
         )
     print(
-        f"wrote {count} prompt/completion rows (of {len(questions)} "
-        f"questions about {len(lines)} def lines) to {out}"
+        f"wrote {count} prompt/completion rows (of {asked} questions about {lines} def lines) to {out}"
     )
+
+
+def make_pairs(out, count, seed):
+    """Preference rows (prompt, chosen, rejected) of make-chat's questions (the same seed: the same
+    questions in the same order): chosen the answer, rejected the line's other answer (its last
+    parameter where its name is asked, and the other way), a mistake near the right one."""
+    questions, asked, lines = def_questions(count, seed)
+    with open(out, "w") as f:
+        f.writelines(
+            json.dumps({"prompt": f"Question: {q}\nAnswer: ", "chosen": a, "rejected": other})
+            + "\n"
+            for q, a, other in questions
+        )
+    print(f"wrote {count} preference rows (of {asked} questions about {lines} def lines) to {out}")
 
 
 def main(argv):
@@ -2341,6 +2361,13 @@ def main(argv):
     chat.add_argument("out")
     chat.add_argument("--count", type=int, default=4000)
     chat.add_argument("--seed", type=int, default=0)
+    pairs = commands.add_parser(
+        "make-pairs",
+        help="write preference rows (prompt, chosen, rejected) of make-chat's questions",
+    )
+    pairs.add_argument("out")
+    pairs.add_argument("--count", type=int, default=4000)
+    pairs.add_argument("--seed", type=int, default=0)
     make = commands.add_parser(
         "make-sudoku", help="write generated puzzles as a CSV in the public layout"
     )
@@ -2363,6 +2390,8 @@ def main(argv):
     args = parser.parse_args(argv)
     if args.command == "make-chat":
         return make_chat(args.out, args.count, args.seed)
+    if args.command == "make-pairs":
+        return make_pairs(args.out, args.count, args.seed)
     start = time.perf_counter()
     tried = 0
     q = np.zeros((0, 81), np.uint8)
