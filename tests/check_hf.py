@@ -3,7 +3,7 @@
 Run by hand (not collected by pytest: the file name does not start with test_). torch and
 transformers live in their own virtual environment, never in requirements.txt:
 
-    python -m venv /tmp/tv && /tmp/tv/bin/pip install torch==2.13.0 transformers
+    python -m venv /tmp/tv && /tmp/tv/bin/pip install torch==2.13.0 transformers trl peft
     python tests/check_hf.py --torch-python /tmp/tv/bin/python [--out DIR]
     python tests/check_hf.py --torch-python /tmp/tv/bin/python --export RUN_DIR_OR_EXPORT_DIR
 
@@ -15,6 +15,18 @@ one with jax) loads each checkpoint as a run with load_hf= does and compares; th
 model.save_hf, and the venv loads the export back and compares with the original's logits.
 --export DIR does the same for a directory our mode=export wrote (or its RUN_DIR, holding hf/), and
 answers one prompt with its tokenizer (through its chat template, if it has one).
+
+The parts, each a table; an AssertionError at the end lists whatever disagrees:
+  Part 1: the three checkpoints, loaded by ours (logits, greedy) and exported back by save_hf.
+  Part 2: --export's directory, its logits and its answer to --prompt (only with --export).
+  Part 3: SFT rows (prompt-completion, and messages with assistant_only_loss) against trl's
+          SFTTrainer: the same token ids and counted tokens, the same loss per token.
+  Part 4: LoRA adapters against peft both ways: ours read by PeftModel, peft's read by load_adapter,
+          and lora.merge=true's export.
+  Part 5: DPO against trl's DPOTrainer, for a tiny Llama 3 and Qwen2 on text and conversational
+          pairs, from the same peft adapter (its B drawn nonzero: the policy is not the reference):
+          the same token ids and answer masks, the same loss and rewards before a step, and over
+          five AdamW steps on one batch the same loss, rewards and gradient norm.
 """
 
 import argparse
@@ -96,6 +108,8 @@ PROMPT_LEN, NEW_TOKENS = 8, 16  # greedy: ids[:1, :PROMPT_LEN] continued by NEW_
 SHARD = "100KB"  # each model is ~0.3-0.5 MB in float32: three to five shards and an index
 TOLERANCE = 1e-4  # of the largest logit: float32 sums in another order, nothing more
 PROMPT = "What is the capital of France?"
+# Part 4's and Part 5's peft adapters adapt every projection.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Our export writes shards past model.SHARD_BYTES (5 GiB): lowered for Qwen3 so that its round trip
 # goes through shards and an index too, while the other two write one model.safetensors.
 EXPORT_SHARD_BYTES = {"qwen3": 100_000}
@@ -136,7 +150,11 @@ def tiny_config(transformers, name, rope=None):
 def tiny_model(transformers, torch, name):
     """A random model of MODELS[name], its norms and biases moved off 1 and 0 so that a norm or bias
     our loader dropped or misplaced would change the logits."""
-    arch, conf = tiny_config(transformers, name)
+    return tiny_model_of(torch, *tiny_config(transformers, name))
+
+
+def tiny_model_of(torch, arch, conf):
+    """A random arch(conf), its norms and biases moved off 1 and 0."""
     model = arch(conf).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -295,8 +313,9 @@ def worker_peft(out):
         with torch.no_grad():
             theirs = peft.PeftModel.from_pretrained(load(), here("ours")).eval()
             np.save(here("ours_in_peft.npy"), theirs(ids).logits.float().numpy())
-            targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-            conf = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM")
+            conf = peft.LoraConfig(
+                r=4, lora_alpha=8, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
+            )
             made = peft.get_peft_model(load(), conf)
             for pname, p in made.named_parameters():
                 if "lora_B" in pname:
@@ -307,9 +326,125 @@ def worker_peft(out):
             json.dump({"peft": peft.__version__}, f)
 
 
+def worker_dpo(out):
+    """Part 5's trl side: for each DPO_MODELS architecture, a random model of its tokenizer's
+    vocabulary saved to out/dpo/NAME/hf; then trl_dpo on each DPO_ROWS set, into
+    out/dpo/NAME-ROWS.json."""
+    _, torch, transformers = torch_setup()
+    for name in DPO_MODELS:
+        folder = os.path.join(out, "dpo", name, "hf")
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        arch, conf = tiny_config(transformers, name)
+        conf.vocab_size = len(tok)  # the tokenizer's (its specials past the byte alphabet)
+        tiny_model_of(torch, arch, conf).save_pretrained(folder)
+        for rows_name in DPO_ROWS:
+            case = os.path.join(out, "dpo", f"{name}-{rows_name}")
+            lines = pathlib.Path(out, "dpo", f"{rows_name}.jsonl").read_text().splitlines()
+            found = trl_dpo(torch, folder, tok, case, [json.loads(line) for line in lines])
+            with open(f"{case}.json", "w") as f:
+                json.dump(found, f)
+
+
+def trl_dpo(torch, folder, tok, case, rows):
+    """DPOTrainer on rows with a new peft adapter on every projection (its lora_B drawn nonzero, so
+    that the policy is not the reference; saved to case/adapter for ours): its tokenized rows, the
+    prompt tokens a merge moved into the answers, its loss and rewards on the batch of every pair
+    before a step, and its DPO_STEPS steps' logs."""
+    import datasets
+    import peft
+    import trl
+
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM"
+    )
+    trainer = trl.DPOTrainer(
+        model=folder,
+        args=dpo_config(trl, case, len(rows)),
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tok,
+        peft_config=lora,
+    )
+    kick_lora_b(torch, trainer.model)
+    trainer.model.save_pretrained(os.path.join(case, "adapter"))
+    examples = list(trainer.train_dataset)
+    keys = ("prompt_ids", "chosen_ids", "rejected_ids")
+    tokens = [{k: e[k] for k in keys} for e in examples]
+    alone = [tok(r["prompt"])["input_ids"] for r in rows if isinstance(r["prompt"], str)]
+    step0 = dpo_step0(torch, trainer, examples)
+    trainer.train()
+    return {
+        "tokens": tokens,
+        "merged": sum(len(a) - len(t["prompt_ids"]) for a, t in zip(alone, tokens)),
+        "step0": step0,
+        "steps": [h for h in trainer.state.log_history if "loss" in h],
+        "trl": trl.__version__,
+    }
+
+
+def dpo_config(trl, case, pairs):
+    """Part 5's DPOConfig: every pair in one batch, DPO_STEPS steps of AdamW at a constant rate, no
+    warmup nor weight decay, the gradient clipped to norm 1, float32 on the CPU."""
+    return trl.DPOConfig(
+        output_dir=os.path.join(case, "trl"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        learning_rate=DPO_LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        activation_checkpointing=False,  # trl's default recomputes; the same numbers, slower
+        per_device_train_batch_size=pairs,
+        train_sampling_strategy="sequential",
+        max_steps=DPO_STEPS,
+        logging_steps=1,
+        save_strategy="no",
+        beta=DPO_BETA,
+        loss_type=["sigmoid"],
+        max_length=None,
+        dataset_num_proc=None,
+    )
+
+
+def kick_lora_b(torch, peft_model):
+    """Every lora_B drawn 0.05 N(0, 1) (seed 1), in place: the adapted policy then differs from the
+    reference (the adapter off) from step 0 on."""
+    draw = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for pname, p in peft_model.named_parameters():
+            if "lora_B" in pname:
+                p.copy_(0.05 * torch.randn(p.shape, generator=draw))
+
+
+def dpo_step0(torch, trainer, examples):
+    """trl's loss and reward metrics on the batch of these examples, the adapter as drawn (no step):
+    compute_loss without gradients, its metrics logged under eval."""
+    inputs = trainer._prepare_inputs(trainer.data_collator(examples))
+    trainer.model.eval()
+    trainer._metrics["eval"].clear()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, inputs).item()
+    step0 = {k: sum(v) / len(v) for k, v in trainer._metrics["eval"].items()}
+    trainer._metrics["eval"].clear()
+    trainer.model.train()
+    return {**step0, "loss": loss}
+
+
 def worker(argv):
-    """--worker make OUT | load JOB.json | sft OUT | peft OUT: the torch side, in the venv's python."""
-    worker_of = {"make": worker_make, "load": worker_load, "sft": worker_sft, "peft": worker_peft}
+    """--worker make OUT | load JOB.json | sft OUT | peft OUT | dpo OUT: the torch side, in the
+    venv's python."""
+    worker_of = {
+        "make": worker_make,
+        "load": worker_load,
+        "sft": worker_sft,
+        "peft": worker_peft,
+        "dpo": worker_dpo,
+    }
     worker_of[argv[0]](*argv[1:])
 
 
@@ -838,6 +973,234 @@ def report_part4(rows, version):
     return [f"{r['name']}: LoRA differs from peft" for r in rows if max(r[k] for k in keys) >= 1e-5]
 
 
+# Part 5's cases: Part 1's Llama 3 and Qwen2 (name -> whether its tokenizer prepends a bos, as
+# Llama 3's does), each on text pairs and on conversational ones (under a ChatML template), four a
+# set. The text set holds a chosen whose first token takes the prompt's last character (" Par", the
+# prompt ending in a space: both answers start where either leaves the prompt's own tokens) and a
+# rejected that ends in the eos string already (trl adds none then); the conversational one a
+# system turn and a prompt of three turns. The worker counts the prompt tokens a merge moved into
+# the answers.
+DPO_MODELS = {"llama3": True, "qwen2": False}
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_turn = lambda role, text: [{"role": role, "content": text}]
+DPO_ROWS = {
+    "text": [
+        {
+            "prompt": "Question: what is the capital of France?\nAnswer: ",
+            "chosen": "Paris",
+            "rejected": " Lyon, I think",
+        },
+        {"prompt": "def main(argv):", "chosen": " return argv[0]", "rejected": " pass"},
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " green.<|im_end|>"},
+        {"prompt": "Two plus two equals ", "chosen": "four.", "rejected": "five, obviously."},
+    ],
+    "chat": [
+        {
+            "prompt": _turn("user", "what is the capital of France?"),
+            "chosen": _turn("assistant", "Paris"),
+            "rejected": _turn("assistant", "Lyon, I think"),
+        },
+        {
+            "prompt": _turn("user", "def main(argv):"),
+            "chosen": _turn("assistant", "return argv[0]"),
+            "rejected": _turn("assistant", "pass"),
+        },
+        {
+            "prompt": _turn("system", "Be brief.") + _turn("user", "The sky is?"),
+            "chosen": _turn("assistant", "blue."),
+            "rejected": _turn("assistant", "green, obviously."),
+        },
+        {
+            "prompt": _turn("user", "Two plus two?")
+            + _turn("assistant", "Four.")
+            + _turn("user", "And three plus three?"),
+            "chosen": _turn("assistant", "Six."),
+            "rejected": _turn("assistant", "Seven."),
+        },
+    ],
+}
+DPO_STEPS, DPO_LR, DPO_BETA = 5, 1e-3, 0.1
+REWARDS = ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]
+
+
+def dpo_tokenizer(folder, bos):
+    """A byte-level BPE tokenizer.json (300 tokens; with `bos`, <|endoftext|> prepended by its
+    post-processor) and CHATML, eos <|im_end|>, pad <|endoftext|>, into folder."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    os.makedirs(folder, exist_ok=True)
+    text = ["Question: what is the capital of France?\nAnswer: Paris"] * 20
+    text += ["def main(argv): return argv[0]"] * 20
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(text, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
+        )
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "bos_token": "<|endoftext|>" if bos else None,
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHATML,
+    }
+    pathlib.Path(folder, "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def dpo_files(out):
+    """Part 5's tokenizers (out/dpo/NAME/hf; the worker adds the models) and pair files."""
+    for name, bos in DPO_MODELS.items():
+        dpo_tokenizer(os.path.join(out, "dpo", name, "hf"), bos)
+    for rows_name, rows in DPO_ROWS.items():
+        with open(os.path.join(out, "dpo", f"{rows_name}.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def dpo_keys(out, name, rows_name):
+    """Our run of one Part 5 case, as dpo_config's: trl's adapter loaded, every pair in one batch,
+    DPO_STEPS steps of AdamW at a constant rate, the gradient clipped to norm 1, float32."""
+    case, pairs = os.path.join(out, "dpo", f"{name}-{rows_name}"), len(DPO_ROWS[rows_name])
+    files = os.path.join(out, "dpo", f"{rows_name}.jsonl")
+    keys = ["task=dpo", f"load_hf={out}/dpo/{name}/hf", f"load_adapter={case}/adapter"]
+    keys += ["dataset=hf", "hf_path=json", f"hf_data_files={files}", f"hf_eval_files={files}"]
+    keys += [f"per_device_batch={pairs}", f"steps={DPO_STEPS}", f"learning_rate={DPO_LR}"]
+    keys += ["warmup_steps=0", "min_lr_ratio=1", "weight_decay=0", "grad_clip=1.0", "adam_b2=0.999"]
+    keys += ["dtype=float32", "mesh=1,1,1", "attention=einsum", "max_target_length=256"]
+    keys += [f"dpo.beta={DPO_BETA}", "log_every=1", "eval_every=0", "eval_batches=0", "prefetch=0"]
+    keys += [f"output_dir={case}", "run_name=ours", f"cache_dir={out}/cache", "resume=false"]
+    return keys
+
+
+def our_dpo(keys, log_path):
+    """Our side of one case: (the pairs it trains on, each [(ids, answer mask)] for chosen and
+    rejected, in the file's order; the metrics rows of its DPO_STEPS steps); train.run's lines go to
+    log_path."""
+    import contextlib
+
+    import jax
+
+    import data
+    import model
+    import train
+
+    cfg = train.load_config(os.path.join(ROOT, "base.yml"), keys)
+    cfg = train.resolve(train.checkpoint_keys(cfg), model.DPO, "cpu")
+    ds = data.make_dataset(cfg, source=model.DPO.dataset)
+    pairs = [ds.train_tokens[i] for i in ds.train_ids]  # those it trains on: none too long skipped
+    tokens = [[(ids.tolist(), answer.astype(int).tolist()) for ids, answer in p] for p in pairs]
+    with open(log_path, "w") as f, contextlib.redirect_stdout(f):
+        summary = train.run(
+            train.load_config(os.path.join(ROOT, "base.yml"), keys), jax.devices()[:1]
+        )
+    lines = pathlib.Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()
+    return tokens, [row for row in map(json.loads, lines) if "loss" in row]
+
+
+def relative(ours, theirs):
+    """|ours - theirs| over |theirs| (the difference itself where theirs is 0)."""
+    return abs(ours - theirs) / abs(theirs) if theirs else abs(ours - theirs)
+
+
+def trl_pairs(tokens):
+    """trl's tokenized rows as ours holds them: per pair, chosen's and rejected's (ids, answer mask),
+    the prompt's tokens followed by the answer's."""
+    side = lambda t, k: (t["prompt_ids"] + t[k], [0] * len(t["prompt_ids"]) + [1] * len(t[k]))
+    return [[side(t, "chosen_ids"), side(t, "rejected_ids")] for t in tokens]
+
+
+def dpo_case(out, name, rows_name):
+    """One Part 5 row: ours against trl's tokens, step-0 loss and rewards, and DPO_STEPS steps."""
+    case = os.path.join(out, "dpo", f"{name}-{rows_name}")
+    theirs = json.loads(pathlib.Path(f"{case}.json").read_text())
+    tokens, steps = our_dpo(dpo_keys(out, name, rows_name), f"{case}.log")
+    step0, first = theirs["step0"], steps[0]  # our step 1's metrics: before its update
+    near = lambda k: abs(first[k] - step0[k]) <= max(1e-6, 1e-4 * abs(step0[k]))
+    each = lambda keys: max(
+        relative(o[k], t[k]) for o, t in zip(steps, theirs["steps"]) for k in keys
+    )
+    return {
+        "name": f"{name} {rows_name}",
+        "tokens": tokens == trl_pairs(theirs["tokens"]),
+        "merged": theirs["merged"],
+        "loss0": (first["loss"], step0["loss"]),
+        "loss0_rel": relative(first["loss"], step0["loss"]),
+        "margin0": step0["rewards/margins"],
+        "rewards0_rel": max(relative(first[k], step0[k]) for k in REWARDS),
+        "rewards0_near": all(near(k) for k in REWARDS),
+        "steps": (len(steps), len(theirs["steps"])),
+        "loss_rel": each(["loss"]),
+        "rewards_rel": each(REWARDS[:3]),
+        "grad_rel": each(["grad_norm"]),
+        "accuracies": [o["rewards/accuracies"] for o in steps]
+        == [t["rewards/accuracies"] for t in theirs["steps"]],
+        "trl": theirs["trl"],
+    }
+
+
+def part5(out, torch_python):
+    """Our DPO against trl's DPOTrainer, for each architecture and row set, from the same peft
+    adapter (its B nonzero): the same token ids and answer masks, the same loss and rewards before a
+    step, and the same loss, rewards and gradient norm over DPO_STEPS AdamW steps on the same
+    batch."""
+    dpo_files(out)
+    run_worker(torch_python, "dpo", out)
+    return [dpo_case(out, name, rows_name) for name in DPO_MODELS for rows_name in DPO_ROWS]
+
+
+def report_part5(rows):
+    """Part 5's table; the lines of what disagrees."""
+    columns = [
+        ("case", lambda r: r["name"]),
+        ("ids, masks equal", lambda r: "yes" if r["tokens"] else "NO"),
+        ("prompt tokens merged", lambda r: str(r["merged"])),
+        ("step-0 loss (ours, trl)", lambda r: f"{r['loss0'][0]:.7f}, {r['loss0'][1]:.7f}"),
+        ("relative", lambda r: f"{r['loss0_rel']:.2g}"),
+        ("step-0 margin (trl)", lambda r: f"{r['margin0']:.4f}"),
+        ("step-0 rewards rel", lambda r: f"{r['rewards0_rel']:.2g}"),
+        (
+            f"{DPO_STEPS} steps rel: loss, rewards, grad norm",
+            lambda r: f"{r['loss_rel']:.2g}, {r['rewards_rel']:.2g}, {r['grad_rel']:.2g}",
+        ),
+        ("accuracies equal", lambda r: "yes" if r["accuracies"] else "NO"),
+    ]
+    print(
+        f"\nPart 5: DPO, ours against trl {rows[0]['trl']}'s DPOTrainer from the same peft adapter "
+        f"(B drawn nonzero: policy != reference; float32): step 0, then {DPO_STEPS} AdamW steps"
+    )
+    print(table(rows, columns))
+    return [line for r in rows for line in dpo_failures(r)]
+
+
+def dpo_failures(row):
+    """What of one Part 5 case disagrees with trl, one line: the token ids or masks; the step-0 loss
+    beyond 1e-5 relative, a reward beyond 1e-6 absolute and 1e-4 relative (a reward is beta times a
+    difference of sums of float32 log-probabilities: 1e-5 relative is float32's own noise); over
+    the steps, a loss, reward or gradient norm beyond 1e-3 relative, an accuracy not equal."""
+    worst = max(row["loss_rel"], row["rewards_rel"], row["grad_rel"])
+    checks = {
+        "token ids or answer masks": row["tokens"],
+        "step-0 loss": row["loss0_rel"] <= 1e-5,
+        "step-0 rewards": row["rewards0_near"],
+        "step count": row["steps"] == (DPO_STEPS, DPO_STEPS),
+        "per-step loss, rewards or grad norm": worst <= 1e-3,
+        "per-step accuracies": row["accuracies"],
+    }
+    wrong = [what for what, ok in checks.items() if not ok]
+    return [f"{row['name']}: DPO differs from trl's in {', '.join(wrong)}"] if wrong else []
+
+
 def parse(argv):
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -853,7 +1216,7 @@ def parse(argv):
 
 
 def main(argv):
-    """Both parts, the summary, and an AssertionError listing whatever disagrees."""
+    """Every part, the summary, and an AssertionError listing whatever disagrees."""
     args = parse(argv)
     if args.worker:
         return worker(args.worker)
@@ -884,6 +1247,7 @@ def main(argv):
     )
     bad.append(report_part3(part3(out, args.torch_python)))
     bad.append(report_part4(*part4(out, args.torch_python)))
+    bad.append(report_part5(part5(out, args.torch_python)))
     assert not any(bad), "\n".join(line for lines in bad for line in lines)
 
 
