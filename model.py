@@ -1948,6 +1948,8 @@ def dpo_sums(cfg, graph, params, mb, key=None):
         "chosen": jnp.sum(chosen * pair_B),
         "rejected": jnp.sum(rejected * pair_B),
         "accurate": jnp.sum((chosen > rejected) * pair_B),
+        "logps_chosen": jnp.sum(policy[0] * pair_B),
+        "logps_rejected": jnp.sum(policy[1] * pair_B),
     }
 
 
@@ -1957,7 +1959,8 @@ def dpo_loss(cfg, graph, params, mb, carry, key, step=0):
 
 
 def dpo_rewards(sums, pairs):
-    """trl's reward metrics, means over the pairs."""
+    """trl's reward metrics, means over the pairs, and its logps/*: the policy's summed answer
+    log-probabilities (the chosen's falling while its reward rises is DPO's known displacement)."""
     chosen = sums["chosen"] / pairs
     rejected = sums["rejected"] / pairs
     return {
@@ -1965,6 +1968,8 @@ def dpo_rewards(sums, pairs):
         "rewards/rejected": rejected,
         "rewards/margins": chosen - rejected,
         "rewards/accuracies": sums["accurate"] / pairs,
+        "logps/chosen": sums["logps_chosen"] / pairs,
+        "logps/rejected": sums["logps_rejected"] / pairs,
     }
 
 

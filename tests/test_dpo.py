@@ -179,6 +179,8 @@ def test_the_dpo_loss_and_rewards_equal_a_numpy_computation(tmp_path, qwen):
     np.testing.assert_allclose(float(metrics_["rewards/rejected"]), rewards[:, 1].mean(), rtol=1e-4)
     np.testing.assert_allclose(float(metrics_["rewards/margins"]), margin.mean(), rtol=1e-4)
     assert float(metrics_["rewards/accuracies"]) == pytest.approx(np.mean(margin > 0))
+    np.testing.assert_allclose(float(metrics_["logps/chosen"]), policy[:, 0].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics_["logps/rejected"]), policy[:, 1].mean(), rtol=1e-5)
 
 
 def test_a_dpo_run_trains_evaluates_and_names_trl_s_metrics(tmp_path, qwen):
