@@ -78,7 +78,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import grain
 import numpy as np
@@ -133,12 +133,24 @@ class DataError(Exception):
 _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
-def _stack(rows, n, length):
+# What a batch holds, each [rows, length]: a dataset may add its own (DPOData's reference).
+FIELDS = {
+    "inputs": np.int32,
+    "targets": np.int32,
+    "segment_ids": np.int32,
+    "positions": np.int32,
+    "loss_mask": np.float32,
+}
+
+
+def fields_of(source):
+    """The batch fields of a task's dataset class (None: the text pipelines')."""
+    return getattr(source, "fields", FIELDS)
+
+
+def _stack(rows, n, length, fields=FIELDS):
     """A batch of n rows from row dicts; the rows past them are padding (segment 0, loss_mask 0)."""
-    batch = {
-        k: np.zeros((n, length), np.float32 if k == "loss_mask" else np.int32)
-        for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")
-    }
+    batch = {k: np.zeros((n, length), dtype) for k, dtype in fields.items()}
     for r, row in enumerate(rows):
         for k, v in batch.items():
             v[r] = row[k]
@@ -1630,6 +1642,7 @@ class SFTData(_Data):
         self.train_tokens, self.train_ids = self._encoded(train, train_rows, "hf_split")
         eval_key = "hf_eval_split" if held_out(cfg) else "hf_split"
         eval_tokens, eval_ids = self._encoded(held, held_rows, eval_key)
+        self.eval_ids = eval_ids
         mine = eval_ids[
             process_index::process_count
         ]  # each process its share of the held-out examples
@@ -1770,7 +1783,9 @@ class SFTData(_Data):
         every = max(-(-len(rows) // local_rows), 1)
         n = every if n is None else min(n, every)  # one pass at most; None: all of it
         return [
-            _stack(rows[b * local_rows : (b + 1) * local_rows], local_rows, self.length)
+            _stack(
+                rows[b * local_rows : (b + 1) * local_rows], local_rows, self.length, self.fields
+            )
             for b in range(n)
         ]
 
@@ -1846,11 +1861,15 @@ class DPOData(SFTData):
     """task=dpo's rows: preference pairs read as SFT rows are (dataset=hf, held-out rows, epochs,
     exact resume), one pair a row: chosen as segment 1, rejected as segment 2, each from position
     0, their answers' tokens in loss_mask. per_device_batch counts pairs, as trl's batch size does,
-    and max_target_length holds both sequences of a pair."""
+    and max_target_length holds both sequences of a pair. A full fine-tune's rows carry the
+    reference log-probabilities (model.dpo_prepare computes them once): `reference` holds each
+    side's at its first position, zero elsewhere (and everywhere with LoRA, whose reference is the
+    base)."""
 
     kind = "DPO"
     packs = False
     empty = (SFTData.empty, SFTData.empty)
+    fields: ClassVar[dict] = {**FIELDS, "reference": np.float32}
 
     def _example(self, record, tok, cfg, where):
         return dpo_pair(record, tok, cfg, where)
@@ -1859,10 +1878,73 @@ class DPOData(SFTData):
         return len(pair[0][0]) + len(pair[1][0]) - 1
 
     def _segments(self, pairs):
-        return [side for pair in pairs for side in pair]
+        return [side for pair in pairs for side in pair[:2]]
 
     def _eval_examples(self, tokens, ids):
         return []
+
+    def _row(self, pairs):
+        row = super()._row(pairs)
+        row["reference"] = np.zeros(self.length, np.float32)
+        first = np.flatnonzero(np.diff(row["segment_ids"], prepend=0) > 0)
+        refs = [value for pair in pairs for value in (pair[2] if len(pair) > 2 else (0.0, 0.0))]
+        row["reference"][first] = refs
+        return row
+
+    def reference_rows(self, local_rows, held_only=False):
+        """The pairs whose reference this process computes (its share of train's, unless held_only,
+        then of the held-out), as batches of a row each, made as they are read; `example` numbers
+        each row's pair: train's by index, the held-out's after them (-1: padding)."""
+        train = [] if held_only else list(self.train_ids)
+        numbers = [*train, *(len(self.train_tokens) + np.asarray(self.eval_ids, int))]
+        mine = numbers[self.process_index :: self.process_count]
+        count = max(1, -(-len(mine) // local_rows))
+        return _Lazy(
+            count, lambda b: self._numbered(mine[b * local_rows : (b + 1) * local_rows], local_rows)
+        )
+
+    def _numbered(self, numbers, local_rows):
+        T = len(self.train_tokens)
+        pair = lambda n: self.train_tokens[n] if n < T else self.eval_tokens[n - T]
+        rows = [
+            {**self._row([pair(n)]), "example": np.full(self.length, n, np.int32)} for n in numbers
+        ]
+        batch = _stack(rows, local_rows, self.length, {**self.fields, "example": np.int32})
+        batch["example"][len(rows) :] = -1
+        return batch
+
+    def pairs_digest(self, held_only=False):
+        """A SHA-1 of the pairs' tokens and answer masks (the held-out's alone, or train's too): what
+        a stored reference was computed on."""
+        digest = hashlib.sha1()
+        for pair in ([] if held_only else self.train_tokens) + self.eval_tokens:
+            for ids, answer in pair[:2]:
+                digest.update(ids.tobytes() + answer.tobytes() + b"|")
+        return digest.hexdigest()
+
+    def with_reference(self, train, held):
+        """Each pair's (chosen, rejected) reference log-probabilities from now on: [train examples,
+        2] and [held-out examples, 2], by index (rows that do not fit are never read)."""
+        self.train_tokens = [
+            (*p[:2], tuple(map(float, r))) for p, r in zip(self.train_tokens, train)
+        ]
+        self.eval_tokens = [(*p[:2], tuple(map(float, r))) for p, r in zip(self.eval_tokens, held)]
+
+
+class _Lazy:
+    """A sequence of n items made as each is read (fn(k))."""
+
+    def __init__(self, n, fn):
+        self.n = n
+        self.fn = fn
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, k):
+        if not 0 <= k < self.n:
+            raise IndexError(k)
+        return self.fn(k)
 
 
 # ---- Sudoku: the rules, defined once -------------------------------------------------------------

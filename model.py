@@ -41,6 +41,7 @@ axes only; the config keys trm.T and trm.n keep the TRM paper's names.
 import collections
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -1888,6 +1889,10 @@ class Task(NamedTuple):
     shown: tuple = ()
     # (cfg, graph, params, ds, save_to) -> metrics of mode=eval's answers, or {}
     answers: Callable = None
+    # (cfg, graph, params, ds, start step, run_dir, over) -> None: what the task computes once from
+    # its starting weights before it runs; over(step, params, batches_of, what=) runs a jitted step
+    # on every host's batches (batches_of(rows per process)) -> (outputs, this host's batches)
+    prepare: Callable = lambda *_: None
 
 
 LM = Task(
@@ -1919,11 +1924,15 @@ LM = Task(
 DPO_KEYS = (("positive", "dpo.beta"),)
 
 
+def sides(values_BL, segments_BL):
+    """(chosen [B], rejected [B]): a per-position value summed over each row's two sequences."""
+    return tuple(jnp.sum(values_BL * (segments_BL == s), axis=-1) for s in (1, 2))
+
+
 def dpo_logps(cfg, graph, params, mb, key=None):
     """(chosen [B], rejected [B]): each row's two answers' log-probabilities, summed over tokens."""
     logp_BL = -token_losses(cfg, graph, params, mb, key) * mb["loss_mask"]
-    side = lambda segment: jnp.sum(logp_BL * (mb["segment_ids"] == segment), axis=-1)
-    return side(1), side(2)
+    return sides(logp_BL, mb["segment_ids"])
 
 
 def adapters_off(params):
@@ -1935,12 +1944,16 @@ def adapters_off(params):
 
 def dpo_sums(cfg, graph, params, mb, key=None):
     """The step's sums over its pairs (padding rows hold none): the loss, and trl's rewards
-    beta (pi - ref) for chosen and rejected, and how often chosen's is the higher."""
+    beta (pi - ref) for chosen and rejected, and how often chosen's is the higher. The reference:
+    with LoRA the base, else the starting weights' log-probabilities the rows carry (dpo_prepare)."""
     policy = dpo_logps(cfg, graph, params, mb, key)
-    reference = jax.lax.stop_gradient(dpo_logps(cfg, graph, adapters_off(params), mb))
+    reference = sides(mb["reference"], mb["segment_ids"])
+    if cfg.lora.rank:
+        reference = jax.lax.stop_gradient(dpo_logps(cfg, graph, adapters_off(params), mb))
     chosen, rejected = (cfg.dpo.beta * (p - r) for p, r in zip(policy, reference))
     segments = mb["segment_ids"]
-    pair_B = (jnp.any(segments == 1, -1) & jnp.any(segments == 2, -1)).astype(jnp.float32)
+    answered = sides(mb["loss_mask"], segments)  # padding (an eval's too) answers nothing
+    pair_B = ((answered[0] > 0) & (answered[1] > 0)).astype(jnp.float32)
     loss_B = -jax.nn.log_sigmoid(chosen - rejected)
     return jnp.sum(loss_B * pair_B), {
         "weight": jnp.sum(pair_B),
@@ -1991,23 +2004,91 @@ def dpo_check(cfg):
     """DPO's own rules: a message naming the key, or ''."""
     if cfg.dataset != "hf":
         return f"task=dpo reads preference pairs: set dataset=hf (dataset={cfg.dataset})"
-    if not cfg.lora.rank and not cfg.load_adapter:  # load_adapter's config sets the rank later
-        return (
-            "task=dpo trains LoRA adapters against the base (lora.rank=16, say): the reference "
-            "log-probabilities of a full fine-tune, precomputed, are not built yet"
-        )
     return ""
+
+
+# ---- a full fine-tune's reference: computed once, kept in RUN_DIR ---------------------------------
+REFERENCE = "dpo_reference.npz"
+
+
+def dpo_prepare(cfg, graph, params, ds, start, run_dir, over):
+    """Without LoRA the reference is the starting weights: their log-probabilities of every pair,
+    computed in one pass before step 1 (trl's precompute_ref_log_probs) and written to
+    RUN_DIR/dpo_reference.npz, so no frozen copy sits beside the policy and a resume reads the same
+    numbers. mode=eval reads the run's (or load_params' run's); where there is none, the reference
+    is the weights evaluated (rewards 0: a starting point). With LoRA, the base: nothing to do."""
+    if cfg.lora.rank or cfg.mode not in ("train", "eval"):
+        return
+    held_only = cfg.mode == "eval"
+    found = stored_reference(cfg, run_dir, start, ds, held_only)
+    if found is None:
+        found = dpo_reference(cfg, graph, params, ds, over, held_only)
+        if cfg.mode == "train":
+            buffer = io.BytesIO()
+            digests = {f"{k}_pairs": ds.pairs_digest(k == "held") for k in ("train", "held")}
+            np.savez(buffer, train=found[0], held=found[1], **digests)
+            data.write(os.path.join(run_dir, REFERENCE), buffer.getvalue())
+    ds.with_reference(*found)
+
+
+def dpo_reference(cfg, graph, params, ds, over, held_only):
+    """The pass: ([train pairs, 2], [held-out pairs, 2]) summed log-probabilities, zero where none."""
+    numbered = lambda b: jnp.where(jnp.sum(b["loss_mask"], -1) > 0, b["example"][:, 0], -1)
+    step = jax.jit(
+        lambda p, b: {"logps": jnp.stack(dpo_logps(cfg, graph, p, b), -1), "n": numbered(b)}
+    )
+    outs, _ = over(step, params, lambda rows: ds.reference_rows(rows, held_only), what="reference")
+    table = np.zeros((len(ds.train_tokens) + len(ds.eval_tokens), 2), np.float32)
+    for out in outs:  # padding rows (numbered -1) left out
+        table[out["n"][out["n"] >= 0]] = out["logps"][out["n"] >= 0]
+    return table[: len(ds.train_tokens)], table[len(ds.train_tokens) :]
+
+
+def stored_reference(cfg, run_dir, start, ds, held_only):
+    """A resume's reference (train: this run's; eval: its run's or load_params'), checked against the
+    pairs it was computed on; None for a fresh run, or an eval with none stored."""
+    if cfg.mode == "train" and not start:
+        return None
+    places = [run_dir] + (
+        [os.path.dirname(data.checkpoint_steps(cfg.load_params)[0])] if cfg.load_params else []
+    )
+    path = next(
+        (
+            os.path.join(d, REFERENCE)
+            for d in places
+            if data.stored(os.path.join(d, REFERENCE)).exists()
+        ),
+        None,
+    )
+    if path is None and cfg.mode == "train":
+        raise data.DataError(
+            f"{os.path.join(run_dir, REFERENCE)} is missing: the reference log-probabilities this run "
+            "computed at its start; start a new run_name with load_params=RUN_DIR (its reference: the "
+            "weights it has now)"
+        )
+    if path is None:
+        return None
+    table = np.load(io.BytesIO(data.stored(path).read_bytes()))
+    part = "held" if held_only else "train"
+    if str(table[f"{part}_pairs"]) != ds.pairs_digest(held_only):
+        raise data.DataError(
+            f"{path}: its reference log-probabilities are of other pairs (the data, tokenizer or "
+            f"max_target_length changed): {'evaluate' if held_only else 'resume'} with the data it "
+            "was computed on, or start a new run_name with load_params=RUN_DIR"
+        )
+    return table["train"], table["held"]
 
 
 DPO = Task(
     module=Transformer,
     loss=dpo_loss,
-    # the policy's forward and backward, and the reference's forward
-    flops_per_token=lambda cfg: lm_flops_per_token(cfg) * 4 / 3,
+    # the policy's forward and backward, and with LoRA the reference's forward
+    flops_per_token=lambda cfg: lm_flops_per_token(cfg) * (4 / 3 if cfg.lora.rank else 1),
     eval_step=dpo_eval_step,
     eval_result=dpo_eval_result,
     generate=lm_generate,
     check=dpo_check,
+    prepare=dpo_prepare,
     fixed=lambda cfg: {"packing": False, "completion_only": True},
     step_metrics=dpo_rewards,
     keys=DPO_KEYS,

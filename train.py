@@ -161,16 +161,18 @@ def sharding_table(layout, cfg, mesh, whole_only=False):
 class Feed:
     """How host batches become global arrays: the microbatches per step (A: grad_accum; a
     batch_ramp changes it per step), the rows of one microbatch across every process (B), and the
-    shardings of train batches [A, B, L] (the microbatch axis whole) and of eval batches [B, L]."""
+    shardings of train batches [A, B, L] (the microbatch axis whole) and of eval batches [B, L];
+    the batch's fields and their dtypes (the task's data may add some)."""
 
     accum: int
     rows: int
     length: int
     step_sharding: NamedSharding
     eval_sharding: NamedSharding
+    fields: dict
 
 
-def make_feed(cfg, mesh, rows):
+def make_feed(cfg, mesh, rows, fields):
     spec = mesh_spec(("batch", "length"), (rows, cfg.max_target_length), cfg, mesh)
     return Feed(
         cfg.grad_accum,
@@ -178,6 +180,7 @@ def make_feed(cfg, mesh, rows):
         cfg.max_target_length,
         NamedSharding(mesh, PartitionSpec(None, *spec)),
         NamedSharding(mesh, spec),
+        fields,
     )
 
 
@@ -345,7 +348,7 @@ def build(cfg, task, devices):
     """The mesh, the batch feed, the model's graph, the optimizer and its schedule, the state's
     layout, and the jitted steps (compiled at their first call, or ahead by compile_step)."""
     mesh = make_mesh(cfg, devices)
-    feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices))
+    feed = make_feed(cfg, mesh, cfg.per_device_batch * len(devices), data.fields_of(task.dataset))
     tx, schedule = make_optimizer(cfg)
     graph, _ = model_lib.abstract(cfg)
     layout = state_layout(cfg, task, mesh, tx, feed.rows)
@@ -385,35 +388,43 @@ def evaluator(cfg, task, eval_step, feed):
         if n_batches == 0:
             return {}
         t0 = time.perf_counter()
-        batches, outs = ds.eval_batches(feed.rows // jax.process_count(), n_batches), []
-        # One pass at most (data.py); every host runs as many batches as the one holding most, the
-        # rest padding that weighs nothing.
-        n = max(agree(len(batches), cfg.host_timeout))
-        batches += [{**batches[0], "loss_mask": 0 * batches[0]["loss_mask"]}] * (n - len(batches))
-        if n_batches and n < n_batches:
-            log(f"eval_batches={n_batches}: the eval set fills {n}; evaluating those")
-        for i, b in enumerate(batches):
-            w, x = weights(state, task), global_batch(b, feed.eval_sharding, feed.rows)
-            # Compiled ahead, then every host goes on at once: a collective's first run (Gloo, on
-            # CPU) waits 30 s for the others.
-            if i == 0:
-                eval_step.lower(w, x).compile()
-                agree("", cfg.host_timeout)
-            outs.append(to_host(eval_step(w, x)))
-            beat()
-            # a search can take minutes: say where it is
-            if len(batches) > 1 and time.perf_counter() - t0 > 10:
-                log(f"eval: {i + 1}/{len(batches)} batches ({time.perf_counter() - t0:.0f}s)")
-        result = task.eval_result(
-            cfg,
-            outs,
-            [to_host(b) for b in batches],
-            ds,
-            save_to if jax.process_index() == 0 else None,
-        )
+        rows_of = lambda rows: ds.eval_batches(rows, n_batches)  # one pass at most
+        outs, batches = gathered(cfg, feed, eval_step, weights(state, task), rows_of, beat)
+        batches += [padding(batches[0])] * (len(outs) - len(batches))
+        if n_batches and len(outs) < n_batches:
+            log(f"eval_batches={n_batches}: the eval set fills {len(outs)}; evaluating those")
+        main = save_to if jax.process_index() == 0 else None  # answers written once
+        result = task.eval_result(cfg, outs, [to_host(b) for b in batches], ds, main)
         return {**result, "seconds": time.perf_counter() - t0}
 
     return evaluate
+
+
+def gathered(cfg, feed, step, w, batches_of, beat=lambda *_: None, what="eval"):
+    """step(w, batch) on this host's [B, L] batches (batches_of(its rows), a sequence): (every
+    output whole on every host, those batches). Every host runs as many as the one holding most,
+    the rest padding that weighs nothing."""
+    t0 = time.perf_counter()
+    outs = []
+    batches = batches_of(feed.rows // jax.process_count())
+    n = max(agree(len(batches), cfg.host_timeout))
+    for i in range(n):
+        b = batches[i] if i < len(batches) else padding(batches[0])
+        x = global_batch(b, feed.eval_sharding, feed.rows)
+        # Compiled ahead, then every host goes on at once: a collective's first run (Gloo, on CPU)
+        # waits 30 s for the others.
+        if i == 0:
+            step.lower(w, x).compile()
+            agree("", cfg.host_timeout)
+        outs.append(to_host(step(w, x)))
+        beat()
+        if n > 1 and time.perf_counter() - t0 > 10:  # a search can take minutes: say where it is
+            log(f"{what}: {i + 1}/{n} batches ({time.perf_counter() - t0:.0f}s)")
+    return outs, batches
+
+
+def padding(batch):
+    return {**batch, "loss_mask": 0 * batch["loss_mask"]}
 
 
 # ==================================================================================================
@@ -885,11 +896,8 @@ def export_hf(cfg, params, ds, out_dir):
     options make, over the config.json of the load_hf checkpoint the run started from, with the
     run's tokenizer."""
     host = multihost_utils.process_allgather(params, tiled=True)  # whole arrays on every process
-    source = (
-        data.read_json(os.path.join(data.hf_dir(cfg.load_hf), "config.json"))
-        if cfg.load_hf
-        else None
-    )
+    config = os.path.join(data.hf_dir(cfg.load_hf), "config.json") if cfg.load_hf else None
+    source = data.read_json(config) if config else None
     try:
         tensors = model_lib.save_hf(cfg, host, out_dir, ds.tokenizer, source)
     except (data.WriteError, *data.STORAGE_ERRORS) as e:
@@ -987,6 +995,9 @@ def run(cfg, devices=None, caught=None, t0=None):
             )
         evaluate = evaluator(cfg, task, built.eval_step, built.feed)
         job = Job(run_dir, mngr, built, evaluate, caught or Signals(), clock, flops)
+        # what the task computes once from its starting weights (DPO's reference, without LoRA)
+        over = functools.partial(gathered, cfg, built.feed)
+        task.prepare(cfg, built.graph, weights(state, task), ds, int(state["step"]), run_dir, over)
         if cfg.mode == "train":
             it = ds.train_iter(built.feed.rows // jax.process_count(), state=data_state)
             return train(cfg, task, state, it, ds, job)
@@ -2573,10 +2584,8 @@ def abstract_batch(feed):
     """The step's [A, B, L] batch as shapes only: to compile ahead of time, nothing read."""
     shape = (feed.accum, feed.rows, feed.length)
     return {
-        k: jax.ShapeDtypeStruct(
-            shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=feed.step_sharding
-        )
-        for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+        k: jax.ShapeDtypeStruct(shape, dtype, sharding=feed.step_sharding)
+        for k, dtype in feed.fields.items()
     }
 
 

@@ -3,6 +3,7 @@ computation of the same formula, and a run that trains, evaluates and resumes. t
 tests/check_hf.py compares with trl's DPOTrainer by hand."""
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -49,7 +50,7 @@ def chat_pairs(n, seed=0):
     ]
 
 
-def dpo_keys(tmp_path, qwen, rows, *keys):
+def dpo_keys(tmp_path, qwen, rows, *keys, rank=4):
     files = write_rows(tmp_path / "pairs.jsonl", rows)
     return [
         f"load_hf={qwen}",
@@ -58,7 +59,7 @@ def dpo_keys(tmp_path, qwen, rows, *keys):
         f"hf_data_files={files}",
         *TINY,
         "task=dpo",
-        "lora.rank=4",
+        f"lora.rank={rank}",
         "per_device_batch=2",
         *keys,
     ]
@@ -138,6 +139,14 @@ def test_a_wrong_preference_row_is_one_line_naming_it(tmp_path, qwen, row, says)
         pairs_of(tmp_path, qwen, [row] * 40)
 
 
+def logp(c, params, ids, mask):
+    """An answer's summed log-probability, by numpy from the model's logits of its sequence alone."""
+    logits = forward(c, params, ids[None, :-1])[0].astype(np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return float(np.sum(logprobs[np.arange(len(ids) - 1), ids[1:]] * mask[1:]))
+
+
 def test_the_dpo_loss_and_rewards_equal_a_numpy_computation(tmp_path, qwen):
     """With the adapters moved off zero: each side's log-probability summed over its answer's tokens, from logits of
     the chosen and the rejected sequence run alone (no pair packed in a row), for the adapted model and for the base
@@ -149,22 +158,13 @@ def test_the_dpo_loss_and_rewards_equal_a_numpy_computation(tmp_path, qwen):
     ds = train.data.make_dataset(cfg, source=DPO.dataset)
     state = kicked(state, scale=0.3)
     pairs = [ds.train_tokens[i] for i in ds.train_ids[:6]]
-    batch = {
-        k: np.stack([ds._row([p])[k] for p in pairs])
-        for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")
-    }
+    batch = {k: np.stack([ds._row([p])[k] for p in pairs]) for k in ds.fields}
     with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
         graph = model_lib.abstract(cfg)[0]
         loss, sums = jax.jit(lambda p, b: model_lib.dpo_sums(cfg, graph, p, b))(
             train.weights(state, DPO), batch
         )
     plain_cfg, _, _, plain = built(tmp_path, qwen)
-
-    def logp(c, params, ids, mask):
-        logits = forward(c, params, ids[None, :-1])[0].astype(np.float64)
-        logits -= logits.max(-1, keepdims=True)
-        logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        return float(np.sum(logprobs[np.arange(len(ids) - 1), ids[1:]] * mask[1:]))
 
     policy = np.array([[logp(cfg, train.weights(state, DPO), *side) for side in p] for p in pairs])
     reference = np.array([[logp(plain_cfg, plain["params"], *side) for side in p] for p in pairs])
@@ -208,3 +208,63 @@ def test_a_dpo_run_trains_evaluates_and_names_trl_s_metrics(tmp_path, qwen):
     assert {f"eval_{n}" for n in names} <= set(rows[5])
     assert rows[-1]["loss"] < rows[0]["loss"]
     json.dumps(rows)
+
+
+def test_a_full_fine_tune_s_reference_is_computed_once_kept_and_resumed_exactly(tmp_path, qwen):
+    """Without LoRA the reference is the starting weights: one pass before step 1 writes every pair's log-probabilities
+    to RUN_DIR/dpo_reference.npz (numpy's of the checkpoint, held-out pairs too), step 1 is trl's start (ln 2), and a
+    resume reads them back rather than computing them from the weights it has then: 2 steps on two devices resumed to
+    5 on one equal 5 straight (to float rounding; a constant rate, so the cut run's schedule is the same). mode=eval scores the held-out pairs against the same reference;
+    a missing or another data's reference is one line."""
+    keys = dpo_keys(
+        tmp_path,
+        qwen,
+        text_pairs(70),
+        "learning_rate=1e-2",
+        "warmup_steps=0",
+        "min_lr_ratio=1.0",
+        rank=0,
+    )
+    keys = [k for k in keys if not k.startswith("per_device_batch=")]
+    unset = [o for o in PRESET if not o.startswith("eval_batches=")]  # every held-out pair
+    run = lambda name, n, *more: train.run(
+        lm_config(
+            tmp_path, *keys, f"run_name={name}", f"per_device_batch={2 // n}", *more, preset=unset
+        ),
+        jax.devices()[:n],
+    )
+    straight = run("straight", 1, "steps=5")
+    rows = metrics(straight["run_dir"])
+    assert rows[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.05 and rows[-1]["rewards/margins"] > 0
+    run("cut", 2, "steps=2")
+    again = run("cut", 1, "steps=5")
+    np.testing.assert_allclose(
+        [r["loss"] for r in metrics(again["run_dir"])], [r["loss"] for r in rows], rtol=1e-5
+    )
+    stored = np.load(tmp_path / "cut" / "dpo_reference.npz")
+    ds, _ = pairs_of(tmp_path, qwen, text_pairs(70))
+    cfg, _, _, start = built(tmp_path, qwen)
+    for table, tokens, ids in (
+        (stored["train"], ds.train_tokens, ds.train_ids[:3]),
+        (stored["held"], ds.eval_tokens, ds.eval_ids),
+    ):
+        want = [[logp(cfg, start["params"], *side) for side in tokens[i]] for i in ids]
+        np.testing.assert_allclose(table[ids], want, rtol=1e-5)
+
+    evaluated = run("cut", 1, "mode=eval")
+    assert evaluated["pairs"] == len(ds.eval_ids)
+    assert evaluated["rewards/margins"] == pytest.approx(
+        metrics(again["run_dir"])[-1]["eval_rewards/margins"], rel=1e-5
+    )
+    os.remove(tmp_path / "cut" / "dpo_reference.npz")
+    with pytest.raises(
+        train.data.DataError, match=r"dpo_reference.npz is missing: the reference log-prob"
+    ):
+        run("cut", 1, "steps=6")
+    np.savez(tmp_path / "cut" / "dpo_reference.npz", **{**stored, "train_pairs": "other"})
+    with pytest.raises(
+        train.data.DataError,
+        match=r"dpo_reference.npz: its reference log-probabilities are of other",
+    ):
+        run("cut", 1, "steps=6")
