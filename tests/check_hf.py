@@ -24,9 +24,10 @@ The parts, each a table; an AssertionError at the end lists whatever disagrees:
   Part 4: LoRA adapters against peft both ways: ours read by PeftModel, peft's read by load_adapter,
           and lora.merge=true's export.
   Part 5: DPO against trl's DPOTrainer, for a tiny Llama 3 and Qwen2 on text and conversational
-          pairs, from the same peft adapter (its B drawn nonzero: the policy is not the reference):
-          the same token ids and answer masks, the same loss and rewards before a step, and over
-          five AdamW steps on one batch the same loss, rewards and gradient norm.
+          pairs, from the same peft adapter (its B drawn nonzero: the policy is not the reference),
+          and on text pairs with every weight trained against the precomputed reference: the same
+          token ids and answer masks, the same loss and rewards before a step, and over five AdamW
+          steps on one batch the same loss, rewards and gradient norm.
 """
 
 import argparse
@@ -337,19 +338,20 @@ def worker_dpo(out):
         arch, conf = tiny_config(transformers, name)
         conf.vocab_size = len(tok)  # the tokenizer's (its specials past the byte alphabet)
         tiny_model_of(torch, arch, conf).save_pretrained(folder)
-        for rows_name in DPO_ROWS:
-            case = os.path.join(out, "dpo", f"{name}-{rows_name}")
+        for rows_name, full in DPO_CASES:
+            case = os.path.join(out, "dpo", dpo_case_name(name, rows_name, full))
             lines = pathlib.Path(out, "dpo", f"{rows_name}.jsonl").read_text().splitlines()
-            found = trl_dpo(torch, folder, tok, case, [json.loads(line) for line in lines])
+            found = trl_dpo(torch, folder, tok, case, [json.loads(line) for line in lines], full)
             with open(f"{case}.json", "w") as f:
                 json.dump(found, f)
 
 
-def trl_dpo(torch, folder, tok, case, rows):
+def trl_dpo(torch, folder, tok, case, rows, full=False):
     """DPOTrainer on rows with a new peft adapter on every projection (its lora_B drawn nonzero, so
-    that the policy is not the reference; saved to case/adapter for ours): its tokenized rows, the
-    prompt tokens a merge moved into the answers, its loss and rewards on the batch of every pair
-    before a step, and its DPO_STEPS steps' logs."""
+    that the policy is not the reference; saved to case/adapter for ours), or `full`: every weight
+    trained, the reference log-probabilities precomputed (precompute_ref_log_probs): its tokenized
+    rows, the prompt tokens a merge moved into the answers, its loss and rewards on the batch of
+    every pair before a step, and its DPO_STEPS steps' logs."""
     import datasets
     import peft
     import trl
@@ -359,13 +361,14 @@ def trl_dpo(torch, folder, tok, case, rows):
     )
     trainer = trl.DPOTrainer(
         model=folder,
-        args=dpo_config(trl, case, len(rows)),
+        args=dpo_config(trl, case, len(rows), full),
         train_dataset=datasets.Dataset.from_list(rows),
         processing_class=tok,
-        peft_config=lora,
+        peft_config=None if full else lora,
     )
-    kick_lora_b(torch, trainer.model)
-    trainer.model.save_pretrained(os.path.join(case, "adapter"))
+    if not full:
+        kick_lora_b(torch, trainer.model)
+        trainer.model.save_pretrained(os.path.join(case, "adapter"))
     examples = list(trainer.train_dataset)
     keys = ("prompt_ids", "chosen_ids", "rejected_ids")
     tokens = [{k: e[k] for k in keys} for e in examples]
@@ -381,9 +384,10 @@ def trl_dpo(torch, folder, tok, case, rows):
     }
 
 
-def dpo_config(trl, case, pairs):
+def dpo_config(trl, case, pairs, full):
     """Part 5's DPOConfig: every pair in one batch, DPO_STEPS steps of AdamW at a constant rate, no
-    warmup nor weight decay, the gradient clipped to norm 1, float32 on the CPU."""
+    warmup nor weight decay, the gradient clipped to norm 1, float32 on the CPU; `full`: the
+    reference's log-probabilities computed once before training."""
     return trl.DPOConfig(
         output_dir=os.path.join(case, "trl"),
         report_to=[],
@@ -408,6 +412,7 @@ def dpo_config(trl, case, pairs):
         loss_type=["sigmoid"],
         max_length=None,
         dataset_num_proc=None,
+        precompute_ref_log_probs=full,
     )
 
 
@@ -1024,6 +1029,13 @@ DPO_ROWS = {
 }
 DPO_STEPS, DPO_LR, DPO_BETA = 5, 1e-3, 0.1
 REWARDS = ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]
+# (rows, full fine-tune): each row set from a peft adapter, and the text pairs with every weight
+# trained against the precomputed reference
+DPO_CASES = [(rows_name, False) for rows_name in DPO_ROWS] + [("text", True)]
+
+
+def dpo_case_name(name, rows_name, full):
+    return f"{name}-{rows_name}" + ("-full" if full else "")
 
 
 def dpo_tokenizer(folder, bos):
@@ -1068,12 +1080,15 @@ def dpo_files(out):
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def dpo_keys(out, name, rows_name):
-    """Our run of one Part 5 case, as dpo_config's: trl's adapter loaded, every pair in one batch,
-    DPO_STEPS steps of AdamW at a constant rate, the gradient clipped to norm 1, float32."""
-    case, pairs = os.path.join(out, "dpo", f"{name}-{rows_name}"), len(DPO_ROWS[rows_name])
+def dpo_keys(out, name, rows_name, full):
+    """Our run of one Part 5 case, as dpo_config's: trl's adapter loaded (`full`: none, every weight
+    trained), every pair in one batch, DPO_STEPS steps of AdamW at a constant rate, the gradient
+    clipped to norm 1, float32."""
+    case = os.path.join(out, "dpo", dpo_case_name(name, rows_name, full))
+    pairs = len(DPO_ROWS[rows_name])
     files = os.path.join(out, "dpo", f"{rows_name}.jsonl")
-    keys = ["task=dpo", f"load_hf={out}/dpo/{name}/hf", f"load_adapter={case}/adapter"]
+    keys = ["task=dpo", f"load_hf={out}/dpo/{name}/hf"]
+    keys += [] if full else [f"load_adapter={case}/adapter"]
     keys += ["dataset=hf", "hf_path=json", f"hf_data_files={files}", f"hf_eval_files={files}"]
     keys += [f"per_device_batch={pairs}", f"steps={DPO_STEPS}", f"learning_rate={DPO_LR}"]
     keys += ["warmup_steps=0", "min_lr_ratio=1", "weight_decay=0", "grad_clip=1.0", "adam_b2=0.999"]
@@ -1120,18 +1135,19 @@ def trl_pairs(tokens):
     return [[side(t, "chosen_ids"), side(t, "rejected_ids")] for t in tokens]
 
 
-def dpo_case(out, name, rows_name):
-    """One Part 5 row: ours against trl's tokens, step-0 loss and rewards, and DPO_STEPS steps."""
-    case = os.path.join(out, "dpo", f"{name}-{rows_name}")
+def dpo_case(out, name, rows_name, full):
+    """One Part 5 row: ours against trl's tokens, step-0 loss and rewards, and DPO_STEPS steps. A
+    full fine-tune starts as its reference (rewards 0 to float rounding, accuracies noise): its
+    steps' rewards and accuracies compare from step 2."""
+    case = os.path.join(out, "dpo", dpo_case_name(name, rows_name, full))
     theirs = json.loads(pathlib.Path(f"{case}.json").read_text())
-    tokens, steps = our_dpo(dpo_keys(out, name, rows_name), f"{case}.log")
+    tokens, steps = our_dpo(dpo_keys(out, name, rows_name, full), f"{case}.log")
     step0, first = theirs["step0"], steps[0]  # our step 1's metrics: before its update
     near = lambda k: abs(first[k] - step0[k]) <= max(1e-6, 1e-4 * abs(step0[k]))
-    each = lambda keys: max(
-        relative(o[k], t[k]) for o, t in zip(steps, theirs["steps"]) for k in keys
-    )
+    pairs = list(zip(steps, theirs["steps"]))
+    each = lambda keys, skip=0: max(relative(o[k], t[k]) for o, t in pairs[skip:] for k in keys)
     return {
-        "name": f"{name} {rows_name}",
+        "name": f"{name} {rows_name}" + (" full" if full else " LoRA"),
         "tokens": tokens == trl_pairs(theirs["tokens"]),
         "merged": theirs["merged"],
         "loss0": (first["loss"], step0["loss"]),
@@ -1141,10 +1157,11 @@ def dpo_case(out, name, rows_name):
         "rewards0_near": all(near(k) for k in REWARDS),
         "steps": (len(steps), len(theirs["steps"])),
         "loss_rel": each(["loss"]),
-        "rewards_rel": each(REWARDS[:3]),
+        "rewards_rel": each(REWARDS[:3], skip=int(full)),
         "grad_rel": each(["grad_norm"]),
-        "accuracies": [o["rewards/accuracies"] for o in steps]
-        == [t["rewards/accuracies"] for t in theirs["steps"]],
+        "accuracies": all(
+            o["rewards/accuracies"] == t["rewards/accuracies"] for o, t in pairs[int(full) :]
+        ),
         "trl": theirs["trl"],
     }
 
@@ -1156,7 +1173,7 @@ def part5(out, torch_python):
     batch."""
     dpo_files(out)
     run_worker(torch_python, "dpo", out)
-    return [dpo_case(out, name, rows_name) for name in DPO_MODELS for rows_name in DPO_ROWS]
+    return [dpo_case(out, name, *case) for name in DPO_MODELS for case in DPO_CASES]
 
 
 def report_part5(rows):
@@ -1177,7 +1194,8 @@ def report_part5(rows):
     ]
     print(
         f"\nPart 5: DPO, ours against trl {rows[0]['trl']}'s DPOTrainer from the same peft adapter "
-        f"(B drawn nonzero: policy != reference; float32): step 0, then {DPO_STEPS} AdamW steps"
+        "(B drawn nonzero: policy != reference), or every weight trained against the reference "
+        f"computed once (full); float32: step 0, then {DPO_STEPS} AdamW steps"
     )
     print(table(rows, columns))
     return [line for r in rows for line in dpo_failures(r)]

@@ -8,9 +8,10 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import args, losses, metrics, start_trainer, trainer_results
 from conftest import config as lm_config
-from conftest import metrics
 from flax import nnx
+from test_hardware import free_port
 from test_hf import PRESET, TINY, forward, write_checkpoint, write_rows, write_tokenizer
 from test_lora import built, kicked
 
@@ -268,3 +269,42 @@ def test_a_full_fine_tune_s_reference_is_computed_once_kept_and_resumed_exactly(
         match=r"dpo_reference.npz: its reference log-probabilities are of other",
     ):
         run("cut", 1, "steps=6")
+
+
+def test_two_processes_compute_the_reference_a_single_one_does(tmp_path, qwen):
+    """A full fine-tune on 2 processes x 1 CPU device (gloo on loopback): the reference pass splits the pairs between
+    the processes and gathers every pair's, so both write the dpo_reference.npz one process on 2 devices writes (to
+    float rounding), and train to its losses."""
+    keys = dpo_keys(tmp_path, qwen, text_pairs(70), "steps=3", "per_device_batch=1", rank=0)
+    keys += ["learning_rate=1e-2", "warmup_steps=0"]
+
+    def run(name, processes):
+        port = free_port()
+        env = lambda i: {
+            "JAX_NUM_CPU_DEVICES": str(2 // processes),
+            **(
+                {
+                    "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                    "JAX_PROCESS_COUNT": str(processes),
+                    "JAX_PROCESS_INDEX": str(i),
+                }
+                if processes > 1
+                else {}
+            ),
+        }
+        line = ["base.yml", *args(tmp_path, *keys, f"run_name={name}", preset=PRESET)]
+        procs = [start_trainer([line], **env(i)) for i in range(processes)]
+        try:
+            done = [trainer_results(p)[1][0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        assert [code for code, _ in done] == [0] * processes, [err[-2000:] for _, err in done]
+        return np.load(tmp_path / name / "dpo_reference.npz")
+
+    one, two = run("one", 1), run("two", 2)
+    assert np.any(one["train"] != 0) and np.any(one["held"] != 0)
+    for part in ("train", "held"):
+        np.testing.assert_allclose(one[part], two[part], rtol=1e-6)
+        assert str(one[f"{part}_pairs"]) == str(two[f"{part}_pairs"])  # the same pairs' digests
+    assert losses(tmp_path / "one") == pytest.approx(losses(tmp_path / "two"), rel=1e-5)
