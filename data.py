@@ -157,6 +157,11 @@ def _stack(rows, n, length, fields=FIELDS):
     return batch
 
 
+def padding(batch):
+    """A batch like `batch` that weighs nothing (every host runs as many batches as the others)."""
+    return {**batch, "loss_mask": 0 * batch["loss_mask"]}
+
+
 def _full_row(inputs, targets):
     """A row holding one example that fills it: one segment, every target counts."""
     return {

@@ -45,6 +45,7 @@ import io
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -1889,9 +1890,9 @@ class Task(NamedTuple):
     shown: tuple = ()
     # (cfg, graph, params, ds, save_to) -> metrics of mode=eval's answers, or {}
     answers: Callable = None
-    # (cfg, graph, params, ds, start step, run_dir, over) -> None: what the task computes once from
-    # its starting weights before it runs; over(step, params, batches_of, what=) runs a jitted step
-    # on every host's batches (batches_of(rows per process)) -> (outputs, this host's batches)
+    # (cfg, graph, params, ds, start step, run_dir, over) -> a line to log, or None: what the task
+    # computes once before it runs; over(step, params, batches_of, what=) runs a jitted step on every
+    # host's batches (batches_of(rows per process)) -> (outputs, this host's batches)
     prepare: Callable = lambda *_: None
 
 
@@ -2018,17 +2019,27 @@ def dpo_prepare(cfg, graph, params, ds, start, run_dir, over):
     numbers. mode=eval reads the run's (or load_params' run's); where there is none, the reference
     is the weights evaluated (rewards 0: a starting point). With LoRA, the base: nothing to do."""
     if cfg.lora.rank or cfg.mode not in ("train", "eval"):
-        return
+        return None
     held_only = cfg.mode == "eval"
-    found = stored_reference(cfg, run_dir, start, ds, held_only)
+    found, path = stored_reference(cfg, run_dir, start, ds, held_only)
+    line = f"dpo: the reference log-probabilities of {path}"
     if found is None:
+        t0 = time.perf_counter()
         found = dpo_reference(cfg, graph, params, ds, over, held_only)
+        pairs = f"{len(ds.eval_ids)} held-out pairs"
+        pairs = pairs if held_only else f"{len(ds.train_ids)} training and {pairs}"
+        line = f"dpo: the reference log-probabilities of {pairs}, from the starting weights"
+        line += f" in one pass ({time.perf_counter() - t0:.1f}s)"
         if cfg.mode == "train":
             buffer = io.BytesIO()
             digests = {f"{k}_pairs": ds.pairs_digest(k == "held") for k in ("train", "held")}
             np.savez(buffer, train=found[0], held=found[1], **digests)
             data.write(os.path.join(run_dir, REFERENCE), buffer.getvalue())
+            line += f", kept in {os.path.join(run_dir, REFERENCE)}"
+        else:  # nothing stored: the weights evaluated are their own reference
+            line += " (none stored: the weights evaluated are their own reference, rewards 0)"
     ds.with_reference(*found)
+    return line
 
 
 def dpo_reference(cfg, graph, params, ds, over, held_only):
@@ -2045,29 +2056,23 @@ def dpo_reference(cfg, graph, params, ds, over, held_only):
 
 
 def stored_reference(cfg, run_dir, start, ds, held_only):
-    """A resume's reference (train: this run's; eval: its run's or load_params'), checked against the
-    pairs it was computed on; None for a fresh run, or an eval with none stored."""
+    """(a resume's reference (train: this run's; eval: its run's or load_params'), checked against the
+    pairs it was computed on, its file); (None, None) for a fresh run, or an eval with none stored."""
     if cfg.mode == "train" and not start:
-        return None
-    places = [run_dir] + (
-        [os.path.dirname(data.checkpoint_steps(cfg.load_params)[0])] if cfg.load_params else []
-    )
-    path = next(
-        (
-            os.path.join(d, REFERENCE)
-            for d in places
-            if data.stored(os.path.join(d, REFERENCE)).exists()
-        ),
-        None,
-    )
+        return None, None
+    places = [run_dir]
+    if cfg.load_params:
+        places.append(os.path.dirname(data.checkpoint_steps(cfg.load_params)[0]))
+    files = [os.path.join(d, REFERENCE) for d in places]
+    path = next((f for f in files if data.stored(f).exists()), None)
     if path is None and cfg.mode == "train":
         raise data.DataError(
-            f"{os.path.join(run_dir, REFERENCE)} is missing: the reference log-probabilities this run "
-            "computed at its start; start a new run_name with load_params=RUN_DIR (its reference: the "
-            "weights it has now)"
+            f"{files[0]} is missing: the reference log-probabilities this run computed at its "
+            "start; start a new run_name with load_params=RUN_DIR (its reference: the weights it has "
+            "now)"
         )
     if path is None:
-        return None
+        return None, None
     table = np.load(io.BytesIO(data.stored(path).read_bytes()))
     part = "held" if held_only else "train"
     if str(table[f"{part}_pairs"]) != ds.pairs_digest(held_only):
@@ -2076,7 +2081,7 @@ def stored_reference(cfg, run_dir, start, ds, held_only):
             f"max_target_length changed): {'evaluate' if held_only else 'resume'} with the data it "
             "was computed on, or start a new run_name with load_params=RUN_DIR"
         )
-    return table["train"], table["held"]
+    return (table["train"], table["held"]), path
 
 
 DPO = Task(

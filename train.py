@@ -66,8 +66,9 @@ class ConfigError(Exception):
 
 def log(msg):
     """Process 0 prints. Output that went away (`| head` ended, a full device, a closed terminal)
-    costs no step: stdout goes to /dev/null from then on, and the rows stay in metrics.jsonl."""
-    if jax.process_index() == 0:
+    costs no step: stdout goes to /dev/null from then on, and the rows stay in metrics.jsonl. None
+    says nothing."""
+    if msg is not None and jax.process_index() == 0:
         try:
             print(msg, flush=True)
         except OSError:  # BrokenPipeError, ENOSPC, EIO
@@ -390,7 +391,7 @@ def evaluator(cfg, task, eval_step, feed):
         t0 = time.perf_counter()
         rows_of = lambda rows: ds.eval_batches(rows, n_batches)  # one pass at most
         outs, batches = gathered(cfg, feed, eval_step, weights(state, task), rows_of, beat)
-        batches += [padding(batches[0])] * (len(outs) - len(batches))
+        batches += [data.padding(batches[0])] * (len(outs) - len(batches))
         if n_batches and len(outs) < n_batches:
             log(f"eval_batches={n_batches}: the eval set fills {len(outs)}; evaluating those")
         main = save_to if jax.process_index() == 0 else None  # answers written once
@@ -404,12 +405,12 @@ def gathered(cfg, feed, step, w, batches_of, beat=lambda *_: None, what="eval"):
     """step(w, batch) on this host's [B, L] batches (batches_of(its rows), a sequence): (every
     output whole on every host, those batches). Every host runs as many as the one holding most,
     the rest padding that weighs nothing."""
-    t0 = time.perf_counter()
     outs = []
+    said = time.perf_counter()  # a long pass says where it is every 10 s
     batches = batches_of(feed.rows // jax.process_count())
     n = max(agree(len(batches), cfg.host_timeout))
     for i in range(n):
-        b = batches[i] if i < len(batches) else padding(batches[0])
+        b = batches[i] if i < len(batches) else data.padding(batches[0])
         x = global_batch(b, feed.eval_sharding, feed.rows)
         # Compiled ahead, then every host goes on at once: a collective's first run (Gloo, on CPU)
         # waits 30 s for the others.
@@ -418,13 +419,10 @@ def gathered(cfg, feed, step, w, batches_of, beat=lambda *_: None, what="eval"):
             agree("", cfg.host_timeout)
         outs.append(to_host(step(w, x)))
         beat()
-        if n > 1 and time.perf_counter() - t0 > 10:  # a search can take minutes: say where it is
-            log(f"{what}: {i + 1}/{n} batches ({time.perf_counter() - t0:.0f}s)")
+        if time.perf_counter() - said > 10:  # a search can take minutes
+            said = time.perf_counter()
+            log(f"{what}: {i + 1}/{n} batches")
     return outs, batches
-
-
-def padding(batch):
-    return {**batch, "loss_mask": 0 * batch["loss_mask"]}
 
 
 # ==================================================================================================
@@ -976,8 +974,9 @@ def run(cfg, devices=None, caught=None, t0=None):
         checkpoints(os.path.join(run_dir, "checkpoints"), cfg, cfg.mode != "train") as mngr,
     ):
         state, data_state, trained = restore_or_init(cfg, task, mngr, built.layout)
+        start = int(state["step"])
         if cfg.mode == "train" and ds.tokenizer:
-            data.keep_tokenizer(ds, run_dir, int(state["step"]) > 0, cfg)
+            data.keep_tokenizer(ds, run_dir, start > 0, cfg)
         # train's record of its config stays; the other modes write theirs beside it
         name = "config.yml" if cfg.mode == "train" else f"config.{cfg.mode}.yml"
         config = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
@@ -995,9 +994,9 @@ def run(cfg, devices=None, caught=None, t0=None):
             )
         evaluate = evaluator(cfg, task, built.eval_step, built.feed)
         job = Job(run_dir, mngr, built, evaluate, caught or Signals(), clock, flops)
-        # what the task computes once from its starting weights (DPO's reference, without LoRA)
-        over = functools.partial(gathered, cfg, built.feed)
-        task.prepare(cfg, built.graph, weights(state, task), ds, int(state["step"]), run_dir, over)
+        over = functools.partial(gathered, cfg, built.feed)  # a step on every host's batches
+        # what the task computes once before it runs (DPO's reference without LoRA), said in a line
+        log(task.prepare(cfg, built.graph, weights(state, task), ds, start, run_dir, over))
         if cfg.mode == "train":
             it = ds.train_iter(built.feed.rows // jax.process_count(), state=data_state)
             return train(cfg, task, state, it, ds, job)
