@@ -253,6 +253,7 @@ class _Data:
     silence) hears about the slow one-time preparations."""
 
     tokenizer = None
+    fields: ClassVar[dict] = FIELDS  # a batch's, each [rows, length]
 
     whole_eval = False  # an eval reads eval_batches batches (SFTData: all of them, unless set)
 

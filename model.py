@@ -2022,7 +2022,7 @@ def dpo_prepare(cfg, graph, params, ds, start, run_dir, over):
         return None
     held_only = cfg.mode == "eval"
     found, path = stored_reference(cfg, run_dir, start, ds, held_only)
-    line = f"dpo: the reference log-probabilities of {path}"
+    line = f"dpo: the reference log-probabilities read from {path}"
     if found is None:
         t0 = time.perf_counter()
         found = dpo_reference(cfg, graph, params, ds, over, held_only)
