@@ -1920,8 +1920,8 @@ class DPOData(SFTData):
         return batch
 
     def pairs_digest(self, held_only=False):
-        """A SHA-1 of the pairs' tokens and answer masks (the held-out's alone, or train's too): what
-        a stored reference was computed on."""
+        """A SHA-1 of the pairs' tokens and answer masks (the held-out's alone, or train's too):
+        what a stored reference was computed on."""
         digest = hashlib.sha1()
         for pair in ([] if held_only else self.train_tokens) + self.eval_tokens:
             for ids, answer in pair[:2]:
@@ -2420,7 +2420,8 @@ def make_chat(out, count, seed):
             for q, a, _ in questions
         )
     print(
-        f"wrote {count} prompt/completion rows (of {asked} questions about {lines} def lines) to {out}"
+        f"wrote {count} prompt/completion rows (of {asked} questions about {lines} def lines) to "
+        f"{out}"
     )
 
 

@@ -1891,8 +1891,8 @@ class Task(NamedTuple):
     # (cfg, graph, params, ds, save_to) -> metrics of mode=eval's answers, or {}
     answers: Callable = None
     # (cfg, graph, params, ds, start step, run_dir, over) -> a line to log, or None: what the task
-    # computes once before it runs; over(step, params, batches_of, what=) runs a jitted step on every
-    # host's batches (batches_of(rows per process)) -> (outputs, this host's batches)
+    # computes once before it runs; over(step, params, batches_of, what=) runs a jitted step on
+    # every host's batches (batches_of(rows per process)) -> (outputs, this host's batches)
     prepare: Callable = lambda *_: None
 
 
@@ -1946,7 +1946,7 @@ def adapters_off(params):
 def dpo_sums(cfg, graph, params, mb, key=None):
     """The step's sums over its pairs (padding rows hold none): the loss, and trl's rewards
     beta (pi - ref) for chosen and rejected, and how often chosen's is the higher. The reference:
-    with LoRA the base, else the starting weights' log-probabilities the rows carry (dpo_prepare)."""
+    with LoRA the base, else the starting weights' log-probabilities in the rows (dpo_prepare)."""
     policy = dpo_logps(cfg, graph, params, mb, key)
     reference = sides(mb["reference"], mb["segment_ids"])
     if cfg.lora.rank:
@@ -2008,7 +2008,7 @@ def dpo_check(cfg):
     return ""
 
 
-# ---- a full fine-tune's reference: computed once, kept in RUN_DIR ---------------------------------
+# ---- a full fine-tune's reference: computed once, kept in RUN_DIR --------------------------------
 REFERENCE = "dpo_reference.npz"
 
 
@@ -2026,8 +2026,8 @@ def dpo_prepare(cfg, graph, params, ds, start, run_dir, over):
     if found is None:
         t0 = time.perf_counter()
         found = dpo_reference(cfg, graph, params, ds, over, held_only)
-        pairs = f"{len(ds.eval_ids)} held-out pairs"
-        pairs = pairs if held_only else f"{len(ds.train_ids)} training and {pairs}"
+        pairs = f"{len(ds.eval_ids):,} held-out pairs"
+        pairs = pairs if held_only else f"{len(ds.train_ids):,} training and {pairs}"
         line = f"dpo: the reference log-probabilities of {pairs}, from the starting weights"
         line += f" in one pass ({time.perf_counter() - t0:.1f}s)"
         if cfg.mode == "train":
@@ -2043,7 +2043,7 @@ def dpo_prepare(cfg, graph, params, ds, start, run_dir, over):
 
 
 def dpo_reference(cfg, graph, params, ds, over, held_only):
-    """The pass: ([train pairs, 2], [held-out pairs, 2]) summed log-probabilities, zero where none."""
+    """The pass: ([train pairs, 2], [held-out pairs, 2]) summed log-probabilities (0 where none)."""
     numbered = lambda b: jnp.where(jnp.sum(b["loss_mask"], -1) > 0, b["example"][:, 0], -1)
     step = jax.jit(
         lambda p, b: {"logps": jnp.stack(dpo_logps(cfg, graph, p, b), -1), "n": numbered(b)}
@@ -2056,8 +2056,8 @@ def dpo_reference(cfg, graph, params, ds, over, held_only):
 
 
 def stored_reference(cfg, run_dir, start, ds, held_only):
-    """(a resume's reference (train: this run's; eval: its run's or load_params'), checked against the
-    pairs it was computed on, its file); (None, None) for a fresh run, or an eval with none stored."""
+    """(a resume's reference (train: this run's; eval: its run's or load_params'), checked against
+    the pairs it was computed on, its file); (None, None) for a fresh run, or an eval with none."""
     if cfg.mode == "train" and not start:
         return None, None
     places = [run_dir]
@@ -2068,8 +2068,8 @@ def stored_reference(cfg, run_dir, start, ds, held_only):
     if path is None and cfg.mode == "train":
         raise data.DataError(
             f"{files[0]} is missing: the reference log-probabilities this run computed at its "
-            "start; start a new run_name with load_params=RUN_DIR (its reference: the weights it has "
-            "now)"
+            "start; start a new run_name with load_params=RUN_DIR (its reference: the weights it "
+            "has now)"
         )
     if path is None:
         return None, None

@@ -215,8 +215,8 @@ def test_a_full_fine_tune_s_reference_is_computed_once_kept_and_resumed_exactly(
     """Without LoRA the reference is the starting weights: one pass before step 1 writes every pair's log-probabilities
     to RUN_DIR/dpo_reference.npz (numpy's of the checkpoint, held-out pairs too), step 1 is trl's start (ln 2), and a
     resume reads them back rather than computing them from the weights it has then: 2 steps on two devices resumed to
-    5 on one equal 5 straight (to float rounding; a constant rate, so the cut run's schedule is the same). mode=eval scores the held-out pairs against the same reference;
-    a missing or another data's reference is one line."""
+    5 on one equal 5 straight (to float rounding; a constant rate, so the cut run's schedule is the same). mode=eval
+    scores the held-out pairs against the same reference; a missing or another data's reference is one line."""
     keys = dpo_keys(
         tmp_path,
         qwen,
