@@ -294,6 +294,29 @@ print(json.dumps(results))
 """
 
 
+def host_env(port, count, index):
+    """The environment that makes a trainer process `index` of `count` hosts, process 0 at `port` on loopback;
+    none for one process."""
+    if count == 1:
+        return {}
+    return {
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "JAX_PROCESS_COUNT": str(count),
+        "JAX_PROCESS_INDEX": str(index),
+    }
+
+
+@pytest.fixture
+def qwen(tmp_path):
+    """test_hf's tiny Qwen2 checkpoint (vocab 320 rows) with its byte-level tokenizer (300) and ChatML template."""
+    from test_hf import write_checkpoint, write_tokenizer
+
+    folder = tmp_path / "qwen"
+    write_checkpoint(folder, "qwen2", vocab_size=320)
+    write_tokenizer(folder)
+    return folder
+
+
 def start_trainer(commands, **env):
     """TRAINER on these command lines in a new process, run from the repository with the session's
     environment for trainers plus env; its stdout and stderr piped."""

@@ -8,26 +8,17 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import args, losses, metrics, start_trainer, trainer_results
+from conftest import args, host_env, losses, metrics, start_trainer, trainer_results
 from conftest import config as lm_config
 from flax import nnx
 from test_hardware import free_port
-from test_hf import PRESET, TINY, forward, write_checkpoint, write_rows, write_tokenizer
+from test_hf import PRESET, TINY, forward, write_rows
 from test_lora import built, kicked
 
 import model as model_lib
 import train
 
 DPO = model_lib.DPO
-
-
-@pytest.fixture
-def qwen(tmp_path):
-    """test_hf's tiny Qwen2 checkpoint with its byte-level tokenizer and ChatML template."""
-    folder = tmp_path / "qwen"
-    write_checkpoint(folder, "qwen2", vocab_size=320)
-    write_tokenizer(folder)
-    return folder
 
 
 def text_pairs(n, seed=0):
@@ -280,18 +271,7 @@ def test_two_processes_compute_the_reference_a_single_one_does(tmp_path, qwen):
 
     def run(name, processes):
         port = free_port()
-        env = lambda i: {
-            "JAX_NUM_CPU_DEVICES": str(2 // processes),
-            **(
-                {
-                    "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-                    "JAX_PROCESS_COUNT": str(processes),
-                    "JAX_PROCESS_INDEX": str(i),
-                }
-                if processes > 1
-                else {}
-            ),
-        }
+        env = lambda i: {"JAX_NUM_CPU_DEVICES": str(2 // processes), **host_env(port, processes, i)}
         line = ["base.yml", *args(tmp_path, *keys, f"run_name={name}", preset=PRESET)]
         procs = [start_trainer([line], **env(i)) for i in range(processes)]
         try:

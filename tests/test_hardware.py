@@ -27,6 +27,7 @@ from conftest import (
     args,
     config,
     dataset,
+    host_env,
     losses,
     metrics,
     start_trainer,
@@ -474,15 +475,7 @@ def test_elastic_resume_reads_what_an_uninterrupted_run_reads(tmp_path, source):
         env = lambda i: {
             "ROWS_FILE": str(rows_file),
             "JAX_NUM_CPU_DEVICES": str(2 // processes),
-            **(
-                {
-                    "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-                    "JAX_PROCESS_COUNT": str(processes),
-                    "JAX_PROCESS_INDEX": str(i),
-                }
-                if processes > 1
-                else {}
-            ),
+            **host_env(port, processes, i),
         }
         procs = [
             start_trainer(

@@ -448,15 +448,6 @@ def qa_rows(n, seed=0):
     ]
 
 
-@pytest.fixture
-def qwen(tmp_path):
-    """A tiny Qwen2 checkpoint with a byte-level tokenizer and ChatML template (vocab 320 rows, tokenizer 300)."""
-    folder = tmp_path / "qwen"
-    write_checkpoint(folder, "qwen2", vocab_size=320)
-    write_tokenizer(folder)
-    return folder
-
-
 def test_sft_loss_is_the_mean_over_answer_tokens_and_packing_changes_nothing(tmp_path, qwen):
     """An SFT batch's loss (the trainer's loss summed, divided by its weight) equals the mean cross-entropy over the
     answer tokens (completion + eos) computed here from each example alone, tokenized independently; packed rows

@@ -104,15 +104,6 @@ def test_lora_off_keys_change_nothing_in_the_program(tmp_path):
     assert programs[0] == programs[1]
 
 
-@pytest.fixture
-def qwen(tmp_path):
-    """test_hf's tiny Qwen2 checkpoint with its byte-level tokenizer and ChatML template."""
-    folder = tmp_path / "qwen"
-    write_checkpoint(folder, "qwen2", vocab_size=320)
-    write_tokenizer(folder)
-    return folder
-
-
 @pytest.mark.parametrize("scan", ["true", "false"])
 def test_adapters_start_as_the_base_and_learn_alone(tmp_path, qwen, scan):
     """With lora.rank=4 on every projection: step 0's logits are the base model's exactly (B starts at zero); the
