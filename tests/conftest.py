@@ -46,6 +46,15 @@ ENV = {
 
 import train
 
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "slow: a test that starts processes, compiles for a TPU slice or runs whole trainings (over ~8 s on 2 "
+        "cores); -m 'not slow' is the quick tier a change is checked with first, the whole suite still runs all",
+    )
+
+
 train.data.quiet_libraries()  # what main() does before a run: the tests that call run() check its stderr too
 
 VOCAB = 320  # smallest comfortable byte-fallback BPE for write_corpus's text (256 bytes + chars + merges)

@@ -7,9 +7,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import ENV, ROOT
 
 
+@pytest.mark.slow
 def test_bench_gpu_tiny_prints_the_figures_the_check_and_the_table():
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tests", "bench_gpu.py"), "--tiny"],

@@ -119,6 +119,7 @@ def reference(corpus, tmp_path_factory):
 
 # SIGINT (Ctrl-C) takes SIGTERM's handler: in the loop it is the same; before the loop it is tested below.
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.slow
 def test_interrupted_run_resumes_exactly(corpus, reference, tmp_path, sig):
     code, _, err = run_until(cli(corpus, tmp_path), tmp_path, 15, sig)
     if sig == signal.SIGKILL:
@@ -144,6 +145,7 @@ def test_interrupted_run_resumes_exactly(corpus, reference, tmp_path, sig):
         assert not redone and metrics(tmp_path / "default")[-1]["badput_redone"] == 0
 
 
+@pytest.mark.slow
 def test_a_closed_stdout_and_a_hung_up_terminal_cost_no_step(corpus, reference, tmp_path):
     """`python train.py ... | head -2`, then the terminal closes (SIGHUP) at step 15: the run goes on
     past its closed stdout, answers SIGHUP as it answers SIGTERM (a checkpoint, exit 75, one line, no
@@ -188,6 +190,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_is_moved_aside_and_the_run_resumes(tmp_path, capfd):
     """Whatever the damage to the newest step (and a kill -9 mid-write's temporary directory beside it),
     the run warns in one line, renames that step STEP.damaged-TIME (never deleted), resumes from the step
@@ -225,6 +228,7 @@ def test_no_readable_checkpoint_is_an_error_and_moves_nothing(tmp_path):
     assert sorted(os.listdir(ckpts)) == ["2", "4"]
 
 
+@pytest.mark.slow
 def test_restore_onto_a_different_mesh(tmp_path):
     """Saved on mesh=8,1,1 at step 3, resumed on mesh=2,2,2: steps 4-6 match the run that never moved."""
     ref = train.run(
@@ -305,6 +309,7 @@ def _same_bits(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+@pytest.mark.slow
 def test_a_nonfinite_step_names_the_checkpoint_to_go_on_from_and_the_advice_works(tmp_path):
     """learning_rate=1e30 with warmup: update 1 is 0, update 2 makes the parameters huge, and step 3's gradient is
     NaN (its loss stays finite: RMSNorm scales the huge activations back). The line names what was non-finite and the newest checkpoint before the parameters that produced it (step 1; step 2, which
@@ -368,6 +373,7 @@ def test_resuming_with_other_rows_per_microbatch_is_an_error(tmp_path):
 
 
 # ---- the run directory: owned by one run, written or stopped in one line, resumed or refused by name ---------
+@pytest.mark.slow
 def test_two_runs_on_one_run_directory(tmp_path):
     """The same command started twice at once: one trains, the other stops at once with one line naming who
     holds the directory; metrics.jsonl then has every step once."""
@@ -392,6 +398,7 @@ def test_two_runs_on_one_run_directory(tmp_path):
     assert [r["step"] for r in metrics(tmp_path / "default")] == list(range(1, 31))
 
 
+@pytest.mark.slow
 def test_a_refused_checkpoint_write_stops_in_one_line_and_keeps_the_rest(tmp_path):
     """A file system that refuses the checkpoint's files mid-run (a full disk, here a file-size limit the
     process sets itself): exit 74 with one line, no hang; the checkpoint before stays and a rerun resumes
@@ -448,6 +455,7 @@ def test_a_refused_checkpoint_write_stops_in_one_line_and_keeps_the_rest(tmp_pat
     assert losses(tmp_path / "full") == losses(tmp_path / "ref")
 
 
+@pytest.mark.slow
 def test_a_disk_filling_under_a_running_run_is_one_line_naming_the_file(tmp_path):
     """The disk fills mid-run (here: a file-size limit put on the running trainer after its first
     checkpoint, below its metrics.jsonl's size), so the next metrics row is refused: exit 74 and one line
@@ -497,6 +505,7 @@ def fill(path):
             pass
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_as_a_checkpoint_is_saved_is_one_line_and_the_rerun_exact(tmp_path):
     """output_dir on a 16 MiB tmpfs, filled to its last byte as the save of step 40 begins: exit 74 and one line
     naming a file of the run directory (the checkpoint it could not write, or the metrics or TensorBoard file the
@@ -603,6 +612,7 @@ def test_a_changed_data_source_starts_the_data_over(tmp_path, capsys):
 # ---- Hugging Face datasets and Weights & Biases across a kill -------------------------------------------
 # Read by random access, the same resume is test_hardware.py's elastic resume (dataset=hf, one process to two).
 @pytest.mark.parametrize("streaming", ["true"])
+@pytest.mark.slow
 def test_hf_dataset_run_killed_and_resumed_equals_an_unstopped_one(tmp_path, streaming):
     """A run on a Hugging Face dataset (local parquet through dataset=hf, read by random access or as a stream),
     killed with SIGKILL after its step-10 checkpoint and rerun: its losses are, bit for bit, those of a run
@@ -679,6 +689,7 @@ def wandb_history(run_dir):
     return rows, count
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_equals_metrics_across_a_resume(tmp_path):
     """wandb_project= with WANDB_MODE=offline, stopped by SIGTERM after its step-10 checkpoint (a checkpoint at
     the step it stops at) and rerun: the W&B run (one id, kept in the run directory) holds every step once, with
@@ -718,6 +729,7 @@ def test_wandb_offline_run_equals_metrics_across_a_resume(tmp_path):
     assert runs == {(tmp_path / "default" / "wandb_id").read_text().strip()}
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_one_warning_line_and_no_stderr_through_the_command_line(tmp_path):
     """The damage that leaves orbax's reads in flight (garbled data files), resumed by `python train.py`:
     one warning on stdout, nothing on stderr (pytest replaces the process's unraisable-exception hook
@@ -777,6 +789,7 @@ sys.exit(train.main(['train.py', *sys.argv[1:]]))
 """
 
 
+@pytest.mark.slow
 def test_a_second_sigterm_while_the_last_checkpoint_is_written_loses_nothing(tmp_path):
     """SIGTERM at step 4, then SIGTERM again while that step's checkpoint is being written: the second is noted,
     the save commits, exit 75; the rerun continues from it to the losses of an uninterrupted run, bit for bit."""
@@ -823,6 +836,7 @@ def test_a_second_sigterm_while_the_last_checkpoint_is_written_loses_nothing(tmp
 
 
 @pytest.mark.parametrize("sig, line", [(signal.SIGINT, "devices:"), (signal.SIGTERM, "model:")])
+@pytest.mark.slow
 def test_a_signal_before_the_first_step_exits_75_in_one_line(tmp_path, sig, line):
     """Ctrl-C while the data is prepared, SIGTERM between the restore and the compile: nothing new to save, so the
     run stops at once, with exit 75 and one line (before, SIGTERM there exited 143 silently, SIGINT a traceback)."""

@@ -139,6 +139,7 @@ def logp(c, params, ids, mask):
     return float(np.sum(logprobs[np.arange(len(ids) - 1), ids[1:]] * mask[1:]))
 
 
+@pytest.mark.slow
 def test_the_dpo_loss_and_rewards_equal_a_numpy_computation(tmp_path, qwen):
     """With the adapters moved off zero: each side's log-probability summed over its answer's tokens, from logits of
     the chosen and the rejected sequence run alone (no pair packed in a row), for the adapted model and for the base
@@ -202,6 +203,7 @@ def test_a_dpo_run_trains_evaluates_and_names_trl_s_metrics(tmp_path, qwen):
     json.dumps(rows)
 
 
+@pytest.mark.slow
 def test_a_full_fine_tune_s_reference_is_computed_once_kept_and_resumed_exactly(tmp_path, qwen):
     """Without LoRA the reference is the starting weights: one pass before step 1 writes every pair's log-probabilities
     to RUN_DIR/dpo_reference.npz (numpy's of the checkpoint, held-out pairs too), step 1 is trl's start (ln 2), and a
@@ -262,6 +264,7 @@ def test_a_full_fine_tune_s_reference_is_computed_once_kept_and_resumed_exactly(
         run("cut", 1, "steps=6")
 
 
+@pytest.mark.slow
 def test_two_processes_compute_the_reference_a_single_one_does(tmp_path, qwen):
     """A full fine-tune on 2 processes x 1 CPU device (gloo on loopback): the reference pass splits the pairs between
     the processes and gathers every pair's, so both write the dpo_reference.npz one process on 2 devices writes (to

@@ -410,6 +410,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[" ".join(a) for a, _ in CASES])
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(results, case):
     tmp, got = results
     code, stderr = got[case]
@@ -432,6 +433,7 @@ def test_the_real_command_line():
     )
 
 
+@pytest.mark.slow
 def test_a_cpu_run_prints_nothing_on_stderr(tmp_path):
     """A successful run on this machine, libtpu installed by tests/requirements.txt and JAX_PLATFORMS not
     set: libtpu stays out of a host without TPU chips, and tfds (a files dataset built here), sentencepiece
@@ -749,6 +751,7 @@ print(hashlib.sha1(tokenizer.files["tokenizer.model"]).hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_runs_started_together_on_one_cold_cache_prepare_it_once(tmp_path):
     """Runs at the same moment on one cold cache_dir (two here; three through the command line cost a minute): each
     gets the same tokenizer, and the cache ends with one prepared dataset and one tokenizer, no temporary file (a

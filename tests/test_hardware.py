@@ -76,6 +76,7 @@ def test_readme_has_every_preset():
 
 
 @pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.slow
 def test_readme_cpu_row_trains_in_the_dtype_of_the_cpu(tmp_path, monkeypatch, bf16):
     """The README's CPU command (the default 3.5M LM, mesh=1,-1,1, dtype=auto) trains: three steps on synthetic
     tokens give three finite, distinct losses, in float32 on a CPU without bf16 instructions and in bfloat16 on
@@ -136,6 +137,7 @@ PRESETS = [p for p in TPU_ROWS if os.environ.get("ALL_TPU_PRESETS") or p[0] in C
 
 
 @pytest.mark.parametrize("name,overrides", PRESETS, ids=[p[0] for p in PRESETS])
+@pytest.mark.slow
 def test_readme_preset_fits_its_tpu_slice(name, overrides, fast_tpu_compiles, capsys):
     """The row's command, compiled for its slice by libtpu, fits the slice's HBM per device (the README's memory
     cell documents the figure; the compiler's own varies with the libtpu version)."""
@@ -179,6 +181,7 @@ def fine_tuning_row(label, config_json, tmp_path):
     return [*shlex.split(row), f"load_hf={tmp_path}/hf", f"output_dir={tmp_path}"]
 
 
+@pytest.mark.slow
 def test_readme_fine_tuning_row_fits_a_v5e_8(tmp_path, fast_tpu_compiles, capsys):
     """The README's Qwen2.5-0.5B SFT row (sequence 1,024, 4 per device, 2 accumulation steps) compiled for a v5e-8
     from the model's config.json alone (no weights read): it fits the 16 GiB per device. Its DPO row, every weight
@@ -255,6 +258,7 @@ def test_attention_auto_picks_by_platform_and_chip(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_splash_compiles_for_a_tpu_slice_and_keeps_no_scores(fast_tpu_compiles):
     """AOT for a v5e-8 at sequence 1024, no remat: with the splash kernel the step's compiled temporaries are
     under half of XLA attention's, which keeps every layer's [B, H, L, L] scores for the backward pass."""
@@ -280,6 +284,7 @@ def test_splash_compiles_for_a_tpu_slice_and_keeps_no_scores(fast_tpu_compiles):
     assert got["splash"]["memory"]["temp"] < got["xla"]["memory"]["temp"] / 2, got
 
 
+@pytest.mark.slow
 def test_per_device_batch_auto_bisects_to_the_largest_that_fits(fast_tpu_compiles, capsys):
     """per_device_batch=auto on a v2-8 (8 GiB a core), 256 examples per device per update of a small model whose
     untiled logits (vocab 32768, sequence 1024, vocab_tile=0) fill the core: bisection over 1, 2, 4, ... 256 with
@@ -360,6 +365,7 @@ def dcn_transfers(overrides):
     return re.findall(r' send\(.*_xla_megascale_transfer_type="(\w+)"', hlo)
 
 
+@pytest.mark.slow
 def test_two_slices_compile_and_cross_only_to_reduce_gradients_over_data(fast_tpu_compiles, capsys):
     """Two v5e-8 slices, mesh=2,8,1 (data across the slices, FSDP inside each): the step compiles for the 16
     devices, and per_device_batch=auto finds a size that fits. Between the slices the step only sums (the data
@@ -394,6 +400,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_and_stop_together(tmp_path):
     """2 processes x 4 CPU devices on loopback (gloo collectives) log the same losses as 1 x 8. A SIGTERM
     that reaches only the second process stops both at the same step (JAX's preemption sync point), both
@@ -452,6 +459,7 @@ def test_two_processes_train_like_one_and_stop_together(tmp_path):
 
 
 @pytest.mark.parametrize("source", ["files", "hf"])
+@pytest.mark.slow
 def test_elastic_resume_reads_what_an_uninterrupted_run_reads(tmp_path, source):
     """Packed text, 4 rows per step: steps 1-2 on one process, 3-4 resumed on two, 5-6 resumed on one again. The
     global batches read are, bit for bit, those of the data an uninterrupted run reads (no example repeated, skipped
@@ -504,6 +512,7 @@ def test_elastic_resume_reads_what_an_uninterrupted_run_reads(tmp_path, source):
     it.close()
 
 
+@pytest.mark.slow
 def test_two_processes_evaluate_sudoku_like_one(tmp_path):
     """mode=eval of a trained Sudoku checkpoint on 2 processes x 4 CPU devices (each process feeding its share
     of the eval puzzles, the answers gathered) writes the eval.json (but its seconds) and the predictions.csv
@@ -594,6 +603,7 @@ LLAMA3_8B = {
 }
 
 
+@pytest.mark.slow
 def test_an_8b_model_fine_tunes_with_qlora_on_one_v5e_chip(tmp_path, fast_tpu_compiles, capsys):
     """The README's QLoRA row: Llama 3 8B (its config.json alone, no weights read) at 2,048 tokens, its base stored
     as nf4 with bf16 elsewhere, rank-16 adapters on every projection, compiled for one v5e chip (libtpu describes

@@ -600,6 +600,7 @@ def test_left_padded_prompts_generate_what_each_gives_alone(tmp_path, qwen):
         np.testing.assert_array_equal(together[b], alone[0])
 
 
+@pytest.mark.slow
 def test_sft_run_answers_exports_and_the_export_loads(tmp_path, qwen):
     """From the command line's run(): SFT on chat rows from the Qwen2 checkpoint; mode=eval scores held-out answers
     by exact match into answers.jsonl; mode=export writes Qwen2 with its tokenizer, template and stop ids; the
@@ -663,6 +664,7 @@ def test_sft_run_answers_exports_and_the_export_loads(tmp_path, qwen):
     assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
 
 
+@pytest.mark.slow
 def test_a_hub_id_loads_from_the_hub_cache_offline(tmp_path):
     """load_hf=org/name fetches through huggingface_hub into its cache; offline (HF_HUB_OFFLINE=1) a cached model
     loads and generates, an uncached one is one line and exit 2."""
@@ -742,6 +744,7 @@ def lm_batch(cfg, rows=2, length=16, seed=0):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.slow
 def test_every_family_tied_or_not_trains_evaluates_generates_and_exports_in_each_dtype(
     tmp_path, family, dtype
 ):

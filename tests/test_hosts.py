@@ -72,6 +72,7 @@ def one_line(err):
     return err.strip()
 
 
+@pytest.mark.slow
 def test_hosts_started_differently_stop_every_host_in_one_line(tmp_path):
     """Process 1 with another learning_rate: both processes stop before building anything, each with the same line
     naming the key, both values and the host (before: both trained, each applying its own update, exit 0). Then
@@ -109,6 +110,7 @@ def test_hosts_started_differently_stop_every_host_in_one_line(tmp_path):
     ), line
 
 
+@pytest.mark.slow
 def test_hosts_that_never_all_join_end_in_one_line_within_host_timeout(tmp_path):
     """host_timeout=5: process 0 whose peer never starts, process 1 whose coordinator never answers, and two
     processes that both say JAX_PROCESS_INDEX=0 each end with one line naming the address and the count, exit 74,
@@ -144,6 +146,7 @@ def alone(tmp_path, *keys):
     )
 
 
+@pytest.mark.slow
 def test_a_host_killed_mid_run_ends_the_others_in_one_line_and_the_rerun_is_exact(tmp_path):
     """Two processes as two slices (num_slices=2: off TPU each process is one; the hybrid mesh puts the slices on
     the data axis), their update batch doubling after step 5 (batch_ramp). kill -9 of process 1 at its step 6:
@@ -199,6 +202,7 @@ sys.exit(train.main(['train.py', *sys.argv[1:]]))
 """
 
 
+@pytest.mark.slow
 def test_a_checkpoint_only_one_host_cannot_read_is_damaged_for_all(tmp_path):
     """Step 4's shards unreadable on process 1 only: both hosts decide together that step 4 is damaged (the warning
     names process 1), set it aside once, resume from step 2, and the losses equal an uninterrupted run's (before:
@@ -261,6 +265,7 @@ def test_a_checkpoint_only_one_host_cannot_read_is_damaged_for_all(tmp_path):
     assert losses(tmp_path / "default") == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_stalled_host_is_named_with_its_stacks(tmp_path):
     """The trainer of process 1 stopped (SIGSTOP: a hung host) at step 3: with stall_seconds=5, process 0 dumps every
     thread's stack into RUN_DIR/stacks-p0.txt and exits 74 naming the step and the file (before: both hung)."""
@@ -301,6 +306,7 @@ sys.exit(train.main(['train.py', *sys.argv[1:]]))
 """
 
 
+@pytest.mark.slow
 def test_a_host_later_than_gloo_waits_still_trains_and_evaluates(tmp_path):
     """Process 1 reaches the checkpoint manager (orbax's barrier) and the step's compile 32 s after process 0 each
     time (a slow bucket read, a busy host): both train and exit 0; then mode=eval with process 1 as late to the eval
@@ -368,6 +374,7 @@ sys.exit(train.main(['train.py', *sys.argv[1:]]))
 """
 
 
+@pytest.mark.slow
 def test_a_sigterm_to_a_stalled_run_ends_it_the_same_way(tmp_path):
     """A run hung in its fourth step, stall_seconds at its default (10 minutes here): a SIGTERM, which the loop
     cannot answer, ends it within seconds with the stacks and one line (before: it waited for the scheduler's
@@ -393,6 +400,7 @@ def test_a_sigterm_to_a_stalled_run_ends_it_the_same_way(tmp_path):
     ), err
 
 
+@pytest.mark.slow
 def test_two_fit_checks_at_once_on_one_machine_both_run_and_print_no_libtpu_noise():
     """An AOT compile needs no TPU chip: two fit checks at once both compile (libtpu's lock on the chips of the host
     is not theirs to take: before, the second failed on it), and libtpu's warnings about a host without chips stay

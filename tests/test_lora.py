@@ -105,6 +105,7 @@ def test_lora_off_keys_change_nothing_in_the_program(tmp_path):
 
 
 @pytest.mark.parametrize("scan", ["true", "false"])
+@pytest.mark.slow
 def test_adapters_start_as_the_base_and_learn_alone(tmp_path, qwen, scan):
     """With lora.rank=4 on every projection: step 0's logits are the base model's exactly (B starts at zero); the
     adapters are float32 with the weight's logical axes and the rank's, A drawn U(+-1/sqrt(inputs)) as peft draws
@@ -186,6 +187,7 @@ def sft_keys(tmp_path, qwen, *keys):
     )
 
 
+@pytest.mark.slow
 def test_a_checkpoint_holds_the_adapters_alone_and_names_its_base(tmp_path, qwen):
     """A LoRA run's checkpoint holds the adapters, their optimizer state and the base's fingerprint, not the base;
     a resume loads the base again and goes on; a resume on another base (the same shapes, other weights) is one line
@@ -335,6 +337,7 @@ def test_a_merged_export_is_the_adapted_model_in_its_own_format(tmp_path, qwen):
     )
 
 
+@pytest.mark.slow
 def test_lora_keeps_accumulation_meshes_remat_and_dropout_honest(tmp_path, qwen):
     """With LoRA on: grad_accum=2 x 2 rows equals 1 x 4 rows; 8 devices (data, fsdp, tensor 2 each) equal 1;
     remat=full equals remat=none; lora.dropout changes training, never eval."""
@@ -383,6 +386,7 @@ def test_lora_keeps_accumulation_meshes_remat_and_dropout_honest(tmp_path, qwen)
     assert evals[0] == evals[1]
 
 
+@pytest.mark.slow
 def test_a_lora_run_killed_resumes_exactly(tmp_path, qwen):
     """kill -9 after the step-4 checkpoint of a LoRA SFT run with adapter dropout, then the same command: every
     step's loss equals an uninterrupted run's. Each process has its own string hash salt (PYTHONHASHSEED), as any
@@ -455,6 +459,7 @@ def test_quantization_round_trips_within_its_bound(kind):
     assert np.abs(back - w).mean() / np.abs(w).mean() < (0.01 if kind == "int8" else 0.12)
 
 
+@pytest.mark.slow
 def test_a_quantized_base_trains_its_adapters_and_stays_as_it_was(tmp_path, qwen):
     """QLoRA (nf4, blocks of 16): the base's seven projections are stored as codes and scales, the embeddings and
     norms as they are; the first logits are the dequantized base's; three steps lower the loss and leave every code
@@ -503,6 +508,7 @@ def test_a_quantized_base_trains_its_adapters_and_stays_as_it_was(tmp_path, qwen
         train.check(config(tmp_path, "lora.rank=4", "lora.base_quant=nf4"), LM)
 
 
+@pytest.mark.slow
 def test_a_lora_run_resumes_on_another_device_count(tmp_path, qwen):
     """Elastic resume with LoRA: 4 steps on one device (2 rows each), then resumed to 8 on two devices of 1 row
     each (the same global batch): the losses are an uninterrupted one-device run's to float rounding, and the

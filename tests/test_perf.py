@@ -12,6 +12,7 @@ from conftest import BASE, ENV, LM, ROOT
 import train
 
 
+@pytest.mark.slow
 def test_profile_cache_memory_and_benchmark_line(tmp_path):
     """A fresh process (JAX sets up its persistent cache once, at its first compile) writes a trace of steps
     2-3, fills compile_cache_dir, and prints the compiler's per-device memory figures and the benchmark line. That a rerun then compiles nothing is measured in README (Performance)."""

@@ -114,6 +114,7 @@ def event_steps(run_dir, tmp_path):
     return [e.step for e in acc.Scalars("loss")]
 
 
+@pytest.mark.slow
 def test_two_hosts_sharing_only_a_bucket_have_one_owner_and_resume_exactly_after_kill_9(
     gcs, tmp_path
 ):
@@ -268,6 +269,7 @@ def test_bucket_lease_expires_and_is_taken_over_once(gcs):
     assert train.data.BucketLease(path).acquire() == ""
 
 
+@pytest.mark.slow
 def test_missing_bucket_and_missing_credentials_are_one_line(gcs, tmp_path):
     """Exit 74 and one line, before anything trains; gcsfs would otherwise create the bucket a typo names."""
     code, _, err = finish(
@@ -294,6 +296,7 @@ def test_missing_bucket_and_missing_credentials_are_one_line(gcs, tmp_path):
     assert "gcloud auth application-default login" in err
 
 
+@pytest.mark.slow
 def test_storage_going_away_mid_run_ends_in_one_line_and_keeps_checkpoints(gcs, tmp_path):
     """The emulator stops after checkpoint 4 (the run waiting at step 5 meanwhile): bounded retries (gcsfs's, their
     waits cut to a tenth here), then one line and exit 74, no traceback; once the emulator is back, checkpoint 4 is
@@ -324,6 +327,7 @@ def test_storage_going_away_mid_run_ends_in_one_line_and_keeps_checkpoints(gcs, 
     assert read_checkpoint(f"{bucket}/runs/default", 4)["train_state"]["step"] == 4
 
 
+@pytest.mark.slow
 def test_every_input_and_output_path_on_a_bucket(gcs, tmp_path):
     """Text files, a tokenizer, Hugging Face parquet files, Sudoku CSVs, load_params and load_hf read from gs://;
     config.yml, metrics.jsonl, TensorBoard events, checkpoints, export, eval.json and

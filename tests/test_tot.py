@@ -11,6 +11,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import BASE, SUDOKU, args, config, init_trm, metrics, sudoku_batch
 
 import data
@@ -377,6 +378,7 @@ def test_depth_first_search_is_complete_and_matches_plain_python():
     assert (short <= 2).all() and (short == np.minimum(evals[11:15], 2)).all()
 
 
+@pytest.mark.slow
 def test_partial_states_labels_and_where_the_value_is_read(tmp_path):
     q, a = data.generate_sudoku(64, 45, 0, stream="partial")
     q, a = jnp.asarray(q, jnp.int32), jnp.asarray(a, jnp.int32)
@@ -424,6 +426,7 @@ def test_partial_states_labels_and_where_the_value_is_read(tmp_path):
 
 
 # ---- every decoder end to end --------------------------------------------------------------------
+@pytest.mark.slow
 def test_overfits_a_handful_and_eval_keeps_givens(tmp_path, capsys, monkeypatch):
     one = jax.devices()[:1]
     monkeypatch.setattr(jax, "devices", lambda *_: one)  # the command line on one device

@@ -38,6 +38,7 @@ import train
 
 
 # ---- the step's math ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_mesh_invariance(tmp_path):
     """The same global batch on 1 device and on 8 (data, fsdp and tensor axes all 2) gives the same losses
     (float32, 1e-5 relative). mesh=4,4,2 is checked for its sharding in test_big_parameters_are_sharded."""
@@ -96,6 +97,7 @@ def test_grad_accumulation_is_exact(tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p4)
 
 
+@pytest.mark.slow
 def test_a_batch_ramp_equals_the_run_done_in_pieces_by_hand(tmp_path, capsys, caplog):
     """batch_ramp=3:2: steps 1-3 sum one microbatch of 4 rows, steps 4-6 two. Every loss, gradient norm,
     learning rate and parameter equals, bit for bit, a run of grad_accum=1 to step 3 resumed with
@@ -126,6 +128,7 @@ def test_a_batch_ramp_equals_the_run_done_in_pieces_by_hand(tmp_path, capsys, ca
         train.load_config(BASE, ["batch_ramp=4000:4,2000:2"])
 
 
+@pytest.mark.slow
 def test_clipping_clips(tmp_path):
     """The gradient reaching AdamW has norm grad_clip; grad_norm reports the norm before clipping."""
     for clip in (1e-3, 0.0):
@@ -142,6 +145,7 @@ def test_clipping_clips(tmp_path):
             np.testing.assert_allclose(seen, float(out["grad_norm"]), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_remat_saves_memory_without_changing_the_math(tmp_path):
     """remat=full keeps only each layer's input for the backward pass, save_dots (the default) also the
     projections' outputs: the compiled step needs less temporary memory than remat=none, full least of all,
@@ -358,6 +362,7 @@ def _compiled_step(cfg, batch):
 
 
 @pytest.mark.parametrize("preset", ["lm", "sudoku"])
+@pytest.mark.slow
 def test_bfloat16_step_runs_every_matmul_in_bfloat16(tmp_path, preset):
     """The dtype=bfloat16 train step (default layout: layers scanned, remat=save_dots) runs every matmul,
     forward and both backward products, as bf16 x bf16 accumulating in float32 in the program XLA:CPU
@@ -412,6 +417,7 @@ def test_counted_flops_never_exceed_the_compiled_steps(tmp_path, preset):
 
 
 @pytest.mark.parametrize("vocab_tile", [0, 32])
+@pytest.mark.slow
 def test_bfloat16_gradients_agree_with_float32(tmp_path, vocab_tile):
     """The bf16 step's gradients (bf16 products both ways, float32 accumulation and master weights) are the
     float32 step's within bf16's precision, the same parameters on the same tokens, the LM head plain and
@@ -549,6 +555,7 @@ def test_big_parameters_are_sharded_on_4_4_2(tmp_path):
     assert "['embed']" in table and "fsdp" in table and "tensor" in table
 
 
+@pytest.mark.slow
 def test_dimensions_kept_whole_are_printed_at_start(tmp_path, capsys):
     """vocab_size=131 divides by no mesh axis: the embedding and LM head keep their vocabulary dimension whole on
     every device, which the start of the run says (a dividing size shards and is not listed)."""
@@ -736,6 +743,7 @@ def test_goodput_shares_are_measured_and_add_up(tmp_path, capsys):
     assert re.search(r"^goodput: [\d.]+% of [\d.]+s in steps; badput: startup", out, re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_a_long_run_holds_its_file_descriptors_and_memory_flat(tmp_path):
     """400 steps from the command line, a checkpoint every 10 (3 kept): the files open at each row stay
     within a few of the first row's (a save in flight holds some), and from step 200 to 400 the host's peak
@@ -780,6 +788,7 @@ def test_ci_runs_the_readme_test_command():
 
 # ---- the TPU attention kernel and the tiled LM head, on CPU ------------------------------------------
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+@pytest.mark.slow
 def test_splash_attention_in_interpret_mode_equals_einsum(dtype, tol):
     """attention=splash's Pallas kernel, run by its interpreter here: its outputs and the gradients of q, k and
     v equal the einsum attention's, causal, with two packed documents per row and GQA (4 query heads on 2 kv
@@ -816,6 +825,7 @@ def test_splash_attention_in_interpret_mode_equals_einsum(dtype, tol):
         )
 
 
+@pytest.mark.slow
 def test_tiled_lm_head_equals_the_untiled_one(tmp_path):
     """vocab_tile: the loss and every gradient equal the untiled head's to float32 rounding (the logits taken a
     tile at a time, the log-sum-exp carried across tiles, the target's logit from its tile), tied or not."""

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import SUDOKU, config, init_trm, metrics, sudoku_batch
 from flax import nnx
 
@@ -164,6 +165,7 @@ def test_vote_picks_the_answer_most_steps_call_right():
     np.testing.assert_array_equal(got, model_lib.pick_answers(preds, -jnp.abs(q), "best")[0])
 
 
+@pytest.mark.slow
 def test_parallel_trajectories_are_picked_by_the_halting_head(tmp_path):
     """decoder=trm_parallel: without noise every trajectory is the plain TRM (stopped by its halting head),
     so K=4 decodes as the plain TRM does; with noise the pick differs from the plain run, each trajectory's
@@ -186,6 +188,7 @@ def test_parallel_trajectories_are_picked_by_the_halting_head(tmp_path):
     np.testing.assert_array_equal(noisy(q[1:3])[0], got[:, 1:3])
 
 
+@pytest.mark.slow
 def test_adaptive_width_pays_only_for_unsure_puzzles(tmp_path):
     """parallel.extra_trajectories E: a puzzle whose answer is unsure after J trajectories is picked from all
     J + E exactly as J + E trajectories at once would pick it, and pays for them; a sure one (parallel.sure_votes
@@ -267,6 +270,7 @@ def test_scoring_overwrites_givens_and_checks_rules():
     )
 
 
+@pytest.mark.slow
 def test_carry_is_checkpointed_and_resume_is_exact(tmp_path):
     args = [
         "per_device_batch=4",
