@@ -1948,9 +1948,10 @@ def dpo_sums(cfg, graph, params, mb, key=None):
     beta (pi - ref) for chosen and rejected, and how often chosen's is the higher. The reference:
     with LoRA the base, else the starting weights' log-probabilities in the rows (dpo_prepare)."""
     policy = dpo_logps(cfg, graph, params, mb, key)
-    reference = sides(mb["reference"], mb["segment_ids"])
     if cfg.lora.rank:
         reference = jax.lax.stop_gradient(dpo_logps(cfg, graph, adapters_off(params), mb))
+    else:
+        reference = sides(mb["reference"], mb["segment_ids"])
     chosen, rejected = (cfg.dpo.beta * (p - r) for p, r in zip(policy, reference))
     segments = mb["segment_ids"]
     answered = sides(mb["loss_mask"], segments)  # padding (an eval's too) answers nothing
