@@ -148,6 +148,11 @@ def fields_of(source):
     return getattr(source, "fields", FIELDS)
 
 
+def fixed_by(source):
+    """The config values a task's dataset class decides (the puzzles' vocabulary and length)."""
+    return dict(getattr(source, "fixed", {}))
+
+
 def _stack(rows, n, length, fields=FIELDS):
     """A batch of n rows from row dicts; the rows past them are padding (segment 0, loss_mask 0)."""
     batch = {k: np.zeros((n, length), dtype) for k, dtype in fields.items()}
@@ -256,6 +261,8 @@ class _Data:
     fields: ClassVar[dict] = FIELDS  # a batch's, each [rows, length]
 
     whole_eval = False  # an eval reads eval_batches batches (SFTData: all of them, unless set)
+    eval_all = False  # mode=eval reads the whole eval set, eval_batches or not (the puzzles)
+    fixed: ClassVar[dict] = {}  # config values the data decides (data.fixed_by)
 
     def __init__(self, cfg, process_index, process_count, log=None):
         self.cfg = cfg
@@ -1874,6 +1881,7 @@ class DPOData(SFTData):
 
     kind = "DPO"
     packs = False
+    fixed: ClassVar[dict] = {"packing": False, "completion_only": True}
     empty = (SFTData.empty, SFTData.empty)
     fields: ClassVar[dict] = {**FIELDS, "reference": np.float32}
 
@@ -2300,6 +2308,9 @@ def _sudoku_batch(q, a, rows):
 
 class SudokuData(_Data):
     """Puzzle -> solution pairs, from CSV files or the built-in generator."""
+
+    eval_all = True
+    fixed: ClassVar[dict] = {"vocab_size": SUDOKU_VOCAB, "max_target_length": SUDOKU_LEN}
 
     def __init__(self, cfg, process_index, process_count, log=None):
         super().__init__(cfg, process_index, process_count, log)

@@ -607,15 +607,15 @@ def layer_flops(cfg, L, causal):
 # ==================================================================================================
 # The language-model task: loss, eval, generation.
 # ==================================================================================================
-def lm_loss(cfg, graph, params, mb, carry, key, step=0):
+def lm_loss(cfg, graph, params, mb):
     """The LM's loss in the train step's shape: (summed cross-entropy over real target tokens,
-    (sums, carry)). The step divides by sums['weight'] (the token count of the whole step), so
+    sums). The step divides by sums['weight'] (the token count of the whole step), so
     accumulation is exact."""
-    ce_BL = token_losses(cfg, graph, params, mb, key)
+    ce_BL = token_losses(cfg, graph, params, mb, mb.get("key"))
     # weight: the targets that count (an SFT row's answers);
     # tokens: every real one the step ran (for tokens/s, MFU)
     weight, tokens = jnp.sum(mb["loss_mask"]), jnp.sum(mb["segment_ids"] > 0).astype(jnp.float32)
-    return jnp.sum(ce_BL * mb["loss_mask"]), ({"weight": weight, "tokens": tokens}, carry)
+    return jnp.sum(ce_BL * mb["loss_mask"]), {"weight": weight, "tokens": tokens}
 
 
 def token_losses(cfg, graph, params, mb, key=None):
@@ -646,7 +646,7 @@ def lm_flops_per_token(cfg):
 
 
 def lm_eval_step(cfg, graph, params, batch):
-    loss, (sums, _) = lm_loss(cfg, graph, params, batch, None, None)
+    loss, sums = lm_loss(cfg, graph, params, batch)
     return {"loss": loss, "tokens": sums["weight"]}  # eval loss per target that counts
 
 
@@ -1847,16 +1847,37 @@ def load_peft(cfg, folder, abstract_params):
 # ==================================================================================================
 # The task interface: all train.py knows about what it trains.
 # ==================================================================================================
+class Own(NamedTuple):
+    """What a task keeps beside the weights it trains, each part optional: the TRM's EMA and carry
+    (train state, checkpointed), DPO's reference log-probabilities (computed once, in RUN_DIR)."""
+
+    # (cfg, params, rows) -> train state entries beyond step/params/opt_state
+    init: Callable = lambda cfg, params, rows: {}
+    # their logical axes (PartitionSpecs), from the parameters'
+    axes: Callable = lambda param_axes: {}
+    # (cfg, state, A) -> [A, ...] arrays the step scans beside the microbatches (the TRM's carry)
+    inputs: Callable = lambda cfg, state, A: {}
+    # (cfg, state, new params, the loss's sums per microbatch [A, ...]) -> those entries updated
+    update: Callable = lambda cfg, state, params, sums_A: {}
+    # the state entry eval, generation and export read
+    eval_weights: str = "params"
+    # (cfg, graph, params, ds, start step, run_dir, over) -> a line to log, or None: what the task
+    # computes once before it runs; over(step, params, batches_of, what=) runs a jitted step on
+    # every host's batches (batches_of(rows per process)) -> (outputs, this host's batches)
+    prepare: Callable = lambda *_: None
+
+
 class Task(NamedTuple):
     """What differs between the language model and the puzzle heads. train.py picks one from TASKS
     by cfg.task and reads nothing else task-specific. Functions take the config first, then (graph,
-    params) where they run the model; the defaults are what a task without extra state does. A
-    state entry named 'carry' ([A microbatches, ...]) reaches the loss, one microbatch's slice
-    each, and comes back updated."""
+    params) where they run the model; the defaults are what a task without more does. What a task
+    keeps beyond its weights is its `own` (Own)."""
 
     # the nnx.Module, built as module(cfg, rngs)
     module: type
-    # (cfg, graph, params, microbatch, carry, key, step) -> (summed loss, (sums, carry))
+    # (cfg, graph, params, microbatch) -> (summed loss, sums): sums['weight'] is what the loss
+    # stands for (the step divides by its total). A training microbatch also holds 'key' (its
+    # random draws) and what own.inputs adds.
     loss: Callable
     # (cfg) -> training FLOPs per token
     flops_per_token: Callable
@@ -1868,32 +1889,17 @@ class Task(NamedTuple):
     generate: Callable
     # (cfg) -> '' or a one-line config error: the task's own rules
     check: Callable
-    # config values the task decides (vocabulary, length)
-    fixed: Callable = lambda cfg: {}
-    # extra training metrics from the step's sums
-    step_metrics: Callable = lambda sums, weight: {}
-    # train state beyond step/params/opt_state: checkpointed
-    state: Callable = lambda cfg, params, rows: {}
-    # that state's logical axes (PartitionSpecs)
-    state_axes: Callable = lambda param_axes: {}
-    # that state after an update
-    after_update: Callable = lambda cfg, state, params, carry: {}
-    # the state entry eval and generate read
-    eval_weights: str = "params"
-    # mode=eval reads the whole eval set, not eval_batches
-    eval_all: bool = False
-    # its own config keys: (kind, 'key key ...'), kinds as train.kind_type reads them
-    keys: tuple = ()
-    # (cfg, process_index, process_count, log) -> its data; None: the text pipelines
-    dataset: Callable = None
     # (metric, format) pairs the progress line adds after the loss
     shown: tuple = ()
+    # (cfg, process_index, process_count, log) -> its data; None: the text pipelines. The class
+    # says what the data fixes in the config (data.fixed_by) and whether mode=eval reads it all.
+    dataset: Callable = None
+    # extra training metrics from the step's sums
+    step_metrics: Callable = lambda sums, weight: {}
     # (cfg, graph, params, ds, save_to) -> metrics of mode=eval's answers, or {}
     answers: Callable = None
-    # (cfg, graph, params, ds, start step, run_dir, over) -> a line to log, or None: what the task
-    # computes once before it runs; over(step, params, batches_of, what=) runs a jitted step on
-    # every host's batches (batches_of(rows per process)) -> (outputs, this host's batches)
-    prepare: Callable = lambda *_: None
+    # what it keeps beside the weights
+    own: Own = Own()
 
 
 LM = Task(
@@ -1943,11 +1949,11 @@ def adapters_off(params):
     return jax.tree_util.tree_map_with_path(off, params)
 
 
-def dpo_sums(cfg, graph, params, mb, key=None):
+def dpo_loss(cfg, graph, params, mb):
     """The step's sums over its pairs (padding rows hold none): the loss, and trl's rewards
     beta (pi - ref) for chosen and rejected, and how often chosen's is the higher. The reference:
     with LoRA the base, else the starting weights' log-probabilities in the rows (dpo_prepare)."""
-    policy = dpo_logps(cfg, graph, params, mb, key)
+    policy = dpo_logps(cfg, graph, params, mb, mb.get("key"))
     if cfg.lora.rank:
         reference = jax.lax.stop_gradient(dpo_logps(cfg, graph, adapters_off(params), mb))
     else:
@@ -1968,11 +1974,6 @@ def dpo_sums(cfg, graph, params, mb, key=None):
     }
 
 
-def dpo_loss(cfg, graph, params, mb, carry, key, step=0):
-    loss, sums = dpo_sums(cfg, graph, params, mb, key)
-    return loss, (sums, carry)
-
-
 def dpo_rewards(sums, pairs):
     """trl's reward metrics, means over the pairs, and its logps/*: the policy's summed answer
     log-probabilities (the chosen's falling while its reward rises is DPO's known displacement)."""
@@ -1989,7 +1990,7 @@ def dpo_rewards(sums, pairs):
 
 
 def dpo_eval_step(cfg, graph, params, batch):
-    loss, sums = dpo_sums(cfg, graph, params, batch)
+    loss, sums = dpo_loss(cfg, graph, params, batch)
     return {"loss": loss, **sums}
 
 
@@ -2094,11 +2095,9 @@ DPO = Task(
     eval_result=dpo_eval_result,
     generate=lm_generate,
     check=dpo_check,
-    prepare=dpo_prepare,
-    fixed=lambda cfg: {"packing": False, "completion_only": True},
     step_metrics=dpo_rewards,
-    keys=DPO_KEYS,
     dataset=data.DPOData,
+    own=Own(prepare=dpo_prepare),  # a full fine-tune's reference
     shown=(
         ("rewards/accuracies", "reward accuracy {:.1%}"),
         ("eval_loss", "eval loss {:.4f}"),
@@ -2222,8 +2221,10 @@ def trm_carry(cfg, A, B):
     }
 
 
-def trm_loss(cfg, graph, params, mb, carry, key, step=0):
-    """One supervision step for every slot of the carry (deep supervision with a fixed-shape batch).
+def trm_loss(cfg, graph, params, mb):
+    """One supervision step for every slot of the carry (deep supervision with a fixed-shape batch):
+    mb holds this microbatch's fresh puzzles, its slice of the carry, the step and a key (own.inputs
+    puts them there); the sums hold the updated carry.
 
     Slots that halted last step take this step's fresh example from `mb` and restart from
     y_init/z_init; the others keep their puzzle and carry, so shapes never change and nothing
@@ -2232,6 +2233,7 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
     trm.train_noise > 0 perturbs the latent z as decoder=trm_parallel does (each row and update
     its own draw, from `key`)."""
     t = cfg.trm
+    carry, key, step = mb["carry"], mb["key"], mb["step"]
     fresh_B = carry["halted"]
     B = carry["halted"].shape[0]
     # A halted slot takes this step's fresh puzzle; the others keep theirs.
@@ -2269,6 +2271,7 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
         "halted": jnp.sum(halted_B),
         "halt_steps": jnp.sum(jnp.where(halted_B, steps_B, 0)),
         "exact": jnp.sum(correct_B),
+        "carry": jax.lax.stop_gradient(new_carry),  # no gradient from one step into the next
     }
     loss = jnp.sum(ce_B) + t.halt_loss_weight * jnp.sum(halt_bce_B)
     # ToT value head, on partial grids made from this microbatch's fresh puzzles
@@ -2294,11 +2297,7 @@ def trm_loss(cfg, graph, params, mb, carry, key, step=0):
         v_loss, v_acc = jax.lax.cond(on, value_loss, no_value_loss, None)
         sums.update(value_acc=v_acc, value_rows=jnp.where(on, half, 0.0))
         loss += cfg.tot.loss_weight * v_loss
-    # no gradient from one supervision step into the next
-    return loss, (
-        sums,
-        jax.lax.stop_gradient(new_carry),
-    )
+    return loss, sums
 
 
 def ema_update(decay, step, ema, params):
@@ -3093,23 +3092,29 @@ SUDOKU = Task(
     eval_result=sudoku_eval_result,
     generate=sudoku_generate,
     check=sudoku_check,
-    keys=SUDOKU_KEYS,
     dataset=data.SudokuData,
-    eval_weights="ema",
-    eval_all=True,
     shown=(
         ("train_exact", "solved {:.1%}"),
         ("eval_exact_accuracy", "eval solved {:.1%}"),
         ("eval_cell_accuracy", "cells {:.1%}"),
     ),
-    fixed=lambda cfg: {"vocab_size": data.SUDOKU_VOCAB, "max_target_length": SUDOKU_LEN},
-    # The EMA and the carry are train state: checkpointed, so a resume is exact.
-    state=lambda cfg, params, rows: {"ema": params, "carry": trm_carry(cfg, cfg.grad_accum, rows)},
-    state_axes=lambda param_axes: {"ema": param_axes, "carry": CARRY_AXES},
-    after_update=lambda cfg, state, params, carry: {
-        "carry": carry,
-        "ema": ema_update(cfg.trm.ema_decay, state["step"], state["ema"], params),
-    },
+    own=Own(  # the EMA and the carry are train state: checkpointed, so a resume is exact
+        init=lambda cfg, params, rows: {
+            "ema": params,
+            "carry": trm_carry(cfg, cfg.grad_accum, rows),
+        },
+        axes=lambda param_axes: {"ema": param_axes, "carry": CARRY_AXES},
+        inputs=lambda cfg, state, A: {
+            "carry": state["carry"],
+            "step": jnp.broadcast_to(state["step"], (A,)),
+        },
+        update=lambda cfg, state, params, sums_A: {
+            "carry": sums_A["carry"],
+            "ema": ema_update(cfg.trm.ema_decay, state["step"], state["ema"], params),
+        },
+        eval_weights="ema",
+    ),
 )
 
 TASKS = {"lm": LM, "sudoku": SUDOKU, "dpo": DPO}
+TASK_KEYS = DPO_KEYS + SUDOKU_KEYS  # the tasks' own config keys: (kind, 'key key ...')

@@ -248,7 +248,7 @@ def state_layout(cfg, task, mesh, tx, rows):
             "step": jnp.zeros((), jnp.int32),
             **parts,
             "opt_state": tx.init(parts["params"]),
-            **task.state(cfg, parts["params"], rows),
+            **task.own.init(cfg, parts["params"], rows),
         }
 
     shapes = jax.eval_shape(init, jax.random.key(cfg.seed))
@@ -256,7 +256,7 @@ def state_layout(cfg, task, mesh, tx, rows):
     logical = {
         "step": PartitionSpec(),
         **parts,
-        **task.state_axes(parts["params"]),
+        **task.own.axes(parts["params"]),
         "opt_state": optax.tree_map_params(
             tx,
             lambda _, spec: spec,
@@ -292,22 +292,22 @@ def make_train_step(cfg, task, graph, tx):
     def train_step(state, batch_ABL):
         params = state["params"]  # what trains: with LoRA the adapters, the frozen base beside them
         whole = lambda p: model_lib.joined(state.get("base"), p)
-        loss_fn = lambda p, mb, c, k: task.loss(cfg, graph, whole(p), mb, c, k, state["step"])
+        loss_fn = lambda p, mb: task.loss(cfg, graph, whole(p), mb)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-        def micro(acc, xs):  # one microbatch: its gradient (float32) and loss added to the sums
-            (grads, loss), (mb, carry, key) = acc, xs
-            (l, (sums, carry)), g = grad_fn(params, mb, carry, key)
+        def micro(acc, mb):  # one microbatch: its gradient (float32) and loss added to the sums
+            grads, loss = acc
+            (l, sums), g = grad_fn(params, mb)
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-            return (grads, loss + l), (sums, carry)
+            return (grads, loss + l), sums
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        # Random draws (TRM's halting exploration) are a function of (seed, step): resume stays
-        # exact.
+        # Random draws (LoRA's dropout, TRM's halting exploration) are a function of (seed, step):
+        # resume stays exact.
         step_key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
-        keys = jax.random.split(step_key, len(batch_ABL["inputs"]))
-        xs = (batch_ABL, state.get("carry"), keys)
-        (grads, loss), (sums_A, carry) = jax.lax.scan(micro, (zeros, 0.0), xs)
+        A = len(batch_ABL["inputs"])
+        xs = {**batch_ABL, "key": jax.random.split(step_key, A), **task.own.inputs(cfg, state, A)}
+        (grads, loss), sums_A = jax.lax.scan(micro, (zeros, 0.0), xs)
         sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums_A)
         denom = jnp.maximum(sums["weight"], 1.0)  # the step's real tokens (LM) or examples (TRM)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
@@ -325,7 +325,7 @@ def make_train_step(cfg, task, graph, tx):
             "step": state["step"] + 1,
             "params": new_params,
             "opt_state": opt_state,
-            **task.after_update(cfg, state, new_params, carry),
+            **task.own.update(cfg, state, new_params, sums_A),
         }
         metrics = {"loss": loss / denom, "grad_norm": grad_norm, "tokens": sums["tokens"]}
         return new_state, {**metrics, **task.step_metrics(sums, denom)}
@@ -385,7 +385,7 @@ def evaluator(cfg, task, eval_step, feed):
     whole = lambda ds: ds.whole_eval and "eval_batches" not in cfg._given
 
     def evaluate(state, ds, save_to=None, beat=lambda *_: None):
-        n_batches = None if whole(ds) or task.eval_all and cfg.mode == "eval" else cfg.eval_batches
+        n_batches = None if whole(ds) or ds.eval_all and cfg.mode == "eval" else cfg.eval_batches
         if n_batches == 0:
             return {}
         t0 = time.perf_counter()
@@ -548,7 +548,7 @@ def starting_state(cfg, task, layout):
     training, what the task evaluates for the other modes) or load_hf weights (with load_adapter a
     peft adapter over them) if given: (state, None, whether it holds trained parameters)."""
     if cfg.load_params:
-        part = "params" if cfg.mode == "train" else task.eval_weights
+        part = "params" if cfg.mode == "train" else task.own.eval_weights
         path, steps = data.checkpoint_steps(cfg.load_params)
         with checkpoints(path, cfg, read_only=True) as source:
             found = restore_checkpoint(source, layout.abstract, cfg, steps, part=part)
@@ -572,7 +572,7 @@ def starting_state(cfg, task, layout):
 def weights(state, task):
     """What eval, generation and export read: the task's eval weights (with LoRA, the base
     joined)."""
-    return model_lib.joined(state.get("base"), state[task.eval_weights])
+    return model_lib.joined(state.get("base"), state[task.own.eval_weights])
 
 
 # ==================================================================================================
@@ -996,7 +996,7 @@ def run(cfg, devices=None, caught=None, t0=None):
         job = Job(run_dir, mngr, built, evaluate, caught or Signals(), clock, flops)
         over = functools.partial(gathered, cfg, built.feed)  # a step on every host's batches
         # what the task computes once before it runs (DPO's reference without LoRA), said in a line
-        log(task.prepare(cfg, built.graph, weights(state, task), ds, start, run_dir, over))
+        log(task.own.prepare(cfg, built.graph, weights(state, task), ds, start, run_dir, over))
         if cfg.mode == "train":
             it = ds.train_iter(built.feed.rows // jax.process_count(), state=data_state)
             return train(cfg, task, state, it, ds, job)
@@ -1192,7 +1192,7 @@ KINDS = {
 
 
 def kind_type(kind):
-    """A task's key kind (model.Task.keys) as its type: a name in KINDS, ('int', lo, hi), ('ints',
+    """A task's key kind (model.TASK_KEYS) as its type: a name in KINDS, ('int', lo, hi), ('ints',
     lo, hi) for a list of those, or a tuple of the values allowed."""
     if isinstance(kind, str):
         return KINDS[kind]
@@ -1208,7 +1208,7 @@ def kind_type(kind):
 
 # (type, keys): every key of base.yml, each once, grouped by type; what it means and its default are
 # written in base.yml. A dotted key lives in a section (trm.T: `T` of section `trm`). The trainer's
-# keys, then each task's own (model.Task.keys).
+# keys, then each task's own (model.TASK_KEYS).
 SCHEMA = [
     (
         Count,
@@ -1277,7 +1277,7 @@ SCHEMA = [
     (Literal["auto", "float32", "bfloat16", "float16"], "dtype"),
     (Literal["auto", "einsum", "xla", "cudnn", "splash"], "attention"),
     (Literal["stdlib", "files", "tfds", "hf", "synthetic"], "dataset"),
-] + [(kind_type(kind), keys) for task in model_lib.TASKS.values() for kind, keys in task.keys]
+] + [(kind_type(kind), keys) for kind, keys in model_lib.TASK_KEYS]
 
 
 KEYS = [key for _, keys in SCHEMA for key in keys.split()]
@@ -1732,7 +1732,7 @@ def resolve(cfg, task, platform, device_kind=""):
     Mosaic refuses its bf16 matmuls; cuDNN's on GPU; einsum on CPU), vocab_tile=auto (4096 on TPU,
     off elsewhere), and the values the task decides (the puzzle vocabulary and length). Computed
     once; config.yml records the result."""
-    fixed = task.fixed(cfg)
+    fixed = data.fixed_by(task.dataset)
     old_tpu = device_kind.startswith(("TPU v2", "TPU v3"))
     chip = device_kind or platform
     if cfg.dtype == "auto":

@@ -154,7 +154,7 @@ def test_the_dpo_loss_and_rewards_equal_a_numpy_computation(tmp_path, qwen):
     batch = {k: np.stack([ds._row([p])[k] for p in pairs]) for k in ds.fields}
     with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
         graph = model_lib.abstract(cfg)[0]
-        loss, sums = jax.jit(lambda p, b: model_lib.dpo_sums(cfg, graph, p, b))(
+        loss, sums = jax.jit(lambda p, b: model_lib.dpo_loss(cfg, graph, p, b))(
             train.weights(state, DPO), batch
         )
     plain_cfg, _, _, plain = built(tmp_path, qwen)

@@ -150,15 +150,13 @@ def test_adapter_gradients_equal_those_of_a_dense_delta(tmp_path, qwen):
     dense_graph = model_lib.abstract(dense_cfg)[0]
 
     def ours(adapters):
-        loss, (sums, _) = model_lib.lm_loss(
-            cfg, graph, model_lib.joined(state["base"], adapters), b, None, None
-        )
+        loss, sums = model_lib.lm_loss(cfg, graph, model_lib.joined(state["base"], adapters), b)
         return loss / sums["weight"]
 
     def dense(adapters):
         params = model_lib.joined(state["base"], adapters)
         folded = model_lib.fold_adapters(cfg, params)  # W + scale A B, differentiable
-        loss, (sums, _) = model_lib.lm_loss(dense_cfg, dense_graph, folded, b, None, None)
+        loss, sums = model_lib.lm_loss(dense_cfg, dense_graph, folded, b)
         return loss / sums["weight"]
 
     with jax.set_mesh(mesh):

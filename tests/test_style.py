@@ -100,3 +100,16 @@ def test_train_py_opens_with_the_trainer_and_reaches_part_2_through_a_few_entry_
     for name in used:  # each entry point says what it does in one line
         doc = ast.get_docstring(defs[name], clean=False) if name in defs else None
         assert doc and "\n" not in doc, f"{name}: give Part 2's entry point a one-line docstring"
+
+
+def test_a_task_is_at_most_twelve_fields_and_the_lm_loss_reads_params_and_a_batch():
+    """What train.py reads of a task stays small (issue 85): the LM's loss takes (cfg, graph, params, batch) and
+    returns (summed loss, sums); what only the puzzle heads keep (the carry, the EMA) is in Task.own."""
+    import inspect
+
+    import model as model_lib
+
+    assert len(model_lib.Task._fields) <= 12, model_lib.Task._fields
+    for task in model_lib.TASKS.values():
+        assert list(inspect.signature(task.loss).parameters) == ["cfg", "graph", "params", "mb"]
+    assert model_lib.LM.own == model_lib.Own() and model_lib.SUDOKU.own.eval_weights == "ema"

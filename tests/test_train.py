@@ -160,7 +160,7 @@ def test_remat_saves_memory_without_changing_the_math(tmp_path):
         mesh, state, step = _state_and_step(cfg)
         model = model_lib.abstract(cfg)[0]
         loss = lambda p, cfg=cfg, model=model: model_lib.lm_loss(
-            cfg, model, p, {k: v[0] for k, v in b.items()}, None, None
+            cfg, model, p, {k: v[0] for k, v in b.items()}
         )[0]
         with jax.set_mesh(mesh):
             grads[remat] = jax.jit(jax.grad(loss))(state["params"])
@@ -311,12 +311,10 @@ def test_bfloat16_compute_agrees_with_float32(tmp_path):
                 b["inputs"], b["positions"], b["segment_ids"]
             )
         )
-        lm_loss = jax.jit(
-            lambda p, cfg=cfg, graph=graph: model_lib.lm_loss(cfg, graph, p, b, None, None)
-        )
+        lm_loss = jax.jit(lambda p, cfg=cfg, graph=graph: model_lib.lm_loss(cfg, graph, p, b))
         logits[dtype] = np.asarray(forward(params)).astype(np.float32)
         assert forward(params).dtype == jnp.dtype(dtype)
-        summed, (sums, _) = lm_loss(params)
+        summed, sums = lm_loss(params)
         loss[dtype] = float(summed / sums["weight"])
         dots = [
             line.split(" : (")[1].split(") -> ")[0]
@@ -431,7 +429,7 @@ def test_bfloat16_gradients_agree_with_float32(tmp_path, vocab_tile):
         cfg = config(tmp_path, f"dtype={dtype}", f"vocab_tile={vocab_tile}", "scan_layers=true")
         graph, params = init_model(cfg)
         loss = lambda p, cfg=cfg, graph=graph: (
-            model_lib.lm_loss(cfg, graph, p, b, None, None)[0] / np.sum(b["loss_mask"])
+            model_lib.lm_loss(cfg, graph, p, b)[0] / np.sum(b["loss_mask"])
         )
         grads[dtype] = [
             np.asarray(g, np.float64) for g in jax.tree.leaves(jax.jit(jax.grad(loss))(params))
@@ -635,7 +633,7 @@ def test_train_py_names_nothing_of_the_puzzle():
             if t.type in (tokenize.NAME, tokenize.STRING)
         ]
     code = "\n".join(t for t in toks if not t.startswith(('"""', "'''"))).lower()
-    names = [n for task in model_lib.TASKS.values() for _, keys in task.keys for n in keys.split()]
+    names = [n for _, keys in model_lib.TASK_KEYS for n in keys.split()]
     names += ["sudoku", "DECODERS", "exact", "thought", "halt", "beam", "solved"]
     assert len(names) > 30 and not sorted({n for n in names if n.lower() in code}), names
 
@@ -837,7 +835,7 @@ def test_tiled_lm_head_equals_the_untiled_one(tmp_path):
         )
         graph, params = init_model(cfg)
         loss = lambda c, graph=graph, params=params: jax.jit(
-            jax.value_and_grad(lambda p: model_lib.lm_loss(c, graph, p, b, None, None)[0])
+            jax.value_and_grad(lambda p: model_lib.lm_loss(c, graph, p, b)[0])
         )(params)
         (want, want_g), (got, got_g) = loss(cfg), loss(tiled)
         np.testing.assert_allclose(got, want, rtol=1e-6)

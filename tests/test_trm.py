@@ -79,9 +79,9 @@ def test_carry_refills_halted_slots_and_halting_targets(tmp_path):
     targets = jnp.concatenate([new["targets"][:1], old["targets"][1:]])
     logits = 20.0 * jax.nn.one_hot(targets.at[2:, 0].set(targets[2:, 0] % 10 + 1), 11)
     q = jnp.array([0.5, -1.0, -1.0, 2.0])
-    loss, (sums, c) = model_lib.trm_loss(
-        cfg, *nnx.split(FakeModel(logits, q)), new, carry, jax.random.key(0)
-    )
+    mb = {**new, "carry": carry, "key": jax.random.key(0), "step": 0}
+    loss, sums = model_lib.trm_loss(cfg, *nnx.split(FakeModel(logits, q)), mb)
+    c = sums["carry"]
     np.testing.assert_array_equal(c["inputs"][0], new["inputs"][0])  # halted slot: fresh puzzle
     np.testing.assert_array_equal(c["inputs"][1:], old["inputs"][1:])  # the others keep theirs
     np.testing.assert_array_equal(c["targets"][1:], old["targets"][1:])
@@ -109,7 +109,8 @@ def test_train_noise_kicks_the_latent(tmp_path):
 
     def z_after(scale, seed):
         cfg = cfg_for(tmp_path, "trm.T=1", "trm.n=1", f"trm.train_noise={scale}")
-        return model_lib.trm_loss(cfg, graph, params, b, carry, jax.random.key(seed))[1][1]["z"]
+        mb = {**b, "carry": carry, "key": jax.random.key(seed), "step": 0}
+        return model_lib.trm_loss(cfg, graph, params, mb)[1]["carry"]["z"]
 
     plain = z_after(0, 0)
     np.testing.assert_array_equal(z_after(0, 1), plain)
