@@ -121,6 +121,10 @@ class DataError(Exception):
     """A mistake in the data settings; the message names the key or file and the fix."""
 
 
+class ConfigError(Exception):
+    """A user mistake in the config or command line: printed as one line, no traceback."""
+
+
 # ==================================================================================================
 # Pipelines: the lanes every dataset is read through (one per row of the global batch, so a
 # checkpoint's position resumes on any process count), then synthetic tokens, text, SFT and Sudoku
@@ -832,7 +836,7 @@ class _StreamIterator(grain.DatasetIterator):
         self.it = _records(self.ds.cfg, "hf_split", self.ds.stream)
 
 
-# ---- text: tokenizer -----------------------------------------------------------------------------
+# ---- tokenizers: trained here or read (sentencepiece, tokenizer.json) ----------------------------
 
 
 def _sentences(texts, cfg):
@@ -1161,6 +1165,198 @@ def _set_aside_damaged(path, log=None):
     if file.exists() and (why := tokenizer_damage("tokenizer.model", file.read_bytes())):
         moved = set_aside(path, "damaged")
         (log or print)(f"WARNING: {path}: damaged ({why}); kept aside as {moved}, trained again")
+
+
+# ---- tokenizers: a Hugging Face checkpoint's files (load_hf), the hub ----------------------------
+
+# A Hugging Face checkpoint's files, all load_hf reads or export writes: the weights (one file, or
+# shards and their index), the model's config, its tokenizer (tokenizer.json, or sentencepiece's
+# tokenizer.model), its special tokens and chat template.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.model",
+    "adapter_config.json",
+    *TOKENIZER_FILES,
+)
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def checkpoint_file(name):
+    """Whether a file name is one of a Hugging Face checkpoint's (HF_FILES)."""
+    return any(fnmatch.fnmatch(name, pattern) for pattern in HF_FILES)
+
+
+def hub_id(name):
+    """Whether load_hf=NAME names a hub model
+    (Qwen/Qwen2.5-0.5B-Instruct), not a directory: org/name, not here."""
+    return bool(name) and not remote(name) and HUB_ID.fullmatch(name) and not os.path.exists(name)
+
+
+@functools.lru_cache
+def hf_dir(name):
+    """load_hf's checkpoint as a directory: a local or gs:// path as it is; a hub id fetched (the
+    files above only) into huggingface_hub's cache, once per process (HF_TOKEN for a gated model;
+    HF_HUB_OFFLINE=1: the cache only)."""
+    if not hub_id(name):
+        return name
+    from huggingface_hub import snapshot_download
+
+    for logger in ("huggingface_hub", "filelock"):
+        logging.getLogger(logger).setLevel(logging.CRITICAL)
+    try:
+        return snapshot_download(name, allow_patterns=list(HF_FILES))
+    except Exception as e:  # noqa: BLE001 - no network, no such repo, gated, offline, not cached
+        raise DataError(
+            f"load_hf={name}: no such directory, and the Hugging Face hub did not give that model "
+            f"({first_line(e, limit=120)}); a gated model needs HF_TOKEN, and offline "
+            "(HF_HUB_OFFLINE=1) only models already in the hub cache load"
+        ) from None
+
+
+# ---- the run's tokenizer, kept beside its checkpoints --------------------------------------------
+
+TOKENIZER_KEYS = (
+    "tokenizer_path",
+    "load_hf",
+    "vocab_size",
+    "dataset",
+    "dataset_path",
+    "tfds_name",
+    "train_split",
+    "hf_path",
+    "hf_name",
+    "hf_data_files",
+    "hf_split",
+    "text_key",
+)
+
+
+def flat(values, prefix=""):
+    """A nested dict as {'section.key': value}: how configs are compared and shown."""
+    pairs = {}
+    for k, v in values.items():
+        pairs.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return pairs
+
+
+def run_config(run_dir):
+    """run_dir's config.yml as {'section.key': value}: {} where there is none, a DataError naming it
+    where it is damaged (cut short, not text, nested past the parser, not the mapping a run
+    writes)."""
+    path = os.path.join(run_dir, "config.yml")
+    try:
+        values = yaml.safe_load(stored(path).read_text())
+    except FileNotFoundError:
+        return {}
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
+        raise DataError(f"{path}: damaged ({first_line(e, typed=False, limit=80)})") from None
+    if not isinstance(values, dict):
+        raise DataError(
+            f"{path}: damaged (it holds a YAML {type(values).__name__}, not the mapping a run "
+            "writes)"
+        )
+    return flat(values)
+
+
+def config_changes(run_dir, cfg):
+    """'key (old -> new)' for each key whose value differs from run_dir's config.yml (none where
+    it is missing, unreadable or damaged: nothing to compare with)."""
+    try:
+        old = run_config(run_dir)
+    except (*STORAGE_ERRORS, DataError):
+        return []
+    new = flat(cfg.model_dump(mode="json"))
+    return [f"{k} ({old[k]} -> {new[k]})" for k in new if k in old and old[k] != new[k]]
+
+
+def keep_damaged_config(run_dir, log):
+    """A damaged config.yml (run_config) is renamed aside, never deleted, before the run writes its
+    own. It is the run's record of its config, not an input (the command line is), so the run goes
+    on: stopping would only make the user move by hand a file the run rewrites anyway."""
+    try:
+        run_config(run_dir)
+    except DataError as e:
+        moved = set_aside(os.path.join(run_dir, "config.yml"), "damaged")
+        log(
+            f"WARNING: {e}; kept it aside as {os.path.basename(moved)}, and this run writes its "
+            "config anew"
+        )
+
+
+def keep_tokenizer(ds, run_dir, resumed, cfg):
+    """What a checkpoint's token ids mean is part of it: a run keeps its tokenizer as
+    RUN_DIR/tokenizer.model, and a resume whose tokenizer differs (other files, vocab_size,
+    tokenizer_path) stops, naming what changed since the run's config.yml; a kept file that is no
+    tokenizer at all stops as damaged, not as a change. A Hugging Face tokenizer is kept as
+    RUN_DIR/tokenizer.json with its special tokens and template beside it."""
+    tok = ds.tokenizer
+    path = os.path.join(run_dir, tok.primary)
+    model = tok.files[tok.primary]
+    if not (resumed and stored(path).exists()):
+        # A Hugging Face tokenizer keeps its special tokens and template beside it.
+        kept = tok.files if tok.primary == "tokenizer.json" else {tok.primary: model}
+        for name, content in kept.items():
+            write(os.path.join(run_dir, name), content)
+        return
+    kept = stored(path).read_bytes()
+    if kept == model:
+        return
+    if why := tokenizer_damage(tok.primary, kept):
+        raise DataError(
+            f"{path}: damaged ({why}); the checkpoint's token ids are this file's tokenizer: "
+            "restore it from a copy, or move it away to go on with the tokenizer this run has now "
+            "(the same one unless the training text, tokenizer_path, vocab_size or load_hf changed)"
+        )
+    raise DataError(
+        f"{path}: this run's tokenizer would change with {tokenizer_change(run_dir, cfg)}: the "
+        f"checkpoint's token ids would mean other text; undo the change, set tokenizer_path={path} "
+        "to keep its tokenizer, or start a new run_name (load_params= takes the weights)"
+    )
+
+
+def tokenizer_damage(name, content):
+    """Why `content` is not a tokenizer file `name` (tokenizer.model or tokenizer.json), or ''."""
+    kind = "Hugging Face" if name == "tokenizer.json" else "sentencepiece"
+    try:
+        if name == "tokenizer.json":
+            import tokenizers
+
+            ok = bool(tokenizers.Tokenizer.from_str(content.decode()))
+        else:
+            import sentencepiece as spm
+
+            # an empty proto loads as a model of no pieces (that logs on stderr when asked its size)
+            ok = bool(content) and spm.SentencePieceProcessor(model_proto=content).get_piece_size()
+    except Exception:  # noqa: BLE001 - each library's own parse error; its text says no more
+        ok = False
+    return "" if ok else f"not a {kind} tokenizer"
+
+
+def tokenizer_change(run_dir, cfg):
+    """What changed the run's tokenizer, as the keys config_changes names; without a config.yml to
+    compare with (missing, or damaged and kept aside), that is said, not guessed."""
+    changed = [c for c in config_changes(run_dir, cfg) if c.split()[0] in TOKENIZER_KEYS]
+    try:
+        known = bool(changed or run_config(run_dir))
+    except DataError:
+        known = False
+    if not known:
+        return (
+            f"a change not named ({run_dir}/config.yml, the config to compare with, is missing "
+            "or was damaged)"
+        )
+    if changed:
+        return ", ".join(changed)
+    return "the training text (its files changed, so the tokenizer trained on them did)"
 
 
 # ---- text: packing -------------------------------------------------------------------------------
@@ -1803,7 +1999,7 @@ class SFTData(_Data):
         ]
 
 
-# ---- Preference pairs (task=dpo): trl's formats, a pair to a row ------------------------------
+# ---- Preference pairs (task=dpo): trl's formats, a pair to a row ---------------------------------
 
 
 def dpo_pair(record, tok, cfg, where):
@@ -2580,61 +2776,6 @@ def storage_reason(e):
     return re.sub(r"(?i)(token|signature|key)=[^\s&]+", r"\1=...", text)
 
 
-# ---- Hugging Face checkpoints: a local or gs:// directory, or a hub id fetched -------------------
-
-# A Hugging Face checkpoint's files, all load_hf reads or export writes: the weights (one file, or
-# shards and their index), the model's config, its tokenizer (tokenizer.json, or sentencepiece's
-# tokenizer.model), its special tokens and chat template.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
-HF_FILES = (
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
-    "tokenizer.model",
-    "adapter_config.json",
-    *TOKENIZER_FILES,
-)
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
-
-def checkpoint_file(name):
-    """Whether a file name is one of a Hugging Face checkpoint's (HF_FILES)."""
-    return any(fnmatch.fnmatch(name, pattern) for pattern in HF_FILES)
-
-
-def hub_id(name):
-    """Whether load_hf=NAME names a hub model
-    (Qwen/Qwen2.5-0.5B-Instruct), not a directory: org/name, not here."""
-    return bool(name) and not remote(name) and HUB_ID.fullmatch(name) and not os.path.exists(name)
-
-
-@functools.lru_cache
-def hf_dir(name):
-    """load_hf's checkpoint as a directory: a local or gs:// path as it is; a hub id fetched (the
-    files above only) into huggingface_hub's cache, once per process (HF_TOKEN for a gated model;
-    HF_HUB_OFFLINE=1: the cache only)."""
-    if not hub_id(name):
-        return name
-    from huggingface_hub import snapshot_download
-
-    for logger in ("huggingface_hub", "filelock"):
-        logging.getLogger(logger).setLevel(logging.CRITICAL)
-    try:
-        return snapshot_download(name, allow_patterns=list(HF_FILES))
-    except Exception as e:  # noqa: BLE001 - no network, no such repo, gated, offline, not cached
-        raise DataError(
-            f"load_hf={name}: no such directory, and the Hugging Face hub did not give that model "
-            f"({first_line(e, limit=120)}); a gated model needs HF_TOKEN, and offline "
-            "(HF_HUB_OFFLINE=1) only models already in the hub cache load"
-        ) from None
-
-
 # ---- files: read, written, appended to, set aside ------------------------------------------------
 
 
@@ -3104,143 +3245,6 @@ def move_up(local_dir, pattern, run_dir, name=None):
             with open(f, "rb") as local:
                 write(os.path.join(run_dir, name or os.path.relpath(f, local_dir)), local.read())
             os.remove(f)
-
-
-# ---- the run's tokenizer, kept beside its checkpoints --------------------------------------------
-
-TOKENIZER_KEYS = (
-    "tokenizer_path",
-    "load_hf",
-    "vocab_size",
-    "dataset",
-    "dataset_path",
-    "tfds_name",
-    "train_split",
-    "hf_path",
-    "hf_name",
-    "hf_data_files",
-    "hf_split",
-    "text_key",
-)
-
-
-def flat(values, prefix=""):
-    """A nested dict as {'section.key': value}: how configs are compared and shown."""
-    pairs = {}
-    for k, v in values.items():
-        pairs.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return pairs
-
-
-def run_config(run_dir):
-    """run_dir's config.yml as {'section.key': value}: {} where there is none, a DataError naming it
-    where it is damaged (cut short, not text, nested past the parser, not the mapping a run
-    writes)."""
-    path = os.path.join(run_dir, "config.yml")
-    try:
-        values = yaml.safe_load(stored(path).read_text())
-    except FileNotFoundError:
-        return {}
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
-        raise DataError(f"{path}: damaged ({first_line(e, typed=False, limit=80)})") from None
-    if not isinstance(values, dict):
-        raise DataError(
-            f"{path}: damaged (it holds a YAML {type(values).__name__}, not the mapping a run "
-            "writes)"
-        )
-    return flat(values)
-
-
-def config_changes(run_dir, cfg):
-    """'key (old -> new)' for each key whose value differs from run_dir's config.yml (none where
-    it is missing, unreadable or damaged: nothing to compare with)."""
-    try:
-        old = run_config(run_dir)
-    except (*STORAGE_ERRORS, DataError):
-        return []
-    new = flat(cfg.model_dump(mode="json"))
-    return [f"{k} ({old[k]} -> {new[k]})" for k in new if k in old and old[k] != new[k]]
-
-
-def keep_damaged_config(run_dir, log):
-    """A damaged config.yml (run_config) is renamed aside, never deleted, before the run writes its
-    own. It is the run's record of its config, not an input (the command line is), so the run goes
-    on: stopping would only make the user move by hand a file the run rewrites anyway."""
-    try:
-        run_config(run_dir)
-    except DataError as e:
-        moved = set_aside(os.path.join(run_dir, "config.yml"), "damaged")
-        log(
-            f"WARNING: {e}; kept it aside as {os.path.basename(moved)}, and this run writes its "
-            "config anew"
-        )
-
-
-def keep_tokenizer(ds, run_dir, resumed, cfg):
-    """What a checkpoint's token ids mean is part of it: a run keeps its tokenizer as
-    RUN_DIR/tokenizer.model, and a resume whose tokenizer differs (other files, vocab_size,
-    tokenizer_path) stops, naming what changed since the run's config.yml; a kept file that is no
-    tokenizer at all stops as damaged, not as a change. A Hugging Face tokenizer is kept as
-    RUN_DIR/tokenizer.json with its special tokens and template beside it."""
-    tok = ds.tokenizer
-    path = os.path.join(run_dir, tok.primary)
-    model = tok.files[tok.primary]
-    if not (resumed and stored(path).exists()):
-        # A Hugging Face tokenizer keeps its special tokens and template beside it.
-        kept = tok.files if tok.primary == "tokenizer.json" else {tok.primary: model}
-        for name, content in kept.items():
-            write(os.path.join(run_dir, name), content)
-        return
-    kept = stored(path).read_bytes()
-    if kept == model:
-        return
-    if why := tokenizer_damage(tok.primary, kept):
-        raise DataError(
-            f"{path}: damaged ({why}); the checkpoint's token ids are this file's tokenizer: "
-            "restore it from a copy, or move it away to go on with the tokenizer this run has now "
-            "(the same one unless the training text, tokenizer_path, vocab_size or load_hf changed)"
-        )
-    raise DataError(
-        f"{path}: this run's tokenizer would change with {tokenizer_change(run_dir, cfg)}: the "
-        f"checkpoint's token ids would mean other text; undo the change, set tokenizer_path={path} "
-        "to keep its tokenizer, or start a new run_name (load_params= takes the weights)"
-    )
-
-
-def tokenizer_damage(name, content):
-    """Why `content` is not a tokenizer file `name` (tokenizer.model or tokenizer.json), or ''."""
-    kind = "Hugging Face" if name == "tokenizer.json" else "sentencepiece"
-    try:
-        if name == "tokenizer.json":
-            import tokenizers
-
-            ok = bool(tokenizers.Tokenizer.from_str(content.decode()))
-        else:
-            import sentencepiece as spm
-
-            # an empty proto loads as a model of no pieces (that logs on stderr when asked its size)
-            ok = bool(content) and spm.SentencePieceProcessor(model_proto=content).get_piece_size()
-    except Exception:  # noqa: BLE001 - each library's own parse error; its text says no more
-        ok = False
-    return "" if ok else f"not a {kind} tokenizer"
-
-
-def tokenizer_change(run_dir, cfg):
-    """What changed the run's tokenizer, as the keys config_changes names; without a config.yml to
-    compare with (missing, or damaged and kept aside), that is said, not guessed."""
-    changed = [c for c in config_changes(run_dir, cfg) if c.split()[0] in TOKENIZER_KEYS]
-    try:
-        known = bool(changed or run_config(run_dir))
-    except DataError:
-        known = False
-    if not known:
-        return (
-            f"a change not named ({run_dir}/config.yml, the config to compare with, is missing "
-            "or was damaged)"
-        )
-    if changed:
-        return ", ".join(changed)
-    return "the training text (its files changed, so the tokenizer trained on them did)"
 
 
 # ---- metrics: metrics.jsonl, TensorBoard and W&B -------------------------------------------------

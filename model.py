@@ -57,6 +57,7 @@ import optax
 import safetensors.numpy
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 import data
@@ -931,7 +932,303 @@ def transposed(x, perm):
 
 
 # ==================================================================================================
-# Hugging Face checkpoints: Llama, Qwen2 and Qwen3 tensors <-> our parameters, config.json <-> keys.
+# LoRA: low-rank adapters on the projections (lora.rank > 0). Each targeted projection W computes
+# x W + (alpha / rank) (dropout(x) A) B. The base's weights are frozen: the train state keeps
+# them apart ('base') from what learns ('params': the adapters), so the step differentiates and
+# AdamW keeps moments for the adapters alone, and a checkpoint holds only those. Adapters go out
+# and come in in peft's format (adapter_config.json, adapter_model.safetensors).
+# ==================================================================================================
+# our projection weight -> (its lora.targets name, how many leading axes are its inputs, peft's
+# name)
+LORA_WEIGHTS = {
+    "wq": ("q", 1, "self_attn.q_proj"),
+    "wk": ("k", 1, "self_attn.k_proj"),
+    "wv": ("v", 1, "self_attn.v_proj"),
+    "wo": ("o", 2, "self_attn.o_proj"),
+    "w_gate": ("gate", 1, "mlp.gate_proj"),
+    "w_up": ("up", 1, "mlp.up_proj"),
+    "w_down": ("down", 1, "mlp.down_proj"),
+}
+LORA_TARGETS = tuple(target for target, _, _ in LORA_WEIGHTS.values())
+ADAPTER = ("_lora_a", "_lora_b")  # an adapter's parameters: weight name + these
+
+
+def add_adapters(module, cfg, rngs):
+    """lora.rank > 0: beside each of module's projection weights that lora.targets names, its
+    adapter: A [inputs..., r] drawn as peft draws it (Kaiming-uniform: U(+-1/sqrt(inputs))) and B
+    [r, outputs...] zero, so step 0 computes the base model exactly; float32, whatever weight_dtype
+    (the base may stay bfloat16). Their logical axes are the weight's, the rank's 'lora_rank'."""
+    r = cfg.lora.rank
+    module.lora = (cfg.lora.alpha / r, cfg.lora.dropout) if r else None  # (scale, dropout rate)
+    for name, (target, ins, _) in LORA_WEIGHTS.items():
+        if not r or target not in cfg.lora.targets or not hasattr(module, name):
+            continue
+        w = getattr(module, name)
+        shape, axes = w.shape, w.out_sharding
+        bound = math.prod(shape[:ins]) ** -0.5
+        a = jax.random.uniform(rngs.params(), (*shape[:ins], r), jnp.float32, -bound, bound)
+        b = jnp.zeros((r, *shape[ins:]), jnp.float32)
+        a_axes, b_axes = (*axes[:ins], "lora_rank"), ("lora_rank", *axes[ins:])
+        setattr(module, name + ADAPTER[0], nnx.Param(a, out_sharding=a_axes, eager_sharding=False))
+        setattr(module, name + ADAPTER[1], nnx.Param(b, out_sharding=b_axes, eager_sharding=False))
+
+
+def projected(module, name, eq, x, dtype, key=None):
+    """The projection module.<name> of x (dot's einsum `eq`) and, where LoRA adapts it, its adapter:
+    x W + scale (dropout(x) A) B, in the compute dtype. `key`: the dropout's draws (training)."""
+    y = dot(eq, x, getattr(module, name)[...], dtype)
+    if not hasattr(module, name + ADAPTER[0]):
+        return y
+    a = getattr(module, name + ADAPTER[0])[...]
+    b = getattr(module, name + ADAPTER[1])[...]
+    scale, rate = module.lora
+    lhs, rhs = eq.split("->")[0].split(",")
+    ins = rhs[: a.ndim - 1]  # the weight's input axes, then its output axes
+    outs = rhs[a.ndim - 1 :]
+    rows = lhs[: lhs.index(rhs[0])]  # x's axes before the contracted ones
+    if key is not None and rate:
+        # each projection its own draws, the same on every host and every run (hash() of a str
+        # is not: Python salts it per process)
+        own = jax.random.fold_in(key, list(LORA_WEIGHTS).index(name))
+        keep = jax.random.bernoulli(own, 1 - rate, x.shape)
+        x = jnp.where(keep, x / (1 - rate), 0).astype(x.dtype)
+    xa = dot(f"{lhs},{ins}r->{rows}r", x, a, dtype)
+    return y + scale * dot(f"{rows}r,r{outs}->{rows}{outs}", xa, b, dtype)
+
+
+def leaf(tree, path):
+    """tree[path[0]][path[1]]...: one entry of a nested dict."""
+    return functools.reduce(lambda t, k: t[k], path, tree)
+
+
+def parted(tree, keep):
+    """The nested dict of tree's leaves whose names `keep` takes, empty branches dropped."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            if part := parted(v, keep):
+                out[k] = part
+        elif keep(k):
+            out[k] = v
+    return out
+
+
+def joined(base, part):
+    """base with part's leaves put in (a nested dict merge); `part` itself where base is empty."""
+    if not base:
+        return part
+    out = dict(base)
+    for k, v in part.items():
+        out[k] = joined(base.get(k), v) if isinstance(v, dict) else v
+    return out
+
+
+def learned(cfg, tree):
+    """The parameters that train, of a tree shaped as the model's: all of them, or with LoRA the
+    adapters alone."""
+    return parted(tree, lambda k: str(k).endswith(ADAPTER)) if cfg.lora.rank else tree
+
+
+def frozen(cfg, tree):
+    """The rest: with LoRA the base's weights ({} without)."""
+    return parted(tree, lambda k: not str(k).endswith(ADAPTER)) if cfg.lora.rank else {}
+
+
+# QLoRA's 4-bit levels (NormalFloat4: quantiles of a unit normal, as bitsandbytes' nf4) and the
+# midpoints between them, where a value rounds to its neighbour.
+NF4 = np.array(
+    [
+        -1.0,
+        -0.6961928,
+        -0.52507305,
+        -0.3949175,
+        -0.28444138,
+        -0.18477343,
+        -0.09105004,
+        0.0,
+        0.0795803,
+        0.1609302,
+        0.2461123,
+        0.33791524,
+        0.44070983,
+        0.562617,
+        0.72295684,
+        1.0,
+    ],
+    np.float32,
+)
+NF4_EDGES = (NF4[1:] + NF4[:-1]) / 2
+
+
+@jax.tree_util.register_pytree_node_class
+class Quantized:
+    """A frozen base weight stored blockwise-quantized (QLoRA, lora.base_quant): codes (int8, or two
+    nf4 codes a byte) and one absmax scale per block of values along the last axis. w[...]
+    dequantizes it, inside the layer that reads it: under the layer scan one layer's weights exist
+    at full precision at a time."""
+
+    def __init__(self, codes, scales, kind, dtype):
+        self.codes, self.scales, self.kind, self.dtype = codes, scales, kind, dtype
+
+    def tree_flatten(self):
+        return (self.codes, self.scales), (self.kind, self.dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    def __getitem__(self, index):
+        return dequantize(self)[index]
+
+    @property
+    def size(self):
+        return self.codes.size * (2 if self.kind == "nf4" else 1)
+
+
+def quantize(w, kind, block):
+    """w [..., n] -> Quantized: blocks of `block` values along the last axis scaled by their absmax
+    to [-1, 1], then int8 (x 127, rounded) or the nearest of the 16 NF4 levels."""
+    *lead, n = w.shape
+    x = w.astype(jnp.float32).reshape(*lead, n // block, block)
+    scales = jnp.max(jnp.abs(x), axis=-1)
+    unit = x / jnp.where(scales > 0, scales, 1.0)[..., None]
+    dtype = jnp.dtype(w.dtype)
+    if kind == "int8":
+        return Quantized(
+            jnp.round(unit * 127).astype(jnp.int8).reshape(*lead, n), scales, kind, dtype
+        )
+    idx = jnp.searchsorted(jnp.asarray(NF4_EDGES), unit).astype(jnp.uint8).reshape(*lead, n)
+    return Quantized(idx[..., 0::2] | (idx[..., 1::2] << 4), scales, kind, dtype)
+
+
+def dequantize(q):
+    """Quantized -> the weight it approximates, in its dtype."""
+    if q.kind == "int8":
+        unit = q.codes.astype(jnp.float32) / 127
+    else:
+        pairs = jnp.stack([q.codes & 15, q.codes >> 4], axis=-1).reshape(*q.codes.shape[:-1], -1)
+        unit = jnp.take(jnp.asarray(NF4), pairs.astype(jnp.int32))
+    *lead, n = unit.shape
+    blocks = unit.reshape(*lead, q.scales.shape[-1], -1) * q.scales[..., None]
+    return blocks.reshape(*lead, n).astype(q.dtype)
+
+
+def quantized(cfg, base):
+    """QLoRA: the base's projection weights as Quantized (their logical axes as Quantized of axes,
+    the codes' and the scales' alike); the rest (embeddings, norms, biases) as they are."""
+    if cfg.lora.base_quant == "none":
+        return base
+
+    def one(path, x):
+        if path[-1].key not in LORA_WEIGHTS or isinstance(x, Quantized):
+            return x
+        if isinstance(x, PartitionSpec):
+            return Quantized(x, x, cfg.lora.base_quant, jnp.dtype(cfg.weight_dtype))
+        return quantize(x, cfg.lora.base_quant, cfg.lora.block)
+
+    return jax.tree_util.tree_map_with_path(
+        one, base, is_leaf=lambda x: isinstance(x, (PartitionSpec, Quantized))
+    )
+
+
+def parts(cfg, tree):
+    """The train state's parameter entries from a tree shaped as the model's parameters (arrays, or
+    their logical axes): {'params': what trains}; with LoRA the adapters there, and 'base' the
+    frozen rest, 'base_id' the base's fingerprint (base_id: in the checkpoint, which the base is
+    not, so that a resume on another base is caught)."""
+    if not cfg.lora.rank:
+        return {"params": tree}
+    axes = isinstance(
+        jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))[0], PartitionSpec
+    )
+    seal = base_fingerprint(cfg.load_hf, cfg.seed, cfg.task)
+    base_id = PartitionSpec() if axes else jnp.asarray(np.frombuffer(seal, np.uint8))
+    base = quantized(cfg, frozen(cfg, tree))
+    return {"params": learned(cfg, tree), "base": base, "base_id": base_id}
+
+
+def parameter_count(state):
+    """The log's 'model:' figure: '3.54M parameters', with LoRA '3.54M parameters (0.30M of them
+    trained: the adapters)'. A quantized base weight counts the values it stands for."""
+    count = sum(
+        x.size for x in jax.tree.leaves(state.get("base", {}), is_leaf=Quantized.__instancecheck__)
+    )
+    trained = sum(x.size for x in jax.tree.leaves(state["params"]))
+    if not count:
+        return f"{trained / 1e6:.2f}M parameters"
+    total = f"{(count + trained) / 1e6:.2f}M parameters"
+    return f"{total} ({trained / 1e6:.2f}M of them trained: the adapters)"
+
+
+@functools.cache
+def base_fingerprint(load_hf, seed, task):
+    """20 bytes naming LoRA's base: load_hf's checkpoint by every tensor's name, dtype, shape and
+    first bytes (cheap to read, other for other weights of the same shape), or a fresh init's
+    seed."""
+    digest = hashlib.sha1()
+    if not load_hf:
+        digest.update(f"init seed {seed} {task}".encode())
+        return digest.digest()
+    folder = data.hf_dir(load_hf)
+    try:
+        tensors = hf_tensors(folder)
+    except (
+        ValueError,
+        *data.STORAGE_ERRORS,
+    ):  # no weights (the fit check compiles from config.json)
+        return hashlib.sha1(data.stored(os.path.join(folder, "config.json")).read_bytes()).digest()
+    for name, (path, dtype, shape, first) in sorted(tensors.items()):
+        with data.stored(path).open("rb") as f:
+            f.seek(first)
+            head = f.read(64)
+        digest.update(f"{name} {dtype} {shape}".encode() + head)
+    return digest.digest()
+
+
+def on_base(cfg, start, restored):
+    """A LoRA run's resumed state: the checkpoint's (adapters, their optimizer state, ...) on the
+    frozen base of `start`, a fresh state from load_hf, which must be the base the checkpoint
+    names."""
+    if not np.array_equal(np.asarray(start["base_id"]), np.asarray(restored["base_id"])):
+        raise data.DataError(
+            f"load_hf={cfg.load_hf or '(none: a fresh init)'}: this run's adapters were trained on "
+            "another base (its weights' fingerprint, kept in the checkpoint, differs); give the "
+            "load_hf the run started from (RUN_DIR/config.yml), or start a new run_name"
+        )
+    return {**start, **restored}
+
+
+def fold_adapters(cfg, params):
+    """params with each adapter folded into its weight, W + scale A B (in the weight's dtype, the
+    sum in float32), and dropped: the dense model the adapted one computes. jnp: differentiable."""
+    scale = cfg.lora.alpha / cfg.lora.rank
+
+    def fold(tree):
+        out = {k: fold(v) if isinstance(v, dict) else v for k, v in tree.items()}
+        for name, (_, ins, _) in LORA_WEIGHTS.items():
+            if name + ADAPTER[0] in out:
+                a = out.pop(name + ADAPTER[0])
+                b = out.pop(name + ADAPTER[1])
+                w = out[name][...]
+                lead = a.ndim - 1 - ins  # the stacked layers' axis, if any
+                a_IR = a.reshape(*a.shape[:lead], -1, a.shape[-1]).astype(jnp.float32)
+                b_RO = b.reshape(*b.shape[: lead + 1], -1).astype(jnp.float32)
+                delta = jnp.matmul(a_IR, b_RO).reshape(w.shape)
+                out[name] = (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
+        return out
+
+    return fold(params)
+
+
+def merged(cfg, params):
+    """Host params with the adapters folded in (fold_adapters): the full model, written in the
+    family's own format by lora.merge=true."""
+    return jax.tree.map(np.asarray, fold_adapters(cfg, params))
+
+
+# ==================================================================================================
+# Hugging Face files, every one a run reads or writes: Llama, Qwen2 and Qwen3 tensors <-> our
+# parameters, config.json <-> keys, peft's adapter format both ways; load_pretrained, export_hf.
 # ==================================================================================================
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -1374,301 +1671,7 @@ def save_hf(cfg, params, out_dir, tokenizer=None, source=None):
     return tensors
 
 
-# ==================================================================================================
-# LoRA: low-rank adapters on the projections (lora.rank > 0). Each targeted projection W computes
-# x W + (alpha / rank) (dropout(x) A) B. The base's weights are frozen: the train state keeps
-# them apart ('base') from what learns ('params': the adapters), so the step differentiates and
-# AdamW keeps moments for the adapters alone, and a checkpoint holds only those. Adapters go out
-# and come in in peft's format (adapter_config.json, adapter_model.safetensors).
-# ==================================================================================================
-# our projection weight -> (its lora.targets name, how many leading axes are its inputs, peft's
-# name)
-LORA_WEIGHTS = {
-    "wq": ("q", 1, "self_attn.q_proj"),
-    "wk": ("k", 1, "self_attn.k_proj"),
-    "wv": ("v", 1, "self_attn.v_proj"),
-    "wo": ("o", 2, "self_attn.o_proj"),
-    "w_gate": ("gate", 1, "mlp.gate_proj"),
-    "w_up": ("up", 1, "mlp.up_proj"),
-    "w_down": ("down", 1, "mlp.down_proj"),
-}
-LORA_TARGETS = tuple(target for target, _, _ in LORA_WEIGHTS.values())
-ADAPTER = ("_lora_a", "_lora_b")  # an adapter's parameters: weight name + these
-
-
-def add_adapters(module, cfg, rngs):
-    """lora.rank > 0: beside each of module's projection weights that lora.targets names, its
-    adapter: A [inputs..., r] drawn as peft draws it (Kaiming-uniform: U(+-1/sqrt(inputs))) and B
-    [r, outputs...] zero, so step 0 computes the base model exactly; float32, whatever weight_dtype
-    (the base may stay bfloat16). Their logical axes are the weight's, the rank's 'lora_rank'."""
-    r = cfg.lora.rank
-    module.lora = (cfg.lora.alpha / r, cfg.lora.dropout) if r else None  # (scale, dropout rate)
-    for name, (target, ins, _) in LORA_WEIGHTS.items():
-        if not r or target not in cfg.lora.targets or not hasattr(module, name):
-            continue
-        w = getattr(module, name)
-        shape, axes = w.shape, w.out_sharding
-        bound = math.prod(shape[:ins]) ** -0.5
-        a = jax.random.uniform(rngs.params(), (*shape[:ins], r), jnp.float32, -bound, bound)
-        b = jnp.zeros((r, *shape[ins:]), jnp.float32)
-        a_axes, b_axes = (*axes[:ins], "lora_rank"), ("lora_rank", *axes[ins:])
-        setattr(module, name + ADAPTER[0], nnx.Param(a, out_sharding=a_axes, eager_sharding=False))
-        setattr(module, name + ADAPTER[1], nnx.Param(b, out_sharding=b_axes, eager_sharding=False))
-
-
-def projected(module, name, eq, x, dtype, key=None):
-    """The projection module.<name> of x (dot's einsum `eq`) and, where LoRA adapts it, its adapter:
-    x W + scale (dropout(x) A) B, in the compute dtype. `key`: the dropout's draws (training)."""
-    y = dot(eq, x, getattr(module, name)[...], dtype)
-    if not hasattr(module, name + ADAPTER[0]):
-        return y
-    a = getattr(module, name + ADAPTER[0])[...]
-    b = getattr(module, name + ADAPTER[1])[...]
-    scale, rate = module.lora
-    lhs, rhs = eq.split("->")[0].split(",")
-    ins = rhs[: a.ndim - 1]  # the weight's input axes, then its output axes
-    outs = rhs[a.ndim - 1 :]
-    rows = lhs[: lhs.index(rhs[0])]  # x's axes before the contracted ones
-    if key is not None and rate:
-        # each projection its own draws, the same on every host and every run (hash() of a str
-        # is not: Python salts it per process)
-        own = jax.random.fold_in(key, list(LORA_WEIGHTS).index(name))
-        keep = jax.random.bernoulli(own, 1 - rate, x.shape)
-        x = jnp.where(keep, x / (1 - rate), 0).astype(x.dtype)
-    xa = dot(f"{lhs},{ins}r->{rows}r", x, a, dtype)
-    return y + scale * dot(f"{rows}r,r{outs}->{rows}{outs}", xa, b, dtype)
-
-
-def leaf(tree, path):
-    """tree[path[0]][path[1]]...: one entry of a nested dict."""
-    return functools.reduce(lambda t, k: t[k], path, tree)
-
-
-def parted(tree, keep):
-    """The nested dict of tree's leaves whose names `keep` takes, empty branches dropped."""
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            if part := parted(v, keep):
-                out[k] = part
-        elif keep(k):
-            out[k] = v
-    return out
-
-
-def joined(base, part):
-    """base with part's leaves put in (a nested dict merge); `part` itself where base is empty."""
-    if not base:
-        return part
-    out = dict(base)
-    for k, v in part.items():
-        out[k] = joined(base.get(k), v) if isinstance(v, dict) else v
-    return out
-
-
-def learned(cfg, tree):
-    """The parameters that train, of a tree shaped as the model's: all of them, or with LoRA the
-    adapters alone."""
-    return parted(tree, lambda k: str(k).endswith(ADAPTER)) if cfg.lora.rank else tree
-
-
-def frozen(cfg, tree):
-    """The rest: with LoRA the base's weights ({} without)."""
-    return parted(tree, lambda k: not str(k).endswith(ADAPTER)) if cfg.lora.rank else {}
-
-
-# QLoRA's 4-bit levels (NormalFloat4: quantiles of a unit normal, as bitsandbytes' nf4) and the
-# midpoints between them, where a value rounds to its neighbour.
-NF4 = np.array(
-    [
-        -1.0,
-        -0.6961928,
-        -0.52507305,
-        -0.3949175,
-        -0.28444138,
-        -0.18477343,
-        -0.09105004,
-        0.0,
-        0.0795803,
-        0.1609302,
-        0.2461123,
-        0.33791524,
-        0.44070983,
-        0.562617,
-        0.72295684,
-        1.0,
-    ],
-    np.float32,
-)
-NF4_EDGES = (NF4[1:] + NF4[:-1]) / 2
-
-
-@jax.tree_util.register_pytree_node_class
-class Quantized:
-    """A frozen base weight stored blockwise-quantized (QLoRA, lora.base_quant): codes (int8, or two
-    nf4 codes a byte) and one absmax scale per block of values along the last axis. w[...]
-    dequantizes it, inside the layer that reads it: under the layer scan one layer's weights exist
-    at full precision at a time."""
-
-    def __init__(self, codes, scales, kind, dtype):
-        self.codes, self.scales, self.kind, self.dtype = codes, scales, kind, dtype
-
-    def tree_flatten(self):
-        return (self.codes, self.scales), (self.kind, self.dtype)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
-
-    def __getitem__(self, index):
-        return dequantize(self)[index]
-
-    @property
-    def size(self):
-        return self.codes.size * (2 if self.kind == "nf4" else 1)
-
-
-def quantize(w, kind, block):
-    """w [..., n] -> Quantized: blocks of `block` values along the last axis scaled by their absmax
-    to [-1, 1], then int8 (x 127, rounded) or the nearest of the 16 NF4 levels."""
-    *lead, n = w.shape
-    x = w.astype(jnp.float32).reshape(*lead, n // block, block)
-    scales = jnp.max(jnp.abs(x), axis=-1)
-    unit = x / jnp.where(scales > 0, scales, 1.0)[..., None]
-    dtype = jnp.dtype(w.dtype)
-    if kind == "int8":
-        return Quantized(
-            jnp.round(unit * 127).astype(jnp.int8).reshape(*lead, n), scales, kind, dtype
-        )
-    idx = jnp.searchsorted(jnp.asarray(NF4_EDGES), unit).astype(jnp.uint8).reshape(*lead, n)
-    return Quantized(idx[..., 0::2] | (idx[..., 1::2] << 4), scales, kind, dtype)
-
-
-def dequantize(q):
-    """Quantized -> the weight it approximates, in its dtype."""
-    if q.kind == "int8":
-        unit = q.codes.astype(jnp.float32) / 127
-    else:
-        pairs = jnp.stack([q.codes & 15, q.codes >> 4], axis=-1).reshape(*q.codes.shape[:-1], -1)
-        unit = jnp.take(jnp.asarray(NF4), pairs.astype(jnp.int32))
-    *lead, n = unit.shape
-    blocks = unit.reshape(*lead, q.scales.shape[-1], -1) * q.scales[..., None]
-    return blocks.reshape(*lead, n).astype(q.dtype)
-
-
-def quantized(cfg, base):
-    """QLoRA: the base's projection weights as Quantized (their logical axes as Quantized of axes,
-    the codes' and the scales' alike); the rest (embeddings, norms, biases) as they are."""
-    if cfg.lora.base_quant == "none":
-        return base
-
-    def one(path, x):
-        if path[-1].key not in LORA_WEIGHTS or isinstance(x, Quantized):
-            return x
-        if isinstance(x, PartitionSpec):
-            return Quantized(x, x, cfg.lora.base_quant, jnp.dtype(cfg.weight_dtype))
-        return quantize(x, cfg.lora.base_quant, cfg.lora.block)
-
-    return jax.tree_util.tree_map_with_path(
-        one, base, is_leaf=lambda x: isinstance(x, (PartitionSpec, Quantized))
-    )
-
-
-def parts(cfg, tree):
-    """The train state's parameter entries from a tree shaped as the model's parameters (arrays, or
-    their logical axes): {'params': what trains}; with LoRA the adapters there, and 'base' the
-    frozen rest, 'base_id' the base's fingerprint (base_id: in the checkpoint, which the base is
-    not, so that a resume on another base is caught)."""
-    if not cfg.lora.rank:
-        return {"params": tree}
-    axes = isinstance(
-        jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))[0], PartitionSpec
-    )
-    seal = base_fingerprint(cfg.load_hf, cfg.seed, cfg.task)
-    base_id = PartitionSpec() if axes else jnp.asarray(np.frombuffer(seal, np.uint8))
-    base = quantized(cfg, frozen(cfg, tree))
-    return {"params": learned(cfg, tree), "base": base, "base_id": base_id}
-
-
-def parameter_count(state):
-    """The log's 'model:' figure: '3.54M parameters', with LoRA '3.54M parameters (0.30M of them
-    trained: the adapters)'. A quantized base weight counts the values it stands for."""
-    count = sum(
-        x.size for x in jax.tree.leaves(state.get("base", {}), is_leaf=Quantized.__instancecheck__)
-    )
-    trained = sum(x.size for x in jax.tree.leaves(state["params"]))
-    if not count:
-        return f"{trained / 1e6:.2f}M parameters"
-    total = f"{(count + trained) / 1e6:.2f}M parameters"
-    return f"{total} ({trained / 1e6:.2f}M of them trained: the adapters)"
-
-
-@functools.cache
-def base_fingerprint(load_hf, seed, task):
-    """20 bytes naming LoRA's base: load_hf's checkpoint by every tensor's name, dtype, shape and
-    first bytes (cheap to read, other for other weights of the same shape), or a fresh init's
-    seed."""
-    digest = hashlib.sha1()
-    if not load_hf:
-        digest.update(f"init seed {seed} {task}".encode())
-        return digest.digest()
-    folder = data.hf_dir(load_hf)
-    try:
-        tensors = hf_tensors(folder)
-    except (
-        ValueError,
-        *data.STORAGE_ERRORS,
-    ):  # no weights (the fit check compiles from config.json)
-        return hashlib.sha1(data.stored(os.path.join(folder, "config.json")).read_bytes()).digest()
-    for name, (path, dtype, shape, first) in sorted(tensors.items()):
-        with data.stored(path).open("rb") as f:
-            f.seek(first)
-            head = f.read(64)
-        digest.update(f"{name} {dtype} {shape}".encode() + head)
-    return digest.digest()
-
-
-def on_base(cfg, start, restored):
-    """A LoRA run's resumed state: the checkpoint's (adapters, their optimizer state, ...) on the
-    frozen base of `start`, a fresh state from load_hf, which must be the base the checkpoint
-    names."""
-    if not np.array_equal(np.asarray(start["base_id"]), np.asarray(restored["base_id"])):
-        raise data.DataError(
-            f"load_hf={cfg.load_hf or '(none: a fresh init)'}: this run's adapters were trained on "
-            "another base (its weights' fingerprint, kept in the checkpoint, differs); give the "
-            "load_hf the run started from (RUN_DIR/config.yml), or start a new run_name"
-        )
-    return {**start, **restored}
-
-
-def fold_adapters(cfg, params):
-    """params with each adapter folded into its weight, W + scale A B (in the weight's dtype, the
-    sum in float32), and dropped: the dense model the adapted one computes. jnp: differentiable."""
-    scale = cfg.lora.alpha / cfg.lora.rank
-
-    def fold(tree):
-        out = {k: fold(v) if isinstance(v, dict) else v for k, v in tree.items()}
-        for name, (_, ins, _) in LORA_WEIGHTS.items():
-            if name + ADAPTER[0] in out:
-                a = out.pop(name + ADAPTER[0])
-                b = out.pop(name + ADAPTER[1])
-                w = out[name][...]
-                lead = a.ndim - 1 - ins  # the stacked layers' axis, if any
-                a_IR = a.reshape(*a.shape[:lead], -1, a.shape[-1]).astype(jnp.float32)
-                b_RO = b.reshape(*b.shape[: lead + 1], -1).astype(jnp.float32)
-                delta = jnp.matmul(a_IR, b_RO).reshape(w.shape)
-                out[name] = (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
-        return out
-
-    return fold(params)
-
-
-def merged(cfg, params):
-    """Host params with the adapters folded in (fold_adapters): the full model, written in the
-    family's own format by lora.merge=true."""
-    return jax.tree.map(np.asarray, fold_adapters(cfg, params))
-
-
+# ---- peft's adapter format: adapter_config.json, adapter_model.safetensors ----------------------
 def peft_names(cfg):
     """[(peft's module name, our path to the adapted weight, its layer's index in a scanned stack or
     None, its input axes)] of every adapter: peft's lora_A.weight is our A^T [r, inputs], its
@@ -1844,6 +1847,93 @@ def load_peft(cfg, folder, abstract_params):
     return jax.tree_util.tree_map_with_path(placed, abstract_params)
 
 
+# ---- what train.py reads: the keys a run takes from the files it loads, the export --------------
+# A value config.json gives out of a key's bounds (train.with_values formats it)
+UNHOLDABLE = (
+    "load_hf={cfg.load_hf}: config.json gives {error}: a model this trainer cannot hold, or a "
+    "damaged file; give load_hf= another checkpoint"
+)
+
+
+def checkpoint_keys(cfg):
+    """load_hf: the model's keys come from the checkpoint's config.json, so the user types none; a
+    key they set that disagrees is one line naming both values, and a model this Transformer cannot
+    run one line naming why. -> {key: value}"""
+    keys = source_keys(
+        cfg,
+        "load_hf",
+        ("config.json", "of a model config"),
+        lambda conf, path: hf_keys(conf),
+        "a Hugging Face checkpoint directory (config.json, model.safetensors) or a hub id",
+    )
+    values = data.flat(cfg.model_dump(mode="json"))
+    for key, value in keys.items():
+        mine = values[key] if key != "head_dim" else dims(cfg)  # head_dim=0: derived
+        same = math.isclose(mine, value) if isinstance(value, float) else mine == value
+        if key in cfg._given and not same:
+            raise data.ConfigError(
+                f"load_hf={cfg.load_hf}: its config.json has "
+                f"{HF_KEYS.get(key, key)}={value} but {key}={mine} is set; drop {key}= "
+                "(the checkpoint decides it)"
+            )
+    return keys
+
+
+def source_keys(cfg, key, file, parse, give):
+    """The keys a JSON file sets: `file` (its name, what it is) in the directory cfg.<key> names
+    (load_hf, load_adapter), read and parse(json, path)'d; unreadable or malformed is one line
+    naming the key and what to `give` instead."""
+    name, what = file
+    path = os.path.join(data.hf_dir(getattr(cfg, key)), name)
+    try:
+        return parse(data.read_json(path, what), path)
+    except data.STORAGE_ERRORS as e:
+        raise data.ConfigError(
+            f"{key}={getattr(cfg, key)}: cannot read {path} ({data.storage_reason(e)}); give {give}"
+        ) from None
+    except ValueError as e:
+        raise data.ConfigError(f"{key}={getattr(cfg, key)}: {e}") from None
+
+
+def adapter_keys(cfg):
+    """load_adapter: the lora keys come from its adapter_config.json (peft's); one the user set that
+    disagrees, or a peft option this trainer's LoRA does not have, is one line. -> {key: value}"""
+    keys = source_keys(
+        cfg,
+        "load_adapter",
+        ("adapter_config.json", "of a peft adapter"),
+        peft_keys,
+        "a peft LoRA adapter directory (adapter_config.json, adapter_model.safetensors)",
+    )
+    values = data.flat(cfg.model_dump(mode="json"))
+    for key, value in keys.items():
+        mine = list(values[key]) if key == "lora.targets" else values[key]
+        if key in cfg._given and mine != value:
+            raise data.ConfigError(
+                f"load_adapter={cfg.load_adapter}: its adapter_config.json makes {key}={value} but "
+                f"{key}={mine} is set; drop {key}= (the adapter decides it)"
+            )
+    return keys
+
+
+def export_hf(cfg, params, tokenizer, out_dir):
+    """A Hugging Face checkpoint of params in out_dir (save_hf, or save_peft for LoRA's adapters):
+    the family the model's options make, over the config.json of the load_hf checkpoint the run
+    started from, with the run's tokenizer. -> the tensors written"""
+    host = multihost_utils.process_allgather(params, tiled=True)  # whole arrays on every process
+    config = os.path.join(data.hf_dir(cfg.load_hf), "config.json") if cfg.load_hf else None
+    source = data.read_json(config) if config else None
+    try:
+        return save_hf(cfg, host, out_dir, tokenizer, source)
+    except (data.WriteError, *data.STORAGE_ERRORS) as e:
+        reason = e if isinstance(e, data.WriteError) else data.storage_reason(e)
+        raise data.ConfigError(
+            f"export_dir={out_dir}: cannot write there ({reason}); choose a writable directory"
+        ) from None
+    except ValueError as e:
+        raise data.ConfigError(f"mode=export: {e}") from None
+
+
 # ==================================================================================================
 # The task interface: all train.py knows about what it trains.
 # ==================================================================================================
@@ -1928,9 +2018,6 @@ LM = Task(
 # the base, its adapters off); the loss is -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))),
 # its mean over the step's pairs.
 # ==================================================================================================
-DPO_KEYS = (("positive", "dpo.beta"),)
-
-
 def sides(values_BL, segments_BL):
     """(chosen [B], rejected [B]): a per-position value summed over each row's two sequences."""
     return tuple(jnp.sum(values_BL * (segments_BL == s), axis=-1) for s in (1, 2))
@@ -3052,37 +3139,6 @@ def trm_step_metrics(sums, weight):
     return out
 
 
-SUDOKU_KEYS = (  # (kind, keys), the kinds as train.kind_type reads them
-    (
-        "count",
-        (
-            "sudoku_train_puzzles sudoku_eval_puzzles beam_width max_depth max_thoughts "
-            "trm.T trm.n trm.N_sup parallel.trajectories parallel.sure_votes "
-            "tot.policy_steps tot.value_step"
-        ),
-    ),
-    (
-        "off",
-        (
-            "trm.eval_steps parallel.extra_trajectories parallel.budget tot.start_step "
-            "tot.frontier sudoku_min_guesses"
-        ),
-    ),
-    (
-        "nonneg",
-        "trm.halt_loss_weight trm.train_noise parallel.noise tot.loss_weight tot.logp_weight",
-    ),
-    ("share", "trm.halt_explore_prob"),
-    ("decay", "trm.ema_decay"),
-    ("bool", "augment tot.rule_checks tot.propagate"),
-    (("ints", 0, 81), "sudoku_blanks"),
-    (("int", 1, 9), "thoughts_per_step"),
-    (("int", 1, 81), "thought_cells"),
-    (("trm", "trm_parallel", "greedy", "beam_logp", "tot"), "decoder"),
-    (("dfs", "beam"), "tot.search"),
-    (("attention", "mlp"), "trm.mixer"),
-    (("first", "best", "last", "vote"), "trm.eval_halt"),
-)
 SUDOKU = Task(
     module=TRM,
     loss=trm_loss,
@@ -3117,4 +3173,3 @@ SUDOKU = Task(
 )
 
 TASKS = {"lm": LM, "sudoku": SUDOKU, "dpo": DPO}
-TASK_KEYS = DPO_KEYS + SUDOKU_KEYS  # the tasks' own config keys: (kind, 'key key ...')

@@ -60,8 +60,7 @@ gb = lambda n_bytes: f"{n_bytes / GiB:.2f} GiB"
 first_line = data.first_line
 
 
-class ConfigError(Exception):
-    """A user mistake in the config or command line: printed as one line, no traceback."""
+ConfigError = data.ConfigError  # a user mistake in the config: one line, no traceback
 
 
 def log(msg):
@@ -889,32 +888,12 @@ def generate_mode(cfg, task, state, ds, job):
     return {**summary, "run_dir": job.dir}
 
 
-def export_hf(cfg, params, ds, out_dir):
-    """A Hugging Face checkpoint of params in out_dir (model.save_hf): the family the model's
-    options make, over the config.json of the load_hf checkpoint the run started from, with the
-    run's tokenizer."""
-    host = multihost_utils.process_allgather(params, tiled=True)  # whole arrays on every process
-    config = os.path.join(data.hf_dir(cfg.load_hf), "config.json") if cfg.load_hf else None
-    source = data.read_json(config) if config else None
-    try:
-        tensors = model_lib.save_hf(cfg, host, out_dir, ds.tokenizer, source)
-    except (data.WriteError, *data.STORAGE_ERRORS) as e:
-        reason = e if isinstance(e, data.WriteError) else data.storage_reason(e)
-        raise ConfigError(
-            f"export_dir={out_dir}: cannot write there ({reason}); choose a writable directory"
-        ) from None
-    except ValueError as e:
-        raise ConfigError(f"mode=export: {e}") from None
-    log(f"exported {len(tensors)} tensors as {model_lib.exported(cfg)} to {out_dir}")
-    return tensors
-
-
 def export_mode(cfg, task, state, ds, job):
     """mode=export: the parameters as a Hugging Face Llama checkpoint in export_dir (default
     RUN_DIR/hf)."""
-    export_hf(
-        cfg, weights(state, task), ds, out_dir := cfg.export_dir or os.path.join(job.dir, "hf")
-    )
+    out_dir = cfg.export_dir or os.path.join(job.dir, "hf")
+    tensors = model_lib.export_hf(cfg, weights(state, task), ds.tokenizer, out_dir)
+    log(f"exported {len(tensors)} tensors as {model_lib.exported(cfg)} to {out_dir}")
     return {"export_dir": out_dir}
 
 
@@ -1034,8 +1013,8 @@ def main(argv):
 # The config (Part 2). Failure: a key mistyped, out of range or at odds with another, a file that is
 # not a config, a checkpoint whose config.json this model cannot run: one line naming the key and
 # the fix, exit 2. Shown by tests/test_errors.py::test_bad_input_is_one_line_and_exit_2, test_hf.py
-# (load_hf's keys). Every key is declared once below with its type and bounds; base.yml holds its
-# default and doc.
+# (load_hf's keys). Every key is declared once, in base.yml: its default, its kind (a type KINDS
+# names, or the values allowed) and its doc, on one line; make_schema types them all.
 # ==================================================================================================
 
 
@@ -1179,7 +1158,7 @@ class Keys(pydantic.BaseModel):
     _given: frozenset = pydantic.PrivateAttr(default=frozenset())
 
 
-KINDS = {
+KINDS = {  # the kinds base.yml's keys name, [kind] in each one's comment
     "count": Count,
     "off": Off,
     "positive": Positive,
@@ -1187,109 +1166,93 @@ KINDS = {
     "share": Share,
     "decay": Decay,
     "bool": bool,
-    "str": str,
+    "text": Text,
+    "day": Annotated[str, AfterValidator(_day)],
+    "span": Annotated[tuple[Off, Off], BeforeValidator(_items)],
+    "names": Names,
+    "mesh": Annotated[tuple[int, ...], BeforeValidator(_items), AfterValidator(_mesh_sizes)],
+    "counts": Annotated[tuple[Count, ...], BeforeValidator(_items)],
+    "ramp": Annotated[
+        tuple[tuple[Off, Count], ...], BeforeValidator(_ramp), AfterValidator(_rising)
+    ],
+    "turns": Annotated[tuple[dict[str, str], ...], BeforeValidator(_conversation)],
+    "axis_rules": Annotated[tuple[AxisRule, ...], BeforeValidator(_items)],
+    "targets": Annotated[
+        tuple[Literal[model_lib.LORA_TARGETS], ...], BeforeValidator(_items), Field(min_length=1)
+    ],
+    "topology": Literal[("", *TPU_SLICES)],
+    "task": Literal[tuple(model_lib.TASKS)],
 }
 
 
 def kind_type(kind):
-    """A task's key kind (model.TASK_KEYS) as its type: a name in KINDS, ('int', lo, hi), ('ints',
-    lo, hi) for a list of those, or a tuple of the values allowed."""
-    if isinstance(kind, str):
-        return KINDS[kind]
-    if kind[0] in ("int", "ints"):
-        one = Annotated[int, Number, Field(ge=kind[1], le=kind[2])]
-        return (
-            one
-            if kind[0] == "int"
-            else Annotated[tuple[one, ...], BeforeValidator(_items), Field(min_length=1)]
-        )
-    return Literal[kind]
+    """A key's [kind] as its type: alternatives split by |, each a name in KINDS or a value allowed
+    (none|llama3, count|auto), or 'int lo..hi' ('ints lo..hi': a list of those)."""
+    if match := re.fullmatch(r"(ints?) (\d+)\.\.(\d+)", kind):
+        one = Annotated[int, Number, Field(ge=int(match[2]), le=int(match[3]))]
+        many = Annotated[tuple[one, ...], BeforeValidator(_items), Field(min_length=1)]
+        return one if match[1] == "int" else many
+    alternatives = kind.split("|")
+    values = tuple(a for a in alternatives if a not in KINDS)
+    if len(alternatives) == 1 and values:  # one value allowed is a kind mistyped
+        raise TypeError(kind)
+    types = [KINDS[a] if a in KINDS else Literal[values] for a in alternatives]
+    types = list(dict.fromkeys(types))  # the values allowed: one Literal, where the first stood
+    return functools.reduce(lambda x, y: x | y, types)
 
 
-# (type, keys): every key of base.yml, each once, grouped by type; what it means and its default are
-# written in base.yml. A dotted key lives in a section (trm.T: `T` of section `trm`). The trainer's
-# keys, then each task's own (model.TASK_KEYS).
-SCHEMA = [
-    (
-        Count,
-        (
-            "steps log_every max_new_tokens vocab_size d_model num_layers num_heads num_kv_heads "
-            "mlp_dim max_target_length grad_accum host_timeout num_slices mlp_chunks lora.block"
-        ),
-    ),
-    (
-        Off,
-        (
-            "eval_every eval_batches checkpoint_every keep_checkpoints top_k head_dim warmup_steps "
-            "prefetch seed epochs eval_answers lora.rank"
-        ),
-    ),
-    (Positive, "rope_scaling.factor rope_scaling.low_freq_factor rope_scaling.high_freq_factor"),
-    (Count, "rope_scaling.original_max_position_embeddings"),
-    (Literal["none", "llama3"], "rope_scaling.type"),
-    (Positive, "rope_theta norm_eps learning_rate adam_eps lora.alpha"),
-    (NonNeg, "temperature weight_decay grad_clip"),
-    (Share, "min_lr_ratio"),
-    (Decay, "adam_b1 adam_b2 lora.dropout"),
-    (
-        bool,
-        (
-            "print_sharding resume tie_embeddings qkv_bias qk_norm scan_layers hf_streaming "
-            "packing completion_only chat_template lora.merge"
-        ),
-    ),
-    (
-        Text,
-        (
-            "run_name output_dir compile_cache_dir load_params export_dir load_hf prompt "
-            "dataset_path eval_path tfds_name data_dir train_split eval_split text_key "
-            "tokenizer_path cache_dir wandb_project wandb_entity hf_path hf_name hf_data_files "
-            "hf_split hf_eval_split hf_eval_files load_adapter"
-        ),
-    ),
-    (Annotated[tuple[Off, Off], BeforeValidator(_items)], "profile_steps"),
-    (Annotated[str, AfterValidator(_day)], "chat_date"),
-    (
-        Annotated[
-            tuple[Literal[model_lib.LORA_TARGETS], ...],
-            BeforeValidator(_items),
-            Field(min_length=1),
-        ],
-        "lora.targets",
-    ),
-    (Annotated[tuple[dict[str, str], ...], BeforeValidator(_conversation)], "messages"),
-    (
-        Annotated[tuple[tuple[Off, Count], ...], BeforeValidator(_ramp), AfterValidator(_rising)],
-        "batch_ramp",
-    ),
-    (Annotated[tuple[int, ...], BeforeValidator(_items), AfterValidator(_mesh_sizes)], "mesh"),
-    (Literal["auto"] | Annotated[tuple[Count, ...], BeforeValidator(_items)], "dcn_mesh"),
-    (Names, "mesh_axes"),
-    (Literal[("", *TPU_SLICES)], "compile_topology"),
-    (Annotated[tuple[AxisRule, ...], BeforeValidator(_items)], "logical_axis_rules"),
-    (Count | Literal["auto"], "per_device_batch"),
-    (Off | Literal["auto"], "vocab_tile stall_seconds"),
-    (Literal[tuple(model_lib.TASKS)], "task"),
-    (Literal["float32", "bfloat16"], "weight_dtype"),
-    (Literal["none", "int8", "nf4"], "lora.base_quant"),
-    (Literal["train", "eval", "export", "generate"], "mode"),
-    (Literal["none", "full", "save_dots"], "remat"),
-    (Literal["auto", "float32", "bfloat16", "float16"], "dtype"),
-    (Literal["auto", "einsum", "xla", "cudnn", "splash"], "attention"),
-    (Literal["stdlib", "files", "tfds", "hf", "synthetic"], "dataset"),
-] + [(kind_type(kind), keys) for kind, keys in model_lib.TASK_KEYS]
+class Declared(NamedTuple):
+    """One key as base.yml declares it: `key: default  # [kind] doc`."""
+
+    kind: str
+    doc: str
+    line: int
 
 
-KEYS = [key for _, keys in SCHEMA for key in keys.split()]
+DECLARATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.yml")
 
 
-def make_schema(table):
-    """The config's pydantic model from the table: a field per key, a nested model per section."""
+def declared(path=DECLARATIONS):
+    """{key: Declared} of every key the file declares, a section's as section.key (trm.T); a line
+    that sets a value without a [kind] and a doc is a ConfigError naming it."""
+    keys, sections, last = {}, [], None
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for n, line in enumerate(lines, 1):
+        if last and (more := re.fullmatch(r" +#\s*(.*)", line)):  # the doc goes on, indented
+            keys[last] = keys[last]._replace(doc=f"{keys[last].doc} {more[1]}")
+            continue
+        last = None
+        if not (m := re.match(r"( *)([A-Za-z_]\w*):([^#]*)(?:#\s*(.*))?$", line)):
+            continue  # a comment, a list's entry, a blank line
+        sections = sections[: len(m[1]) // 2]
+        tag = re.match(r"\[([^]]+)\]\s*(.*)", m[4] or "")
+        if not tag and not m[3].strip():  # `lora:`, its keys indented below
+            sections.append(m[2])
+            continue
+        key = ".".join([*sections, m[2]])
+        if key in keys:
+            raise ConfigError(f"{path}:{n}: {key} is declared twice (line {keys[key].line})")
+        if not tag or not tag[2]:
+            raise ConfigError(
+                f"{path}:{n}: {key} needs its kind and doc: `{m[2]}: value  # [kind] what it does`"
+            )
+        keys[key] = Declared(tag[1], tag[2], n)
+        last = key
+    return keys
+
+
+def make_schema(keys):
+    """The config's pydantic model from {key: Declared}: a field per key, a nested model per
+    section. A kind train.py does not know is a ConfigError naming the key."""
     fields = {}
-    for typ, keys in table:
-        for key in keys.split():
-            section, _, name = key.rpartition(".")
-            fields.setdefault(section, {})[name] = (typ, ...)
+    for key, d in keys.items():
+        try:
+            typ = kind_type(d.kind)
+        except TypeError:
+            raise ConfigError(f"{key}: kind [{d.kind}] names no type in train.KINDS") from None
+        section, _, name = key.rpartition(".")
+        fields.setdefault(section, {})[name] = (typ, ...)
     sections = {
         name: (pydantic.create_model(name, __base__=Keys, **f), ...)
         for name, f in fields.items()
@@ -1298,7 +1261,9 @@ def make_schema(table):
     return pydantic.create_model("Config", __base__=Keys, **fields.pop(""), **sections)
 
 
-Config = make_schema(SCHEMA)
+DECLARED = declared()
+KEYS = list(DECLARED)
+Config = make_schema(DECLARED)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -1618,80 +1583,27 @@ def inside(path, run_dir):
     return (resolve(path) + "/").startswith(resolve(f"{run_dir}/checkpoints") + "/")
 
 
-def with_values(cfg, values):
-    """cfg with {key or section.key: value} set, checked by the schema again."""
+def with_values(cfg, values, unfit="{error}"):
+    """cfg with {key or section.key: value} set, checked by the schema again; a value out of its
+    bounds is the line `unfit` makes of cfg and the schema's error."""
     raw = cfg.model_dump()
     for key, value in values.items():
         *sections, name = key.split(".")
         functools.reduce(lambda tree, s: tree[s], sections, raw)[name] = value
-    return validated(raw, "", cfg._given)
-
-
-def checkpoint_keys(cfg):
-    """load_hf: the model's keys come from the checkpoint's config.json, so the user types none; a
-    key they set that disagrees is one line naming both values, and a model this Transformer cannot
-    run one line naming why."""
-    keys = source_keys(
-        cfg,
-        "load_hf",
-        ("config.json", "of a model config"),
-        lambda conf, path: model_lib.hf_keys(conf),
-        "a Hugging Face checkpoint directory (config.json, model.safetensors) or a hub id",
-    )
-    values = data.flat(cfg.model_dump(mode="json"))
-    for key, value in keys.items():
-        mine = values[key] if key != "head_dim" else model_lib.dims(cfg)  # head_dim=0: derived
-        same = math.isclose(mine, value) if isinstance(value, float) else mine == value
-        if key in cfg._given and not same:
-            raise ConfigError(
-                f"load_hf={cfg.load_hf}: its config.json has "
-                f"{model_lib.HF_KEYS.get(key, key)}={value} but {key}={mine} is set; drop {key}= "
-                "(the checkpoint decides it)"
-            )
     try:
-        return with_values(cfg, keys)
-    except ConfigError as e:  # a value of the wrong type or range in config.json
-        raise ConfigError(
-            f"load_hf={cfg.load_hf}: config.json gives {e}: a model this trainer cannot hold, or a "
-            "damaged file; give load_hf= another checkpoint"
-        ) from None
+        return validated(raw, "", cfg._given)
+    except ConfigError as e:
+        raise ConfigError(unfit.format(cfg=cfg, error=e)) from None
 
 
-def source_keys(cfg, key, file, parse, give):
-    """The keys a JSON file sets: `file` (its name, what it is) in the directory cfg.<key> names
-    (load_hf, load_adapter), read and parse(json, path)'d; unreadable or malformed is one line
-    naming the key and what to `give` instead."""
-    name, what = file
-    path = os.path.join(data.hf_dir(getattr(cfg, key)), name)
-    try:
-        return parse(data.read_json(path, what), path)
-    except data.STORAGE_ERRORS as e:
-        raise ConfigError(
-            f"{key}={getattr(cfg, key)}: cannot read {path} ({data.storage_reason(e)}); give {give}"
-        ) from None
-    except ValueError as e:
-        raise ConfigError(f"{key}={getattr(cfg, key)}: {e}") from None
-
-
-def adapter_keys(cfg):
-    """load_adapter: the lora keys come from its adapter_config.json (peft's); one the user set that
-    disagrees, or a peft option this trainer's LoRA does not have, is one line."""
-    keys = source_keys(
-        cfg,
-        "load_adapter",
-        ("adapter_config.json", "of a peft adapter"),
-        model_lib.peft_keys,
-        "a peft LoRA adapter directory (adapter_config.json, adapter_model.safetensors)",
-    )
-    values = data.flat(cfg.model_dump(mode="json"))
-    for key, value in keys.items():
-        mine = list(values[key]) if key == "lora.targets" else values[key]
-        if key in cfg._given and mine != value:
-            raise ConfigError(
-                f"load_adapter={cfg.load_adapter}: its adapter_config.json makes {key}={value} but "
-                f"{key}={mine} is set; drop {key}= (the adapter decides it)"
-            )
-    return with_values(cfg, keys)
+def pretrained(cfg):
+    """cfg with the keys of what it loads (model.py's Hugging Face section reads them): load_hf's
+    config.json sets the model's shape, load_adapter's adapter_config.json the lora keys."""
+    if cfg.load_hf:
+        cfg = with_values(cfg, model_lib.checkpoint_keys(cfg), model_lib.UNHOLDABLE)
+    if cfg.load_adapter:
+        cfg = with_values(cfg, model_lib.adapter_keys(cfg))
+    return cfg
 
 
 def fine_tuning_advice(cfg):
@@ -1775,11 +1687,9 @@ def as_run(cfg, task, devices=None):
     # compilation cache on; the devices (for compile_topology, the TPU slice's, described by
     # libtpu); the auto values made concrete for them; and every host started alike.
     check(cfg, task, shaped=not cfg.load_hf)
-    if cfg.load_hf:  # the model's shape from its config.json, then the rules again on it
-        check(cfg := checkpoint_keys(cfg), task)
+    if cfg.load_hf:  # the model's shape from its config.json (and a peft adapter's lora keys)
+        check(cfg := pretrained(cfg), task)
         fine_tuning_advice(cfg)
-    if cfg.load_adapter:  # the lora keys from its adapter_config.json
-        check(cfg := adapter_keys(cfg), task)
     if not cfg.chat_date:  # process 0's day, or the day the run being resumed rendered its rows
         cfg = with_values(cfg, {"chat_date": agree(run_day(cfg), cfg.host_timeout)[0]})
     # before the first compile; every program is cached, however quick to compile

@@ -500,7 +500,7 @@ def load_ours(hf_dir, max_len=BATCH[1]):
         "attention=einsum",  # what attention=auto picks on CPU, without its log line
     ]
     cfg, task = train.load_config(os.path.join(ROOT, "base.yml"), keys), model.TASKS["lm"]
-    cfg = train.resolve(train.checkpoint_keys(cfg), task, "cpu")
+    cfg = train.resolve(train.pretrained(cfg), task, "cpu")
     mesh = train.make_mesh(cfg, jax.devices()[:1])
     layout = train.state_layout(cfg, task, mesh, train.make_optimizer(cfg)[0], 1)
     with jax.set_mesh(mesh):
@@ -837,7 +837,7 @@ def part3(out, torch_python):
         more += [f"hf_eval_files={files}", "dtype=float32", "mesh=1,1,1", "packing=false"]
         more += ["max_target_length=128", "per_device_batch=4", f"cache_dir={out}/cache", *keys]
         cfg = train.load_config(os.path.join(ROOT, "base.yml"), more)
-        cfg = train.resolve(train.checkpoint_keys(cfg), model.LM, "cpu")
+        cfg = train.resolve(train.pretrained(cfg), model.LM, "cpu")
         ds = data.make_dataset(cfg)
         ours = [(ids.tolist(), answer.tolist()) for ids, answer in ds.eval_tokens]
         same_ids = [ids for ids, _ in ours] == [r["ids"] for r in theirs["rows"]]
@@ -898,8 +898,7 @@ def lora_ours(hf_dir, *keys):
         *keys,
     ]
     cfg, task = train.load_config(os.path.join(ROOT, "base.yml"), keys), model.TASKS["lm"]
-    cfg = train.checkpoint_keys(cfg)
-    cfg = train.resolve(train.adapter_keys(cfg) if cfg.load_adapter else cfg, task, "cpu")
+    cfg = train.resolve(train.pretrained(cfg), task, "cpu")
     mesh = train.make_mesh(cfg, jax.devices()[:1])
     layout = train.state_layout(cfg, task, mesh, train.make_optimizer(cfg)[0], 1)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(cfg.logical_axis_rules):
@@ -1111,7 +1110,7 @@ def our_dpo(keys, log_path):
     import train
 
     cfg = train.load_config(os.path.join(ROOT, "base.yml"), keys)
-    cfg = train.resolve(train.checkpoint_keys(cfg), model.DPO, "cpu")
+    cfg = train.resolve(train.pretrained(cfg), model.DPO, "cpu")
     ds = data.make_dataset(cfg, source=model.DPO.dataset)
     pairs = [ds.train_tokens[i] for i in ds.train_ids]  # those it trains on: none too long skipped
     tokens = [[(ids.tolist(), answer.astype(int).tolist()) for ids, answer in p] for p in pairs]

@@ -60,7 +60,7 @@ def dpo_keys(tmp_path, qwen, rows, *keys, rank=4):
 def pairs_of(tmp_path, qwen, rows):
     """The DPOData of these rows (a run's config, resolved) and its tokenizer."""
     cfg = lm_config(tmp_path, *dpo_keys(tmp_path, qwen, rows), preset=PRESET)
-    cfg = train.resolve(train.checkpoint_keys(cfg), DPO, "cpu")
+    cfg = train.resolve(train.pretrained(cfg), DPO, "cpu")
     ds = train.data.make_dataset(cfg, source=DPO.dataset)
     return ds, ds.tokenizer
 

@@ -222,7 +222,7 @@ CASES = [
     (
         ["{tmp}/partial.yml"],
         (
-            "error: {tmp}/partial.yml: key log_every is missing; list base.yml first to take it "
+            "error: {tmp}/partial.yml: key task is missing; list base.yml first to take it "
             "from there: train.py base.yml {tmp}/partial.yml"
         ),
     ),
@@ -573,7 +573,7 @@ def test_a_hostile_config_json_is_one_line_naming_it(tmp_path):
     (folder / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
     cfg = train.load_config(BASE, args(tmp_path, f"load_hf={folder}", preset=[]))
     with pytest.raises(train.data.DataError, match=rf"^{folder}/config.json: not valid JSON \(max"):
-        train.checkpoint_keys(cfg)
+        train.pretrained(cfg)
     llama = {
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": 64,
@@ -584,7 +584,7 @@ def test_a_hostile_config_json_is_one_line_naming_it(tmp_path):
     }
     (folder / "config.json").write_text(json.dumps(llama))
     with pytest.raises(train.ConfigError) as e:
-        train.checkpoint_keys(cfg)
+        train.pretrained(cfg)
     assert str(e.value) == (
         f"load_hf={folder}: config.json gives vocab_size=1000000000000: must be <= {train.INT_MAX}"
         ": a model this trainer cannot hold, or a damaged file; give load_hf= another checkpoint"

@@ -47,7 +47,7 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
     _mesh, layout, state, _ = train_state(cfg, jax.devices()[:DEVICES])
     ours = state["params"]  # sharded over fsdp=4
     hf = str(tmp_path / "hf")
-    train.export_hf(cfg, ours, train.data.make_dataset(cfg), hf)
+    model_lib.export_hf(cfg, ours, train.data.make_dataset(cfg).tokenizer, hf)
 
     # The safetensors header, parsed by hand: 8-byte size, JSON, 8-byte aligned, contiguous byte ranges.
     with open(os.path.join(hf, "model.safetensors"), "rb") as f:
@@ -104,9 +104,9 @@ def test_export_layout_and_round_trip(tmp_path, scan, tie):
         train.ConfigError,
         match="its config.json has hidden_size=64 but d_model=32 is set; drop d_model=",
     ):
-        train.checkpoint_keys(config(tmp_path, *keys, "d_model=32", f"load_hf={hf}"))
+        train.pretrained(config(tmp_path, *keys, "d_model=32", f"load_hf={hf}"))
     assert (
-        train.checkpoint_keys(config(tmp_path, *keys, "d_model=64", f"load_hf={hf}")).d_model == 64
+        train.pretrained(config(tmp_path, *keys, "d_model=64", f"load_hf={hf}")).d_model == 64
     )  # agrees
     with pytest.raises(train.data.DataError, match="cannot read .*nope"):
         model_lib.load_hf(cfg, str(tmp_path / "nope"), layout.abstract["params"])
@@ -187,7 +187,7 @@ def test_cli_export_and_generate(tmp_path, capsys):
     cfg = text()
     params = train_state(cfg, jax.devices()[:1])[2]["params"]
     first, hf = str(tmp_path / "first"), str(tmp_path / "hf")
-    train.export_hf(cfg, params, train.data.make_dataset(cfg), first)
+    model_lib.export_hf(cfg, params, train.data.make_dataset(cfg).tokenizer, first)
     train.run(text("mode=export", f"load_hf={first}", f"export_dir={hf}"), jax.devices()[:1])
     assert sorted(os.listdir(hf)) == [
         ".exported.json",

@@ -213,7 +213,7 @@ def reference_logits(conf, t, ids):
 def loaded(tmp_path, folder, *keys):
     """(cfg, params) as a run makes them from load_hf=folder: the keys from its config.json, the tensors placed."""
     cfg = config(tmp_path, f"load_hf={folder}", *TINY, "dataset=synthetic", *keys)
-    cfg = train.resolve(train.checkpoint_keys(cfg), model_lib.TASKS["lm"], "cpu")
+    cfg = train.resolve(train.pretrained(cfg), model_lib.TASKS["lm"], "cpu")
     mesh = train.make_mesh(cfg, jax.devices()[:2])
     layout = train.state_layout(cfg, model_lib.TASKS["lm"], mesh, train.make_optimizer(cfg)[0], 2)
     with jax.set_mesh(mesh):
@@ -279,9 +279,9 @@ def test_config_json_sets_the_keys_and_refuses_what_it_cannot_run(tmp_path):
         match=r"^load_hf=.*: its config.json has hidden_size=64 but d_model=32 is "
         r"set; drop d_model= \(the checkpoint decides it\)$",
     ):
-        train.checkpoint_keys(config(tmp_path, f"load_hf={folder}", "d_model=32"))
+        train.pretrained(config(tmp_path, f"load_hf={folder}", "d_model=32"))
     with pytest.raises(train.ConfigError, match="qkv_bias=True but qkv_bias=False is set"):
-        train.checkpoint_keys(config(tmp_path, f"load_hf={folder}", "qkv_bias=false"))
+        train.pretrained(config(tmp_path, f"load_hf={folder}", "qkv_bias=false"))
     refused = {
         "architectures": (
             ["MistralForCausalLM"],
@@ -862,7 +862,7 @@ def test_generate_renders_the_prompt_as_the_model_was_fine_tuned(tmp_path, qwen)
     def generated(*keys, files=()):
         more = args(tmp_path, f"load_hf={qwen}", *TINY, "dataset=synthetic", *keys, preset=PRESET)
         cfg = train.load_config([BASE, *map(str, files)], more)
-        cfg = train.resolve(train.checkpoint_keys(cfg), model_lib.LM, "cpu")
+        cfg = train.resolve(train.pretrained(cfg), model_lib.LM, "cpu")
         graph = model_lib.abstract(cfg)[0]
         return model_lib.lm_generate(cfg, graph, params, DATA.make_dataset(cfg), 1)[0]
 
@@ -1133,7 +1133,7 @@ def test_a_tokenizer_larger_than_the_checkpoint_advises_what_a_load_hf_run_takes
     folder = tmp_path / "hf"
     write_checkpoint(folder, "qwen2")  # 96 rows
     write_tokenizer(folder, vocab=300)
-    cfg = train.checkpoint_keys(config(tmp_path, f"load_hf={folder}"))
+    cfg = train.pretrained(config(tmp_path, f"load_hf={folder}"))
     with pytest.raises(
         DATA.DataError,
         match=r"has \d+ tokens but load_hf=.* has 96 embedding rows \(its config.json vocab_size\): give the tokenizer that checkpoint was trained with",

@@ -38,8 +38,7 @@ def config(tmp_path, *keys):
 def built(tmp_path, folder, *keys, devices=1):
     """(cfg, mesh, tx, train state) as a run from load_hf=folder makes them (load_adapter too)."""
     cfg = config(tmp_path, f"load_hf={folder}", *keys)
-    cfg = train.checkpoint_keys(cfg)
-    cfg = train.resolve(train.adapter_keys(cfg) if cfg.load_adapter else cfg, LM, "cpu")
+    cfg = train.resolve(train.pretrained(cfg), LM, "cpu")
     mesh = train.make_mesh(cfg, jax.devices()[:devices])
     tx = train.make_optimizer(cfg)[0]
     layout = train.state_layout(cfg, LM, mesh, tx, 4)
@@ -146,7 +145,7 @@ def test_adapter_gradients_equal_those_of_a_dense_delta(tmp_path, qwen):
     b = {k: v[0] for k, v in batch(cfg).items()}
     graph = model_lib.abstract(cfg)[0]
     dense_cfg = config(tmp_path, f"load_hf={qwen}")
-    dense_cfg = train.resolve(train.checkpoint_keys(dense_cfg), LM, "cpu")
+    dense_cfg = train.resolve(train.pretrained(dense_cfg), LM, "cpu")
     dense_graph = model_lib.abstract(dense_cfg)[0]
 
     def ours(adapters):
@@ -288,7 +287,7 @@ def test_a_peft_adapter_someone_else_wrote_is_read_or_refused_in_one_line(tmp_pa
             name = f"base_model.model.model.layers.{i}.{module}"
             delta = tensors[f"{name}.lora_A.weight"].T @ tensors[f"{name}.lora_B.weight"].T
             layer[ours][i] = layer[ours][i] + 3.0 * delta.reshape(shape)
-    base_cfg = train.resolve(train.checkpoint_keys(config(tmp_path, f"load_hf={qwen}")), LM, "cpu")
+    base_cfg = train.resolve(train.pretrained(config(tmp_path, f"load_hf={qwen}")), LM, "cpu")
     np.testing.assert_allclose(
         forward(cfg, train.weights(state, LM), ids),
         forward(base_cfg, dense, ids),
@@ -306,14 +305,12 @@ def test_a_peft_adapter_someone_else_wrote_is_read_or_refused_in_one_line(tmp_pa
     ):
         (folder / "adapter_config.json").write_text(json.dumps({**conf, key: value}))
         with pytest.raises(train.ConfigError, match=r"^load_adapter=.*" + says):
-            train.adapter_keys(
-                train.checkpoint_keys(config(tmp_path, f"load_hf={qwen}", f"load_adapter={folder}"))
-            )
+            train.pretrained(config(tmp_path, f"load_hf={qwen}", f"load_adapter={folder}"))
     (folder / "adapter_config.json").write_text(json.dumps(conf))
     with pytest.raises(
         train.ConfigError, match=r"makes lora.rank=2 but lora.rank=8 is set; drop lora.rank="
     ):
-        train.adapter_keys(
+        train.pretrained(
             config(tmp_path, f"load_hf={qwen}", f"load_adapter={folder}", "lora.rank=8")
         )
 
