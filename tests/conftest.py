@@ -59,10 +59,11 @@ def pytest_configure(config):
 
 # The README's command hands each worker whole files (--dist loadfile: a file's module fixtures are built once).
 # xdist would hand out the files with the most tests first; the time is in the files whose tests start
-# processes and wait on them, so those go first, heaviest first (worker-seconds from --durations=0 on the 2-core
-# AVX2 EPYC, 2026-12-02: hosts 339, checkpoint 307, hardware 266, train 144, storage 128, lora 116, hf 97), and
+# processes and wait on them, so those go first, heaviest first (seconds each file held a worker, one run on the
+# 2-core AVX2 EPYC, 2026-12-02: hosts 339, checkpoint 307, hardware 266, train 144, storage 128, lora 116, hf 97), and
 # the light files fill in behind (in xdist's order the two workers ended 150 s apart). A third worker does
-# not pay on 2 cores: the suite is CPU-bound (~170% of the 2), and three contend (2,114 CPU seconds against 1,610).
+# not pay on 2 cores: the suite is CPU-bound (~170% of the 2), and three contend (2,114 CPU seconds against 1,610,
+# one run each).
 HEAVIEST_FIRST = [
     "test_hosts.py",
     "test_checkpoint.py",
