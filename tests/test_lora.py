@@ -346,15 +346,17 @@ def test_lora_keeps_accumulation_meshes_remat_and_dropout_honest(tmp_path, qwen)
     ):
         cfg, mesh, tx, state = built(tmp_path, qwen, "lora.rank=4", *keys, devices=devices)
         runs[name] = stepped(cfg, mesh, tx, state, bb)
-    # The gradients (Adam's moments) are compared to each tensor's largest, as a sum's rounding goes. Adam divides
-    # each gradient by its own size, so an element whose gradient is ~1e-5 of its tensor's largest can move its
-    # update by ~1% on rounding alone (seen on 8 devices, an avx512_bf16 Xeon: 4.1408e-4 against 4.1553e-4 after
-    # three steps); params get atol 1e-5, a 15th of one step's move here (~1.5e-4 in the warmup).
+    # The gradients (Adam's moments) are compared to each tensor's largest, to 1e-3 of it: a sharding or accumulation
+    # fault moves a gradient by its own size (a missed sum halves it, a wrong weight scales it), rounding by far less.
+    # The lora_a gradients are the small ends of cancelling sums (B starts at 0): on 8 devices w_up_lora_a's first
+    # moment moved by 2.7e-5 of its largest on an AVX2 EPYC, 1e-5 on an avx512_bf16 Xeon (the rest <2e-6). Adam
+    # divides each gradient by its own size, so such an element's update can move by ~1% (seen: 4.1408e-4 against
+    # 4.1553e-4 after three steps); params get atol 1e-5, a 15th of one step's move here (~1.5e-4 in the warmup).
     for name in ("accum", "mesh", "remat"):
         np.testing.assert_allclose(runs[name][1], runs["one"][1], rtol=1e-5, err_msg=name)
         jax.tree.map(
             lambda x, y, name=name: np.testing.assert_allclose(
-                x, y, rtol=0, atol=1e-5 * np.abs(y).max(), err_msg=name
+                x, y, rtol=0, atol=1e-3 * np.abs(y).max(), err_msg=name
             ),
             host(runs[name][0]["opt_state"]),
             host(runs["one"][0]["opt_state"]),
