@@ -2715,7 +2715,14 @@ def fit_search(cfg, task, devices):
 
 def fit_tpu(cfg, task, devices):
     """compile_topology=SLICE: fit_search for per_device_batch=auto, else fit_check."""
-    return (fit_search if cfg.per_device_batch == "auto" else fit_check)(cfg, task, devices)
+    # A program compiled for a topology (no TPU client) is one the persistent compilation cache
+    # cannot load back (jax warns and compiles it again): none is written, which spares the write.
+    cached = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", math.inf)
+    try:
+        return (fit_search if cfg.per_device_batch == "auto" else fit_check)(cfg, task, devices)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", cached)
 
 
 if __name__ == "__main__":
