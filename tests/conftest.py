@@ -69,8 +69,9 @@ def pytest_configure(config):
 # processes and wait on them, so those go first, heaviest first (seconds each file held a worker, one run on the
 # 2-core AVX2 EPYC, 2026-12-02: hosts 339, checkpoint 307, hardware 266, train 144, storage 128, lora 116, hf 97), and
 # the light files fill in behind (in xdist's order the two workers ended 150 s apart). A third worker does
-# not pay on 2 cores: the suite is CPU-bound (~170% of the 2), and three contend (2,114 CPU seconds against 1,610,
-# one run each).
+# not pay on 2 cores: the suite is CPU-bound (188% of the 2 on the 2-core AVX-512 EPYC, 2026-12-03: 815 s with two
+# workers, 813 s and 1,573 CPU seconds against 1,544 with three, one run each; on the AVX2 EPYC three contended,
+# 2,114 CPU seconds against 1,610).
 HEAVIEST_FIRST = [
     "test_hosts.py",
     "test_checkpoint.py",
