@@ -148,7 +148,7 @@ def test_readme_preset_fits_its_tpu_slice(name, overrides, fast_tpu_compiles, ca
     monkeypatch.setattr(
         jax._src.compilation_cache,
         "put_executable_and_time",
-        lambda key, name, *rest: written.append(name),
+        lambda key, module, *rest: written.append(module),
     )
     result = train.run(train.load_config(BASE, overrides + [f"compile_topology={name}"]))
     out = capsys.readouterr().out
