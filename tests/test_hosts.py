@@ -335,19 +335,8 @@ def late_runs(tmp_path):
             )
             for i in range(2)
         ]
-        try:
-            got = [p.communicate(timeout=400) for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-        results.append(
-            (
-                mode,
-                late_at,
-                time.time() - t0,
-                [(p.returncode, *g[::-1]) for p, g in zip(procs, got)],
-            )
-        )
+        got = ended(procs, timeout=400)
+        results.append((mode, late_at, time.time() - t0, got))
     return results
 
 
