@@ -2684,13 +2684,14 @@ def fit_search(cfg, task, devices):
 
     sizes = [b for b in range(1, total + 1) if total % b == 0]
     # sizes[:lo] fit with remat=full (the least memory); find the last that does
-    lo, hi = (
-        0,
-        len(sizes) - 1,
-    )
+    lo = 0
+    hi = len(sizes) - 1
     while lo <= hi:
         mid = (lo + hi) // 2
-        lo, hi = (mid + 1, hi) if fits(sizes[mid], "full") else (lo, mid - 1)
+        if fits(sizes[mid], "full"):
+            lo = mid + 1
+        else:
+            hi = mid - 1
     if not lo:
         log(
             "nothing fits, even one example per device with remat=full: more fsdp, a smaller model "
