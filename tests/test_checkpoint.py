@@ -398,13 +398,27 @@ def test_two_runs_on_one_run_directory(tmp_path):
     assert [r["step"] for r in metrics(tmp_path / "default")] == list(range(1, 31))
 
 
+# A command with SIGXFSZ ignored (a write past the file-size limit fails with EFBIG instead of killing the
+# process) and, given a size, that limit: set by a Python that then execs the command (exec keeps both), not in a
+# preexec_fn, for which subprocess forks the multithreaded test process (JAX warns: a fork can deadlock).
+LIMITED = """
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+if int(sys.argv[1]):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def limited(cmd, file_size=0):
+    return [sys.executable, "-c", LIMITED, str(file_size), *cmd]
+
+
 @pytest.mark.slow
 def test_a_refused_checkpoint_write_stops_in_one_line_and_keeps_the_rest(tmp_path):
     """A file system that refuses the checkpoint's files mid-run (a full disk, here a file-size limit the
     process sets itself): exit 74 with one line, no hang; the checkpoint before stays and a rerun resumes
     from it to the losses of a run that was never stopped."""
-    import resource
-
     env = {
         k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"
     }  # for the limited run: cache files are large
@@ -431,18 +445,13 @@ def test_a_refused_checkpoint_write_stops_in_one_line_and_keeps_the_rest(tmp_pat
         == 0
     )
 
-    def small_files():  # writes past 64 KiB fail with EFBIG instead of killing the process
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
-
     r = subprocess.run(
-        cmd("full", 6),
+        limited(cmd("full", 6), 1 << 16),  # writes past 64 KiB fail with EFBIG, the process lives
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
-        preexec_fn=small_files,
         check=False,
     )
     assert r.returncode == 74 and r.stderr.count("\n") == 1, r.stderr
@@ -471,14 +480,12 @@ def test_a_disk_filling_under_a_running_run_is_one_line_naming_the_file(tmp_path
         *args(tmp_path, f"steps={steps}", "checkpoint_every=20", "log_every=10"),
     ]
     p = subprocess.Popen(
-        cmd(3000),
+        limited(cmd(3000)),  # EFBIG, not a kill, once the limit is put on it
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"},
-        # EFBIG, not a kill; one call, async-signal-safe enough for the fork
-        preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN),  # noqa: PLW1509
     )
     while not (tmp_path / "default" / "checkpoints" / "20").is_dir() and p.poll() is None:
         time.sleep(0.01)
