@@ -3406,10 +3406,8 @@ class MetricsWriter:
             self.wandb.log({k: v for k, v in m.items() if k != "step"}, step=m["step"])
         self.unsent = [] if saved else self.unsent
         # taken first: rows a failed write could not land are not tried again
-        rows, self.rows = (
-            self.rows,
-            [],
-        )
+        rows = self.rows
+        self.rows = []
         if not rows:  # only process 0 has any
             return
         append(
@@ -3419,8 +3417,8 @@ class MetricsWriter:
             self.tb.flush()
         except OSError as e:  # TensorBoard's event file, on a disk that filled up
             raise WriteError(
-                f"{self.tb_dir}: TensorBoard's event file cannot be written ({storage_reason(e)}); "
-                "the checkpoints written are intact"
+                f"{self.event_file()}: TensorBoard's event file cannot be written "
+                f"({storage_reason(e)}); the checkpoints written are intact"
             ) from None
         if self.remote:
             self.tb.close()
@@ -3431,6 +3429,12 @@ class MetricsWriter:
                 f"events.out.tfevents.steps-{rows[0]['step']:010d}-{rows[-1]['step']:010d}",
             )
             self.tb = SummaryWriter(self.tb_dir)
+
+    def event_file(self):
+        """The event file this run writes: the newest in tb_dir (a resumed run's directory
+        holds one per run before it)."""
+        files = glob.glob(os.path.join(self.tb_dir, "events.out.tfevents.*"))
+        return max(files, key=os.path.getmtime, default=self.tb_dir)
 
     def close(self):
         """The last rows written, TensorBoard's file closed. A run already ending on an error

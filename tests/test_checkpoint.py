@@ -564,7 +564,8 @@ def test_an_event_file_the_disk_refuses_is_one_line_naming_it(tmp_path, monkeypa
     monkeypatch.setattr(writer.tb, "flush", full)
     with pytest.raises(
         train.data.WriteError,
-        match=r"default: TensorBoard's event file cannot be written \(No space left on device\)",
+        match=r"default/events\.out\.tfevents\.[^:/]+: TensorBoard's event file cannot be written "
+        r"\(No space left on device\)",
     ):
         writer.write({"step": 1, "loss": 1.0})
     monkeypatch.undo()
