@@ -124,6 +124,21 @@ class ConfigError(Exception):
     """A user mistake in the config or command line: printed as one line, no traceback."""
 
 
+@contextlib.contextmanager
+def kept_out(*names):
+    """An import inside goes without those of the modules named that are not yet imported: a module
+    sys.modules holds as None fails to import. For the optional imports a library makes that a run
+    never uses (flax's of IPython, tensorboardX's of two cloud clients); afterwards each imports."""
+    out = [name for name in names if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(out))
+    try:
+        yield
+    finally:
+        for name in out:
+            if sys.modules.get(name, "") is None:
+                del sys.modules[name]
+
+
 # ==================================================================================================
 # Pipelines: the lanes every dataset is read through (one per row of the global batch, so a
 # checkpoint's position resumes on any process count), then synthetic tokens, text, SFT and Sudoku
@@ -3369,16 +3384,9 @@ def summary_writer(log_dir):
     """tensorboardX's writer on a local directory, tensorboardX imported on first use. It imports
     boto3 and google.cloud.storage where they are installed, to write s3:// and gs:// itself (0.17 s
     to 0.25 s of every start, 2026-12-05); it is handed local directories only (a bucket's event
-    file goes up through the storage layer), so the two not yet imported are kept out of it: a
-    module that sys.modules holds as None fails to import, and tensorboardX goes without."""
-    kept_out = [name for name in ("boto3", "google.cloud.storage") if name not in sys.modules]
-    sys.modules.update(dict.fromkeys(kept_out))
-    try:
+    file goes up through the storage layer), so it goes without the two (kept_out)."""
+    with kept_out("boto3", "google.cloud.storage"):
         from tensorboardX import SummaryWriter
-    finally:
-        for name in kept_out:
-            if sys.modules.get(name, "") is None:
-                del sys.modules[name]
     return SummaryWriter(log_dir)
 
 

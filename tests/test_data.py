@@ -319,6 +319,35 @@ def test_tfds_data_source_with_mock_data(tmp_path, corpus):
         next(dataset(config(tmp_path, *tfds_args, "text_key=nope", preset=())).train_iter(2))
 
 
+def test_kept_out_modules_fail_to_import_inside_and_import_after():
+    """data.kept_out, in a fresh interpreter: inside, a module not yet imported fails to import (a
+    library's optional import goes without it) and one already imported stays; afterwards both import.
+    train's import of flax goes without IPython so (where IPython is installed, it stays unimported)."""
+    code = """
+import json, sys, data
+with data.kept_out("colorsys", "json"):
+    try:
+        import colorsys
+    except ImportError:
+        print("colorsys refused")
+    import json as again
+    print("json kept", again is json)
+import colorsys
+print("colorsys after", colorsys.hsv_to_rgb(0, 0, 1))
+import train
+print("IPython imported", "IPython" in sys.modules)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.splitlines() == [
+        "colorsys refused",
+        "json kept True",
+        "colorsys after (1, 1, 1)",
+        "IPython imported False",
+    ], out
+
+
 def test_default_stdlib_dataset(tmp_path):
     ds = dataset(config(tmp_path, preset=()))
     assert ds.vocab_size == 1024 and len(ds.train_texts) > 100 and len(ds.eval_texts) > 5
