@@ -126,9 +126,9 @@ class ConfigError(Exception):
 
 @contextlib.contextmanager
 def kept_out(*names):
-    """An import inside goes without those of the modules named that are not yet imported: a module
-    sys.modules holds as None fails to import. For the optional imports a library makes that a run
-    never uses (flax's of IPython, tensorboardX's of two cloud clients); afterwards each imports."""
+    """Inside, each named module not yet imported fails to import (sys.modules holds it as None),
+    so a library's optional import of it goes without; afterwards it imports as usual. For optional
+    imports a run never uses (flax's of IPython, tensorboardX's of two cloud clients)."""
     out = [name for name in names if name not in sys.modules]
     sys.modules.update(dict.fromkeys(out))
     try:
