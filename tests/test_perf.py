@@ -19,6 +19,7 @@ def test_profile_cache_memory_and_benchmark_line(tmp_path):
     cache = tmp_path / "xla-cache"
     args = LM + [
         f"output_dir={tmp_path}",
+        f"cache_dir={tmp_path}/cache",
         "steps=3",
         f"compile_cache_dir={cache}",
         "run_name=a",
