@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import BASE, ENV, LM, ROOT
+from conftest import BASE, ENV, LM, ROOT, args
 
 import train
 
@@ -17,16 +17,11 @@ def test_profile_cache_memory_and_benchmark_line(tmp_path):
     """A fresh process (JAX sets up its persistent cache once, at its first compile) writes a trace of steps
     2-3, fills compile_cache_dir, and prints the compiler's per-device memory figures and the benchmark line. That a rerun then compiles nothing is measured in README (Performance)."""
     cache = tmp_path / "xla-cache"
-    args = LM + [
-        f"output_dir={tmp_path}",
-        f"cache_dir={tmp_path}/cache",
-        "steps=3",
-        f"compile_cache_dir={cache}",
-        "run_name=a",
-        "profile_steps=2,3",
-    ]
+    argv = args(
+        tmp_path, "steps=3", f"compile_cache_dir={cache}", "run_name=a", "profile_steps=2,3"
+    )
     run = subprocess.run(
-        [sys.executable, "train.py", "base.yml", *args],
+        [sys.executable, "train.py", "base.yml", *argv],
         cwd=ROOT,
         text=True,
         capture_output=True,
