@@ -2367,8 +2367,8 @@ def supervise(argv):
     """A process of a multi-host run trains in a child process. When a host is lost, or the hosts
     never all join, JAX's distributed runtime (C++) ends the others with an abort and a page of log;
     this parent turns such an end into one line naming the cause (exit 74), keeps C++ log lines off
-    the terminal (in a file it names), and passes SIGTERM, SIGINT and SIGHUP on (SIGTERM with a
-    SIGUSR1 beside it: the child's watchdog hears of it at once)."""
+    the terminal (in a file it names, removed when empty), and passes SIGTERM, SIGINT and SIGHUP on
+    (SIGTERM with a SIGUSR1 beside it: the child's watchdog hears of it at once)."""
     path = os.path.join(tempfile.gettempdir(), f"train-{os.getpid()}.log")
     # A kill -9 of this process ends the child too (Linux's PR_SET_PDEATHSIG, set in the child
     # before it runs Python: no thread of ours exists there yet).
@@ -2386,6 +2386,8 @@ def supervise(argv):
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
     if (code := child.wait()) >= 0:
+        if os.path.exists(path) and os.path.getsize(path) == 0:
+            os.remove(path)  # the C++ libraries wrote nothing: leave no empty file per run
         return code
     # passed on before the child listened for it
     if -code in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):

@@ -47,10 +47,14 @@ jax.config.update("jax_platforms", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 BASE = os.path.join(ROOT, "base.yml")
+# For trainer subprocesses: CPU only, the session's compile cache, and their temporary files (a multi-host
+# process's C++ log among them) in a directory of this worker's own, removed at its end, not in /tmp.
 ENV = {
     **os.environ,
     "JAX_PLATFORMS": "cpu",
-}  # for trainer subprocesses: CPU only, the session's compile cache
+    "TMPDIR": tempfile.mkdtemp(prefix="trainer-tmp-"),
+}
+atexit.register(shutil.rmtree, ENV["TMPDIR"], ignore_errors=True)
 
 import train
 

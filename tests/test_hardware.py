@@ -412,7 +412,7 @@ def free_port():
 def test_two_processes_train_like_one_and_stop_together(tmp_path):
     """2 processes x 4 CPU devices on loopback (gloo collectives) log the same losses as 1 x 8. A SIGTERM
     that reaches only the second process stops both at the same step (JAX's preemption sync point), both
-    save that checkpoint and exit 75, and the rerun continues to the same losses."""
+    save that checkpoint and exit 75, and the rerun continues to the same losses, leaving no log file."""
     argv = args(
         tmp_path, "mesh=2,-1,1", "per_device_batch=2", "grad_accum=2", "steps=8", "prefetch=1"
     )
@@ -457,6 +457,8 @@ def test_two_processes_train_like_one_and_stop_together(tmp_path):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], again[0][-3000:] + again[1][-3000:]
+    kept = [p.pid for p in procs if os.path.exists(f"{ENV['TMPDIR']}/train-{p.pid}.log")]
+    assert not kept, kept  # the C++ libraries wrote nothing: no empty log file left per host
     assert "8 x cpu (cpu), 2 process(es)" in again[0] and "resuming from checkpoint" in again[0]
     assert (
         "devices:" not in again[1] and "step 8/8" not in again[1]

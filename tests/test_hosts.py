@@ -4,6 +4,7 @@ checkpoint, stalled; every process under a timeout that fails the test on a hang
 
 import concurrent.futures
 import os
+import pathlib
 import re
 import signal
 import socket
@@ -128,11 +129,14 @@ def test_hosts_that_never_all_join_end_in_one_line_within_host_timeout(tmp_path)
     took = time.time() - t0
     print(f"hosts that never all join: every process ended in {took:.0f}s with host_timeout=5")
     for (code, err, _), port in zip(got, ports + ports[2:]):
-        assert code == 74 and re.fullmatch(
+        said = re.fullmatch(
             rf"error: the 2 processes did not all join at 127\.0\.0\.1:{port} within host_timeout \(.*\); .* "
-            r"\(JAX\'s log: \S+\)",
+            r"\(JAX\'s log: (\S+)\)",
             one_line(err),
-        ), err
+        )
+        assert code == 74 and said, err
+        # the file it names holds what JAX's runtime logged
+        assert "RegisterTask" in pathlib.Path(said.group(1)).read_text()
 
 
 def alone(tmp_path, *keys):
