@@ -72,13 +72,6 @@ def pytest_configure(config):
         "slow: a test that starts processes, compiles for a TPU slice or runs whole trainings (over ~8 s on 2 "
         "cores); -m 'not slow' is the quick tier a change is checked with first, the whole suite still runs all",
     )
-    # A damaged checkpoint's reads that orbax left in flight fail when their coroutines are collected, in
-    # whichever later test the collector runs; the trainer hides them (data.quiet_libraries), and so does this.
-    config.addinivalue_line(
-        "filterwarnings",
-        "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
-        ":pytest.PytestUnraisableExceptionWarning",
-    )
     if hasattr(config.option, "loadscopereorder"):  # xdist's controller: keep the order given below
         config.option.loadscopereorder = False
 
@@ -107,7 +100,11 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: weight.get(item.path.name, len(HEAVIEST_FIRST)))
 
 
-train.data.quiet_libraries()  # what main() does before a run: the tests that call run() check its stderr too
+def pytest_sessionstart(session):
+    # What main() does before a run (the tests that call run() check its stderr too), once pytest has put
+    # its own unraisable-exception hook in place (pytest_configure): the trainer's goes in front of it.
+    train.data.quiet_libraries()
+
 
 VOCAB = 320  # smallest comfortable byte-fallback BPE for write_corpus's text (256 bytes + chars + merges)
 
