@@ -381,7 +381,7 @@ def test_two_slices_compile_and_cross_only_to_reduce_gradients_over_data(fast_tp
     slices on the fsdp axis (dcn_mesh=1,2,1) gather weights across them, which the same check sees."""
     result = train.run(
         train.load_config(
-            BASE, TWO_SLICES + ["mesh=2,8,1", "per_device_batch=auto", "grad_accum=8"]
+            BASE, TWO_SLICES + ["mesh=2,8,1", "per_device_batch=auto", "grad_accum=2"]
         )
     )
     out = capsys.readouterr().out
